@@ -1,0 +1,183 @@
+"""The ``hybrid_predict`` section of a DeepSpeed JSON config.
+
+It is typed and validated like DeepSpeed's own sections (a pydantic
+``DeepSpeedConfigModel`` with ``extra="forbid"``), so a misspelt key or a bad
+value fails before any training, with a message that names the key, for
+example ``hybrid_predict.divergence.z_threshold: Input should be greater than 0``.
+
+Every field carries a docstring; ``reference_markdown()`` renders them into the
+configuration table of the README, and a test keeps the two in step.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+SECTION = "hybrid_predict"
+
+
+class ConfigError(ValueError):
+    """A bad ``hybrid_predict`` section or an incompatible DeepSpeed config."""
+
+
+class _Section(DeepSpeedConfigModel):
+    # Field docstrings become pydantic descriptions: one source for code and README.
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", strict=True,
+                              validate_default=True, validate_assignment=True)
+
+
+class DivergenceConfig(_Section):
+    """When a verified Predict step is rejected and rolled back."""
+
+    rel_tolerance: float = Field(0.02, ge=0.0)
+    """Accepted band above the predicted loss, as a fraction of it: a verified loss above
+    ``predicted * (1 + rel_tolerance)`` (and above the noise band) is rejected."""
+
+    z_threshold: float = Field(3.0, gt=0.0)
+    """Noise band in standard deviations of the per-step loss residual seen in real
+    steps; the band is the wider of this and ``rel_tolerance``."""
+
+    max_loss_ratio: float = Field(1.5, gt=1.0)
+    """Hard ceiling: a verified loss above this multiple of the last real-step loss
+    level is rejected whatever the bands say."""
+
+
+class PredictorConfig(_Section):
+    """The predictor that builds a Predict step's weight update."""
+
+    type: Literal["adam_direction"] = "adam_direction"
+    """``adam_direction``: the bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)``
+    read from the optimizer state, times the current learning rate, times the step
+    scale below. Needs an Adam-family optimizer (Adam, AdamW, FusedAdam, CPU Adam)."""
+
+    step_scale: float = Field(0.5, gt=0.0)
+    """Multiplier on the learned step scale. The learned scale is the running projection
+    of each real Adam direction on the previous one (how much of a step's direction
+    the next step keeps); this factor damps or boosts it."""
+
+    max_step_scale: float = Field(1.0, gt=0.0)
+    """Upper clamp on the step scale applied in a Predict step."""
+
+    scale_ema: float = Field(0.9, ge=0.0, lt=1.0)
+    """Smoothing of the learned step scale and direction cosine across real steps."""
+
+    loss_window: int = Field(16, ge=3)
+    """Real-step losses used for the linear loss trend that gives the predicted loss."""
+
+    learn_from_full_steps: bool = True
+    """Compare predicted and actual Adam directions on every real step (Warmup, Full and
+    Correct), not only on Correct steps. Costs two passes over the master weights per
+    real step and uses the snapshot buffer."""
+
+
+class HybridPredictConfig(_Section):
+    """The ``hybrid_predict`` ds_config section: Warmup -> Full -> Predict -> Correct."""
+
+    enabled: bool = True
+    """Run the phase cycle. ``false`` makes the engine plain DeepSpeed: same losses,
+    bit for bit, as ``deepspeed.initialize``. A config with no section is disabled."""
+
+    warmup_steps: int = Field(20, ge=1)
+    """Real optimizer steps before the first decision; the optimizer state the
+    predictor reads exists only after a real step."""
+
+    full_steps: int = Field(8, ge=1)
+    """Real steps in each Full phase; the Predict decision is taken at its end."""
+
+    min_predict_steps: int = Field(1, ge=1)
+    """Shortest Predict run when the engine predicts at all."""
+
+    max_predict_steps: int = Field(8, ge=1)
+    """Longest Predict run; the horizon grows with confidence above the threshold."""
+
+    confidence_threshold: float = Field(0.5, ge=0.0, le=1.0)
+    """Predict only when the predictor's confidence is at least this."""
+
+    correction_steps: int = Field(2, ge=0)
+    """Real steps after a completed Predict run that record predicted against observed
+    loss and predicted against actual update, for the predictor to learn from."""
+
+    verify_every: int = Field(1, ge=1)
+    """Observe the loss with a no-grad forward on every n-th Predict step (the last step
+    of a run is always verified). A rejected verification rolls back every Predict step
+    since the last accepted one."""
+
+    snapshot_device: Literal["same", "cpu"] = "same"
+    """Where the rollback snapshot (one fp32 copy of this rank's master partition) lives:
+    ``same`` as the masters, or ``cpu`` to keep it off the accelerator."""
+
+    log_to_monitor: bool = True
+    """Write the per-step scalars through DeepSpeed's monitor (TensorBoard / CSV / W&B
+    sections of the ds_config) when it is enabled."""
+
+    divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
+    """Rejection bands for verified Predict steps."""
+
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
+    """Settings of the update predictor."""
+
+    @model_validator(mode="after")
+    def _horizon_order(self) -> "HybridPredictConfig":
+        if self.min_predict_steps > self.max_predict_steps:
+            raise ValueError(f"min_predict_steps ({self.min_predict_steps}) must not exceed "
+                             f"max_predict_steps ({self.max_predict_steps})")
+        return self
+
+
+_ADAM_TYPES = {"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"}
+
+
+def parse_hybrid_config(ds_config: Mapping[str, Any]) -> HybridPredictConfig:
+    """Read and validate the ``hybrid_predict`` section of a ds_config dict.
+
+    A config with no section gives a disabled engine. Errors name the key path.
+    """
+    raw = ds_config.get(SECTION)
+    if raw is None:
+        return HybridPredictConfig(enabled=False)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{SECTION}: expected an object, got {type(raw).__name__}")
+    try:
+        cfg = HybridPredictConfig(strict=True, **raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+    if cfg.enabled:
+        opt = ds_config.get("optimizer")
+        # A client optimizer passed to initialize() is checked by the engine instead.
+        if isinstance(opt, Mapping):
+            name = str(opt.get("type", "")).lower().replace("_", "")
+            if name not in _ADAM_TYPES:
+                raise ConfigError(f"optimizer.type: '{opt.get('type')}' is not an Adam-family optimizer; "
+                                  f"{SECTION}.predictor.type 'adam_direction' reads Adam's moments "
+                                  f"(use Adam or AdamW, or set {SECTION}.enabled to false)")
+    return cfg
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p != "__root__")
+        key = f"{SECTION}.{loc}" if loc else SECTION
+        got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        lines.append(f"{key}: {e['msg']}{got}")
+    return "; ".join(lines)
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, rendered from the field docstrings."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(model: type[_Section], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, _Section):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+            desc = " ".join((field.description or "").split())
+            rows.append(f"| `{prefix}{name}` | {typ} | `{field.default!r}` | {desc} |")
+
+    walk(HybridPredictConfig, f"{SECTION}.")
+    return "\n".join(rows)

@@ -1,0 +1,370 @@
+"""``PredictiveEngine``: DeepSpeed's engine with Predict steps that skip backward.
+
+The one training step users call is ``engine.train_step(micro_batches)``: one
+optimizer step, i.e. one gradient-accumulation boundary's worth of micro-batches.
+
+* Warmup / Full / Correct: forward, ``engine.backward``, ``engine.step`` for each
+  micro-batch, exactly as plain DeepSpeed; the Adam direction before and after
+  the step is compared so the predictor learns its step scale.
+* Predict: no backward, no gradient reduction, no optimizer gradient work. The
+  predicted update (``-scale * lr * m_hat / (sqrt(v_hat) + eps)``, AdamW decay
+  included) is added to the fp32 masters and propagated to the model's
+  parameters, inside DeepSpeed's own ``_take_model_step`` so that
+  ``global_steps``, ``global_samples`` and the LR scheduler advance as in a real
+  step. Every ``verify_every`` steps a ``no_grad`` forward observes the loss; a
+  loss outside the accepted band restores the snapshot taken at the last good
+  point (an exact rollback) and the engine returns to Full.
+
+With ``hybrid_predict.enabled: false`` ``train_step`` is exactly the plain
+DeepSpeed loop and nothing else runs.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from . import zero_access as za
+from .config import HybridPredictConfig, parse_hybrid_config
+from .phases import Phase, PhaseController
+from .predictor import AdamDirectionPredictor
+
+LossFn = Callable[["PredictiveEngine", Any], torch.Tensor]
+
+
+def default_loss(engine: "PredictiveEngine", batch: Any) -> torch.Tensor:
+    """Forward a ``transformers`` causal LM batch (a dict with ``labels``) and return its loss."""
+    out = engine(**batch) if isinstance(batch, Mapping) else engine(batch)
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError("ds_hybrid: the model must return a scalar loss (or an output with .loss); "
+                        "pass loss_fn=... to train_step for other models")
+    return loss
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. ``loss`` is the data-parallel mean loss of the
+    step's micro-batches (None for an unverified Predict step)."""
+
+    step: int                       # engine.global_steps after this step
+    phase: str                      # warmup | full | predict | correct
+    loss: float | None
+    predicted_loss: float | None    # the predictor's expectation for this step
+    confidence: float               # the predictor's confidence after this step
+    backward_ran: bool
+    step_time_s: float
+    step_scale: float = 0.0         # Predict: scale applied to lr * Adam direction
+    verified: bool = False          # Predict: a no-grad forward checked this step
+    accepted: bool | None = None    # Predict: verification outcome
+    rolled_back_steps: int = 0      # Predict steps undone by this step's rollback
+    lr: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Stats:
+    steps: dict = field(default_factory=lambda: {p.value: 0 for p in Phase})
+    seconds: dict = field(default_factory=lambda: {p.value: 0.0 for p in Phase})
+    backward_passes: int = 0
+    backward_skipped: int = 0
+    predict_accepted: int = 0
+    predict_rolled_back: int = 0
+    verifications: int = 0
+
+
+class PredictiveEngine(DeepSpeedEngine):
+    """A ``DeepSpeedEngine`` that cycles Warmup -> Full -> Predict -> Correct."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Attributes are set after super().__init__: DeepSpeedEngine.__getattr__ falls
+        # back to the wrapped module, so nothing of ours may live in the module tree.
+        self.hybrid_config: HybridPredictConfig = parse_hybrid_config(self._config._param_dict)
+        self._stats = _Stats()
+        self._predicted_update: Callable[[], None] | None = None
+        if not self.hybrid_config.enabled:
+            return
+        if not za.is_adam_family(self):
+            raise ValueError(f"hybrid_predict: optimizer {type(self.optimizer).__name__} keeps no Adam moments; "
+                             "Predict steps need Adam or AdamW (or set hybrid_predict.enabled to false)")
+        self._masters = za.master_access(self)
+        self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
+        self.controller = PhaseController(self.hybrid_config)
+        self.predictor = AdamDirectionPredictor(self.hybrid_config)
+        self._pending = 0  # Predict steps applied since the last good point
+
+    # ------------------------------------------------------------------ API
+    @property
+    def phase(self) -> Phase:
+        """The phase the next ``train_step`` runs in."""
+        return self.controller.phase if self.hybrid_config.enabled else Phase.FULL
+
+    def train_step(self, micro_batches: Any, loss_fn: LossFn | None = None) -> StepResult:
+        """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches.
+
+        ``micro_batches``: a list of that many batches, or one batch when the
+        accumulation count is 1. ``loss_fn(engine, batch) -> scalar loss`` defaults
+        to ``engine(**batch).loss``.
+        """
+        batches = self._as_micro_batches(micro_batches)
+        loss_fn = loss_fn or default_loss
+        t0 = time.perf_counter()
+        if not self.hybrid_config.enabled:
+            loss = self._shared_mean_loss(self._real_step(batches, loss_fn))
+            result = StepResult(self.global_steps, Phase.FULL.value, loss, None, 0.0, True, 0.0, lr=self._lr())
+        elif self.controller.phase is Phase.PREDICT:
+            result = self._predict_step(batches, loss_fn)
+        else:
+            result = self._full_step(batches, loss_fn, self.controller.phase)
+        self._sync()
+        result.step_time_s = time.perf_counter() - t0
+        self._account(result)
+        return result
+
+    def statistics(self) -> dict:
+        """Totals since the start: steps and seconds per phase, backward passes run and
+        skipped, Predict steps accepted and rolled back, the snapshot buffer's size."""
+        s = self._stats
+        total_bw = s.backward_passes + s.backward_skipped
+        out = {
+            "steps_per_phase": dict(s.steps),
+            "seconds_per_phase": {k: round(v, 6) for k, v in s.seconds.items()},
+            "mean_step_seconds": {k: (s.seconds[k] / s.steps[k] if s.steps[k] else None) for k in s.steps},
+            "backward_passes": s.backward_passes,
+            "backward_skipped": s.backward_skipped,
+            "backward_skipped_pct": 100.0 * s.backward_skipped / total_bw if total_bw else 0.0,
+            "predict_steps": s.steps[Phase.PREDICT.value],
+            "predict_accepted": s.predict_accepted,
+            "predict_rolled_back": s.predict_rolled_back,
+            "verifications": s.verifications,
+        }
+        if self.hybrid_config.enabled:
+            out["snapshot_bytes"] = self._snapshot.nbytes()
+            out["confidence"] = self.predictor.confidence()
+            out["step_scale"] = self.predictor.step_scale()
+        return out
+
+    # ------------------------------------------------------------ phases
+    def _real_step(self, batches: list, loss_fn: LossFn) -> list[float]:
+        """Plain DeepSpeed: forward, backward, step for each micro-batch."""
+        losses = []
+        for batch in batches:
+            loss = loss_fn(self, batch)
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach().float())
+        return [float(x) for x in losses]
+
+    def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
+        cfg = self.hybrid_config
+        probe = (phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps) and self._masters.has_adam_state()
+        predicted = self.predictor.predict_loss(self.global_steps + 1)[0] if phase is Phase.CORRECT else None
+        if probe:
+            za.stash_direction(self._masters, self._snapshot)
+        losses = self._real_step(batches, loss_fn)
+        sums = za.compare_direction(self._masters, self._snapshot) if probe else torch.zeros(3, dtype=torch.float64)
+        # One collective for the loss and the direction sums: every rank gets the same values.
+        shared = self._all_reduce_sum(torch.cat([torch.tensor([sum(losses), len(losses)], dtype=torch.float64), sums]))
+        loss = float(shared[0] / shared[1])
+        dot, old_sq, new_sq = (float(x) for x in shared[2:])
+        self.predictor.observe_real_step(self.global_steps, loss, dot, old_sq, new_sq,
+                                         correct=phase is Phase.CORRECT)
+        if phase is Phase.CORRECT and predicted is not None and math.isfinite(predicted):
+            self.predictor.record_verification(self.global_steps, predicted, loss, phase.value, None)
+        self.controller.end_step(self._decide)
+        return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
+                          True, 0.0, lr=self._lr())
+
+    def _decide(self) -> tuple[bool, int]:
+        """The Predict decision: a pure function of shared (all-reduced) values."""
+        conf = self.predictor.confidence()
+        if self.predictor.ready() and conf >= self.hybrid_config.confidence_threshold and conf > 0:
+            return True, self.predictor.horizon(conf)
+        return False, 0
+
+    def _predict_step(self, batches: list, loss_fn: LossFn) -> StepResult:
+        ctl, cfg = self.controller, self.hybrid_config
+        if ctl.predict_index == 0:
+            za.capture_weights(self._masters, self._snapshot)
+            self._pending = 0
+        scale = self.predictor.step_scale()
+        lr = self._lr()
+
+        @torch.no_grad()
+        def predicted_update() -> None:
+            za.apply_predicted_update(self._masters, scale)
+            self._masters.propagate()
+
+        # DeepSpeed's step() reaches _take_model_step only at an accumulation boundary:
+        # account for the micro-batches this step stands for, then take the boundary.
+        self.micro_steps += len(batches) - 1
+        self._predicted_update = predicted_update
+        try:
+            self.step()
+        finally:
+            self._predicted_update = None
+        self._pending += 1
+
+        verify = ctl.verify_now()
+        observed = predicted = None
+        accepted, undone = None, 0
+        if verify:
+            with torch.no_grad():
+                losses = [float(loss_fn(self, b).detach().float()) for b in batches]
+            observed = self._shared_mean_loss(losses)
+            accepted, predicted = self.predictor.accept(observed, self.global_steps, cfg.divergence)
+            self.predictor.record_verification(self.global_steps, predicted, observed, Phase.PREDICT.value, accepted)
+            if accepted:
+                self._stats.predict_accepted += self._pending
+                if ctl.predict_index + 1 < ctl.horizon:
+                    za.capture_weights(self._masters, self._snapshot)  # the new last good point
+            else:
+                za.restore_weights(self._masters, self._snapshot)
+                undone = self._pending
+                self._stats.predict_rolled_back += undone
+            self._pending = 0
+        else:
+            predicted = self.predictor.predict_loss(self.global_steps)[0]
+        ctl.end_step(self._decide, rolled_back=accepted is False)
+        return StepResult(self.global_steps, Phase.PREDICT.value, observed, predicted, self.predictor.confidence(),
+                          False, 0.0, step_scale=scale, verified=verify, accepted=accepted,
+                          rolled_back_steps=undone, lr=lr)
+
+    def _take_model_step(self, lr_kwargs):
+        """DeepSpeed's boundary step. In a Predict step the optimizer's step is replaced,
+        for this call only, by the predicted update; everything after it (zero_grad,
+        overflow check, LR scheduler, global_steps, global_samples) runs unchanged."""
+        if self._predicted_update is None:
+            return super()._take_model_step(lr_kwargs)
+        opt, update = self.optimizer, self._predicted_update
+
+        def predicted_step(*args, **kwargs):
+            update()
+            if hasattr(opt, "overflow"):
+                opt.overflow = False  # fp16: the loss scaler must not count a predicted step
+
+        # Instance attributes shadow the methods for this call only. Clipping is off:
+        # there are no gradients to clip (ZeRO 0 fp32 would index an empty list).
+        opt.step = predicted_step
+        self.gradient_clipping = lambda: 0.0
+        try:
+            return super()._take_model_step(lr_kwargs)
+        finally:
+            del opt.step
+            del self.gradient_clipping
+
+    # ------------------------------------------------------------ helpers
+    def _as_micro_batches(self, micro_batches: Any) -> list:
+        gas = self.gradient_accumulation_steps()
+        batches = list(micro_batches) if isinstance(micro_batches, (list, tuple)) else [micro_batches]
+        if len(batches) != gas:
+            raise ValueError(f"train_step: got {len(batches)} micro-batches, but gradient_accumulation_steps "
+                             f"is {gas}; pass one batch per micro-step of the optimizer step")
+        if self.micro_steps % gas != 0:
+            raise RuntimeError("train_step: called in the middle of an accumulation cycle "
+                               "(mixing engine.step() calls with train_step is not supported)")
+        return batches
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return t
+        dev = torch.device(get_accelerator().current_device_name())
+        buf = t.to(dev)
+        torch.distributed.all_reduce(buf)
+        return buf.cpu()
+
+    def _shared_mean_loss(self, losses: list[float]) -> float:
+        t = self._all_reduce_sum(torch.tensor([sum(losses), len(losses)], dtype=torch.float64))
+        return float(t[0] / t[1])
+
+    def _lr(self) -> float:
+        try:
+            return float(self.get_lr()[0])
+        except Exception:  # no optimizer param groups (never the case after init)
+            return 0.0
+
+    def _sync(self) -> None:
+        # Wall-clock step times need the device idle; .item() above already synced the loss.
+        if get_accelerator().device_name() != "cpu":
+            get_accelerator().synchronize()
+
+    def _account(self, r: StepResult) -> None:
+        s = self._stats
+        gas = self.gradient_accumulation_steps()
+        s.steps[r.phase] += 1
+        s.seconds[r.phase] += r.step_time_s
+        if r.backward_ran:
+            s.backward_passes += gas
+        else:
+            s.backward_skipped += gas
+        s.verifications += int(r.verified)
+        if self.hybrid_config.enabled and self.hybrid_config.log_to_monitor and self.monitor.enabled \
+                and self.global_rank == 0:
+            events = [("Hybrid/phase", Phase(r.phase).code, self.global_samples),
+                      ("Hybrid/confidence", r.confidence, self.global_samples),
+                      ("Hybrid/step_time_s", r.step_time_s, self.global_samples),
+                      ("Hybrid/backward_skipped_pct", self.statistics()["backward_skipped_pct"], self.global_samples)]
+            if r.loss is not None:
+                events.append(("Hybrid/loss", r.loss, self.global_samples))
+            if r.predicted_loss is not None and math.isfinite(r.predicted_loss):
+                events.append(("Hybrid/predicted_loss", r.predicted_loss, self.global_samples))
+            self.monitor.write_events(events)
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, config: Any = None, **kwargs):
+    """``deepspeed.initialize`` that returns a ``PredictiveEngine``: the same 4-tuple
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The ``hybrid_predict`` section is validated before DeepSpeed builds anything,
+    so a bad key fails before any training.
+    """
+    import deepspeed
+
+    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+        args.deepspeed_config = None
+    if config is None:
+        raise ValueError("ds_hybrid.initialize: pass config= (a dict or a path to a ds_config JSON)")
+    cfg_dict = load_ds_config(config)
+    parse_hybrid_config(cfg_dict)  # fail fast, naming the key
+
+    from deepspeed.pipe import PipelineModule
+    if isinstance(model, PipelineModule):
+        raise ValueError("ds_hybrid: pipeline-parallel models (PipelineModule) are not supported")
+    if cfg_dict.get("hybrid_engine", {}).get("enabled", False):
+        raise ValueError("ds_hybrid: DeepSpeed's RLHF hybrid_engine section cannot be combined with hybrid_predict")
+
+    # deepspeed.initialize builds DeepSpeedEngine by its module-global name; rebinding it
+    # for this one call gives our subclass every step of DeepSpeed's own initialize
+    # (distributed init, mesh, zero.Init context, GC setup) without copying them.
+    original = deepspeed.DeepSpeedEngine
+    deepspeed.DeepSpeedEngine = PredictiveEngine
+    try:
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    config=cfg_dict, **kwargs)
+    finally:
+        deepspeed.DeepSpeedEngine = original
+
+
+def load_ds_config(config: Any) -> dict:
+    """A ds_config dict from a dict or a JSON path, with an error naming the file."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    import json
+    from pathlib import Path
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"ds_config file not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"ds_config file {path} is not valid JSON: {err}") from None

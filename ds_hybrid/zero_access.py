@@ -1,0 +1,395 @@
+"""Per-ZeRO-stage access to the fp32 master weights and the Adam state.
+
+This module and ``engine.py`` are the only places that touch DeepSpeed's
+internals (verified against DeepSpeed 0.19.8; see docs/architecture.md).
+
+A Predict step needs three things from the optimizer, whatever the ZeRO stage:
+the rank-local fp32 masters, the Adam moments that belong to them, and a way to
+push changed masters into the low-precision / partitioned model parameters.
+``MasterAccess`` gives exactly that; the arithmetic (predicted update, snapshot,
+direction comparison) is written once on top of it.
+
+| optimizer wrapper                     | masters                             | propagate                         |
+|---------------------------------------|-------------------------------------|-----------------------------------|
+| none (ZeRO 0, fp32)                   | the parameters themselves           | nothing                           |
+| FP16_Optimizer (ZeRO 0, bf16/fp16)    | ``fp32_groups_flat[i]``             | unflatten into ``fp16_groups[i]`` |
+| FP16_UnfusedOptimizer                 | ``fp32_groups[g][k]``               | copy into ``fp16_groups[g][k]``   |
+| BF16_Optimizer                        | ``fp32_groups_flat_partition[i]``   | ``update_lp_params()`` (collective)|
+| ZeRO 1/2 (``DeepSpeedZeroOptimizer``) | ``single_partition_of_fp32_groups`` | ``update_lp_params()`` (collective)|
+| ZeRO 3                                | ``fp32_partitioned_groups_flat[i]`` | reassign per sub-group + epilogue |
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class MasterPartition:
+    """One rank-local fp32 master tensor with its Adam state and hyper-parameters."""
+
+    master: torch.Tensor
+    state: dict  # the optimizer state for ``master``: step, exp_avg, exp_avg_sq
+    group: dict  # its param group: lr, betas, eps, weight_decay
+    step: float  # real optimizer steps behind the moments (for bias correction)
+
+
+class MasterAccess(abc.ABC):
+    """Iterate over this rank's master partitions and propagate them to the model.
+
+    Subclasses only say where entry ``i`` lives (``_entry``), how to make it
+    resident (NVMe) and how to propagate; the arithmetic below is shared.
+    """
+
+    kind = "base"
+    partitioned = False  # whether each rank holds a different shard of the masters
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+        self.base = getattr(optimizer, "optimizer", optimizer)
+        # Decoupled weight decay (AdamW) is part of the update the optimizer would make;
+        # L2 decay (plain Adam) lives in the gradient and cannot be predicted.
+        self.decoupled_decay = _is_adamw(self.base)
+
+    @abc.abstractmethod
+    def _count(self) -> int:
+        """Number of master entries on this rank."""
+
+    @abc.abstractmethod
+    def _entry(self, i: int) -> tuple[torch.Tensor, Any, dict]:
+        """(master tensor, optimizer-state key, param group) of entry ``i``."""
+
+    @contextlib.contextmanager
+    def _resident(self, i: int):
+        """Make entry ``i`` resident in memory (NVMe swap-in) for the block."""
+        yield
+
+    def partitions(self) -> Iterator[MasterPartition]:
+        """Yield every master partition of this rank, swapped in while in use."""
+        for i in range(self._count()):
+            with self._resident(i):
+                master, key, group = self._entry(i)
+                state = self.base.state.get(key, {})
+                yield MasterPartition(master, state, group, self._step_count(state, group))
+
+    def _step_count(self, state: dict, group: dict) -> float:
+        # torch keeps the count in the state; FusedAdam in the param group too.
+        return float(state.get("step", 0) or 0) or float(group.get("step", 0) or 0)
+
+    def propagate(self) -> None:  # subclasses whose masters are the parameters keep this
+        """Copy the masters into the parameters the forward pass reads. Collective
+        on ZeRO 1-3: every rank must call it."""
+
+    def has_adam_state(self) -> bool:
+        """True once a real optimizer step has created ``exp_avg`` / ``exp_avg_sq``."""
+        return any(p.master.numel() and "exp_avg" in p.state and "exp_avg_sq" in p.state
+                   for p in self.partitions())
+
+
+def _group_of_each_param(base: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
+    return [(p, g) for g in base.param_groups for p in g["params"]]
+
+
+class _PlainAccess(MasterAccess):
+    """ZeRO 0 fp32: DeepSpeed hands the client optimizer over unwrapped; the
+    parameters are the masters and the state is keyed by the Parameter."""
+
+    kind = "zero0-fp32"
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self._params = _group_of_each_param(self.base)
+
+    def _count(self):
+        return len(self._params)
+
+    def _entry(self, i):
+        p, g = self._params[i]
+        return p.data, p, g
+
+    def _step_count(self, state, group):
+        # FusedAdam increments state["step"] of the last parameter of a group only
+        # (its loop variable leaks out of the loop), so the group's count is the max.
+        return max(super(_PlainAccess, self)._step_count(self.base.state.get(p, {}), group)
+                   for p in group["params"])
+
+
+class _FP16OptimizerAccess(MasterAccess):
+    """ZeRO 0 with bf16/fp16 and a fused optimizer: one flat fp32 master per group."""
+
+    kind = "zero0-flat"
+
+    def _count(self):
+        return len(self.optimizer.fp32_groups_flat)
+
+    def _entry(self, i):
+        flat = self.optimizer.fp32_groups_flat[i]
+        return flat, flat, self.base.param_groups[i]
+
+    def propagate(self):
+        from torch._utils import _unflatten_dense_tensors
+        for flat, lp_group in zip(self.optimizer.fp32_groups_flat, self.optimizer.fp16_groups):
+            for p, q in zip(lp_group, _unflatten_dense_tensors(flat, lp_group)):
+                p.data.copy_(q)
+
+
+class _FP16UnfusedAccess(MasterAccess):
+    """ZeRO 0 with bf16/fp16 and an unfused optimizer: one fp32 master per parameter."""
+
+    kind = "zero0-unfused"
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self._masters = [(m, g) for ms, g in zip(optimizer.fp32_groups, self.base.param_groups) for m in ms]
+
+    def _count(self):
+        return len(self._masters)
+
+    def _entry(self, i):
+        m, g = self._masters[i]
+        return m, m, g
+
+    def propagate(self):
+        for masters, lp_group in zip(self.optimizer.fp32_groups, self.optimizer.fp16_groups):
+            for m, p in zip(masters, lp_group):
+                p.data.copy_(m)
+
+
+class _BF16OptimizerAccess(MasterAccess):
+    """``BF16_Optimizer`` (bf16 with fp32 gradient accumulation): flat partitions."""
+
+    kind = "bf16-optimizer"
+    partitioned = True
+
+    def _count(self):
+        return len(self.optimizer.fp32_groups_flat_partition)
+
+    def _entry(self, i):
+        flat = self.optimizer.fp32_groups_flat_partition[i]
+        return flat, flat, self.base.param_groups[i]
+
+    def propagate(self):
+        self.optimizer.update_lp_params()
+
+
+class _Zero12Access(MasterAccess):
+    """ZeRO 1 and 2 (optimizer possibly offloaded to CPU): one padded shard per group."""
+
+    kind = "zero1-2"
+    partitioned = True
+
+    def _count(self):
+        return len(self.optimizer.single_partition_of_fp32_groups)
+
+    def _entry(self, i):
+        flat = self.optimizer.single_partition_of_fp32_groups[i]
+        return flat, flat, self.base.param_groups[i]
+
+    def propagate(self):
+        self.optimizer.update_lp_params()
+
+
+class _Zero3Access(MasterAccess):
+    """ZeRO 3: fp32 sub-group partitions, possibly swapped to NVMe between uses.
+
+    Propagation follows DeepSpeed's own checkpoint-restore path: prologue, per
+    sub-group reassign (or swap out), then the epilogue that invalidates hpZ
+    secondary shards and re-gathers persistent parameters.
+    """
+
+    kind = "zero3"
+    partitioned = True
+
+    def _count(self):
+        return len(self.optimizer.fp32_partitioned_groups_flat)
+
+    def _entry(self, i):
+        opt = self.optimizer
+        flat = opt.fp32_partitioned_groups_flat[i]
+        return flat, flat, self.base.param_groups[opt.sub_group_to_group_id[i]]
+
+    @contextlib.contextmanager
+    def _resident(self, i):
+        opt = self.optimizer
+        swapped = opt._swappable_optimizer_subgroup(i)
+        if swapped:
+            opt._optimizer_states_and_gradient_swap_in(i)
+        try:
+            yield
+        finally:
+            if swapped:
+                opt._optimizer_states_and_gradient_swap_out(i)
+
+    def propagate(self):
+        opt = self.optimizer
+        opt.checkpoint_event_prologue()
+        for i in range(self._count()):
+            with self._resident(i):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+        opt.checkpoint_event_epilogue()
+
+
+def master_access(engine: Any) -> MasterAccess:
+    """Pick the accessor for ``engine.optimizer`` (a DeepSpeed engine after init)."""
+    opt = engine.optimizer
+    name = type(opt).__name__
+    if name == "DeepSpeedZeroOptimizer_Stage3":
+        return _Zero3Access(opt)
+    if name == "DeepSpeedZeroOptimizer":
+        return _Zero12Access(opt)
+    if name == "BF16_Optimizer":
+        return _BF16OptimizerAccess(opt)
+    if name == "FP16_Optimizer":
+        return _FP16OptimizerAccess(opt)
+    if name == "FP16_UnfusedOptimizer":
+        return _FP16UnfusedAccess(opt)
+    if isinstance(opt, torch.optim.Optimizer):
+        return _PlainAccess(opt)
+    raise TypeError(f"ds_hybrid: unsupported optimizer wrapper {name}; Predict steps need an Adam-family "
+                    f"optimizer under ZeRO 0-3 (set hybrid_predict.enabled to false to train without them)")
+
+
+def _is_adamw(opt: torch.optim.Optimizer) -> bool:
+    if isinstance(opt, torch.optim.AdamW):
+        return True
+    for attr in ("adam_w_mode", "adamw_mode"):  # FusedAdam, DeepSpeedCPUAdam
+        if hasattr(opt, attr):
+            return bool(getattr(opt, attr))
+    return False
+
+
+def is_adam_family(engine: Any) -> bool:
+    """True when the engine's base optimizer keeps Adam moments the predictor can read."""
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    name = type(base).__name__.lower()
+    return isinstance(base, (torch.optim.Adam, torch.optim.AdamW)) or "adam" in name
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic on top of MasterAccess: written once for every stage.
+# ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def adam_direction(part: MasterPartition) -> torch.Tensor:
+    """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` (a new tensor).
+
+    This is the direction the optimizer's next step would take if the gradient
+    did not change; it costs no gradient and no extra memory between steps.
+    """
+    st, g = part.state, part.group
+    step = part.step
+    beta1, beta2 = g.get("betas", (0.9, 0.999))
+    eps = g.get("eps", 1e-8)
+    if step < 1:
+        raise RuntimeError("ds_hybrid: the optimizer state has no step count; a Predict step needs at "
+                           "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
+    if g.get("bias_correction", True):
+        bc1 = 1.0 - beta1 ** step
+        bc2 = 1.0 - beta2 ** step
+    else:
+        bc1 = bc2 = 1.0
+    denom = (st["exp_avg_sq"] / bc2).sqrt_().add_(eps)
+    return (st["exp_avg"] / bc1).div_(denom)
+
+
+class PartitionBuffers:
+    """One fp32 buffer per master partition: the rollback snapshot, and between
+    Predict runs the previous Adam direction for the predicted-vs-actual comparison.
+
+    Memory cost: one fp32 copy of this rank's master partition (4 bytes per
+    parameter / data-parallel world size on ZeRO 1-3), on ``device`` ("same" or "cpu").
+    """
+
+    def __init__(self, device: str = "same"):
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.holds: str | None = None  # "weights" | "direction" | None
+
+    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0))
+        buf = self.buffers[i]
+        dev = like.device if self.device == "same" else torch.device("cpu")
+        if buf.numel() != like.numel() or buf.device != dev:
+            buf = torch.empty(like.shape, dtype=torch.float32, device=dev,
+                              pin_memory=(dev.type == "cpu" and like.device.type == "cuda"))
+            self.buffers[i] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+@torch.no_grad()
+def capture_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
+    """Snapshot every master partition (the last good point for a rollback)."""
+    for i, part in enumerate(access.partitions()):
+        bufs._buffer(i, part.master).copy_(part.master, non_blocking=True)
+    bufs.holds = "weights"
+
+
+@torch.no_grad()
+def restore_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
+    """Copy the snapshot back into the masters and propagate: an exact rollback."""
+    assert bufs.holds == "weights", "restore_weights needs a weight snapshot"
+    for i, part in enumerate(access.partitions()):
+        part.master.copy_(bufs.buffers[i])
+    access.propagate()  # a collective on ZeRO 1-3: every rank rolls back together
+
+
+@torch.no_grad()
+def apply_predicted_update(access: MasterAccess, scale: float) -> float:
+    """Add ``-scale * lr * adam_direction`` (plus AdamW's decoupled decay) to the masters.
+
+    Returns the squared norm of the applied update on this rank (for statistics).
+    The caller propagates to the model parameters.
+    """
+    sq = 0.0
+    for part in access.partitions():
+        if part.master.numel() == 0 or "exp_avg" not in part.state:
+            continue
+        lr = float(part.group["lr"])
+        update = adam_direction(part).mul_(-scale * lr)
+        wd = float(part.group.get("weight_decay", 0.0))
+        if access.decoupled_decay and wd:
+            update.add_(part.master, alpha=-lr * wd)
+        sq += float(update.double().pow(2).sum())
+        part.master.add_(update)
+    return sq
+
+
+@torch.no_grad()
+def stash_direction(access: MasterAccess, bufs: PartitionBuffers) -> None:
+    """Keep the current Adam direction, to compare with the next real step's."""
+    for i, part in enumerate(access.partitions()):
+        if "exp_avg" in part.state:
+            bufs._buffer(i, part.master).copy_(adam_direction(part))
+    bufs.holds = "direction"
+
+
+@torch.no_grad()
+def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Tensor:
+    """Sums for the predicted-vs-actual comparison after a real step.
+
+    Returns float64 ``[<d_new, d_old>, |d_old|^2, |d_new|^2]`` over this rank's
+    partitions; the caller all-reduces them (a sum, so ranks with shards agree)
+    and derives the projection ``<d_new, d_old> / |d_old|^2`` (how far the next
+    real step goes along the stashed direction) and the cosine.
+    """
+    out = torch.zeros(3, dtype=torch.float64)
+    if bufs.holds != "direction":
+        return out
+    for i, part in enumerate(access.partitions()):
+        if "exp_avg" not in part.state or i >= len(bufs.buffers):
+            continue
+        new = adam_direction(part)
+        old = bufs.buffers[i].to(new.device, non_blocking=True)
+        out[0] += float(torch.dot(new.flatten().double(), old.flatten().double()))
+        out[1] += float(old.double().pow(2).sum())
+        out[2] += float(new.double().pow(2).sum())
+    bufs.holds = None
+    return out
