@@ -1,0 +1,176 @@
+"""Hugging Face causal LMs by name, randomly initialised (never downloads weights).
+
+A name is one of ``MODEL_SPECS`` or a path to a JSON file holding a transformers
+config (a saved ``config.json`` or any dict with a ``model_type`` key).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+# GPT-2 dropout keys: zeroed so a step's loss depends only on weights and batch,
+# which the loss predictor and the rollback check rely on.
+_GPT2_NO_DROPOUT = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model size: a transformers ``model_type`` and its config values."""
+
+    model_type: str
+    doc: str
+    config: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 256      # used when build_model gets vocab_size=None
+    seq_len: int = 128         # used when build_model gets seq_len=None
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "gpt2-tiny": ModelSpec(
+        "gpt2",
+        "GPT-2, 4 layers, width 128, 4 heads (~0.8M parameters at vocab 256): "
+        "the default, small enough for CPU runs.",
+        {"n_layer": 4, "n_embd": 128, "n_head": 4, **_GPT2_NO_DROPOUT},
+    ),
+    "gpt2-test": ModelSpec(
+        "gpt2",
+        "GPT-2, 2 layers, width 32, 2 heads (~38K parameters at vocab 256 and "
+        "seq_len 128): for unit tests.",
+        {"n_layer": 2, "n_embd": 32, "n_head": 2, **_GPT2_NO_DROPOUT},
+    ),
+    "gpt2-124m": ModelSpec(
+        "gpt2",
+        "GPT-2 small: 12 layers, width 768, 12 heads, vocabulary 50257, 1024 "
+        "positions (124M parameters); for GPU runs.",
+        {"n_layer": 12, "n_embd": 768, "n_head": 12, **_GPT2_NO_DROPOUT},
+        vocab_size=50257, seq_len=1024,
+    ),
+    "llama-tiny": ModelSpec(
+        "llama",
+        "Llama, 4 layers, hidden 128, 4 heads, MLP 344 (~0.9M parameters at vocab "
+        "256): a RoPE / RMSNorm / SwiGLU architecture at the size of gpt2-tiny.",
+        {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "intermediate_size": 344},
+    ),
+}
+
+
+def known_models() -> list[str]:
+    """The names ``build_model`` accepts besides a JSON config path."""
+    return sorted(MODEL_SPECS)
+
+
+def _fit_special_tokens(kwargs: dict[str, Any], defaults: PretrainedConfig) -> None:
+    # GPT-2's bos/eos id 50256 does not exist in a 256-byte vocabulary; byte-level
+    # training uses no special tokens, so ids outside the vocabulary become None
+    # (set before the config is built, which warns about out-of-vocabulary ids).
+    vocab = kwargs.get("vocab_size", getattr(defaults, "vocab_size", None))
+    if not isinstance(vocab, int):
+        return
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        tok = kwargs.get(key, getattr(defaults, key, None))
+        if isinstance(tok, int) and tok >= vocab:
+            kwargs[key] = None
+
+
+def _check_overrides(overrides: dict[str, Any], defaults: PretrainedConfig, name: str) -> None:
+    # transformers configs accept any keyword silently; check here so a misspelt
+    # override fails instead of being ignored.
+    unknown = sorted(k for k in overrides if not hasattr(defaults, k))
+    if unknown:
+        raise ValueError(f"model {name!r}: unknown config keys {unknown} for "
+                         f"{type(defaults).__name__}")
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"model config JSON not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config JSON {path}: {exc}") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise ValueError(f"model config JSON {path} must be an object with a "
+                         f"'model_type' key (as in a transformers config.json)")
+    return raw
+
+
+def _is_json_path(name: str) -> bool:
+    return name.endswith(".json") or os.sep in name or "/" in name
+
+
+def model_config(name: str = "gpt2-tiny", vocab_size: int | None = None,
+                 seq_len: int | None = None, **overrides: Any) -> PretrainedConfig:
+    """The transformers config ``build_model`` would use, without building weights.
+
+    For a named spec, ``vocab_size`` / ``seq_len`` of ``None`` keep the spec's
+    values (256 / 128, or 50257 / 1024 for gpt2-124m); given, they set the
+    vocabulary and the position count. For a JSON file, ``vocab_size`` replaces
+    the file's and ``seq_len`` is checked against its ``max_position_embeddings``.
+    ``overrides`` are config attributes applied last (e.g. ``n_layer=6``).
+    """
+    if name in MODEL_SPECS:
+        spec = MODEL_SPECS[name]
+        model_type = spec.model_type
+        kwargs: dict[str, Any] = {
+            **spec.config,
+            "vocab_size": spec.vocab_size if vocab_size is None else vocab_size,
+            # Through the attribute map this sets n_positions for GPT-2.
+            "max_position_embeddings": spec.seq_len if seq_len is None else seq_len,
+        }
+    elif _is_json_path(name):
+        path = Path(name)
+        kwargs = _read_config_json(path)
+        model_type = kwargs.pop("model_type")
+        if vocab_size is not None:
+            kwargs["vocab_size"] = vocab_size
+    else:
+        raise ValueError(f"unknown model {name!r}; known models: "
+                         f"{', '.join(known_models())}, or a path to a transformers "
+                         f"config JSON file")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model {name!r}: unknown transformers model_type {model_type!r}")
+    defaults = CONFIG_MAPPING[model_type]()
+    _check_overrides(overrides, defaults, name)
+    # No KV cache: training and evaluation never generate.
+    kwargs = {**kwargs, "use_cache": False, **overrides}
+    _fit_special_tokens(kwargs, defaults)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    positions = getattr(config, "max_position_embeddings", None)
+    if seq_len is not None and isinstance(positions, int) and positions < seq_len:
+        raise ValueError(f"model {name!r}: max_position_embeddings {positions} "
+                         f"< seq_len {seq_len}")
+    return config
+
+
+def build_model(name: str = "gpt2-tiny", vocab_size: int | None = None,
+                seq_len: int | None = None, **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised causal LM (``AutoModelForCausalLM.from_config``).
+
+    Arguments as in ``model_config``. Uses PyTorch SDPA attention where the
+    architecture supports it. Deterministic under ``torch.manual_seed``.
+    """
+    config = model_config(name, vocab_size, seq_len, **overrides)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        # Architectures without an SDPA path (possible for JSON configs) use their default.
+        model = AutoModelForCausalLM.from_config(config)
+    if getattr(model, "loss_type", "") is None:
+        # transformers infers the loss from the class name, which fails for
+        # GPT2LMHeadModel, then warns and falls back to the causal-LM loss; name it
+        # up front so the first forward does not log a misleading warning.
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameter elements; tied weights (GPT-2's embedding / head) count once."""
+    return sum(p.numel() for p in model.parameters()
+               if p.requires_grad or not trainable_only)
