@@ -1,0 +1,98 @@
+"""Small engines and batches for the engine tests (2-layer, 32-wide GPT-2)."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import deepspeed
+import torch
+
+import ds_hybrid
+from ds_hybrid.models import build_model
+
+deepspeed.utils.logger.setLevel(logging.ERROR)
+
+SEQ = 16
+MICRO = 4
+
+
+def ds_config(stage: int = 2, bf16: bool = False, offload_opt: str | None = None, offload_param: str | None = None,
+              gas: int = 1, hybrid: dict | None = None, nvme_path: str | None = None, **extra) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                     "warmup_num_steps": 10}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+    }
+    zo = cfg["zero_optimization"]
+    if offload_opt:
+        zo["offload_optimizer"] = {"device": offload_opt, **({"nvme_path": nvme_path} if offload_opt == "nvme" else {})}
+    if offload_param:
+        zo["offload_param"] = {"device": offload_param, **({"nvme_path": nvme_path} if offload_param == "nvme" else {})}
+    if hybrid is not None:
+        cfg["hybrid_predict"] = hybrid
+    cfg.update(extra)
+    return cfg
+
+
+# Predict as soon as possible: short warmup, no confidence gate, a lenient band.
+EAGER = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
+         "confidence_threshold": 0.0, "correction_steps": 1, "verify_every": 1,
+         "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0}}
+
+
+def make_engine(cfg: dict, seed: int = 0, plain: bool = False):
+    torch.manual_seed(seed)
+    model = build_model("gpt2-test", vocab_size=256, seq_len=SEQ)
+    init = deepspeed.initialize if plain else ds_hybrid.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    return engine
+
+
+class Batches:
+    """A deterministic stream of micro-batches from a low-entropy byte sequence."""
+
+    def __init__(self, seed: int = 1, rank: int = 0):
+        self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        base = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, 48, (8192,), generator=base)
+
+    def micro(self) -> dict:
+        starts = torch.randint(0, self.data.numel() - SEQ, (MICRO,), generator=self.gen)
+        x = torch.stack([self.data[s:s + SEQ] for s in starts])
+        return {"input_ids": x, "labels": x.clone()}
+
+    def step(self, gas: int = 1) -> list[dict]:
+        return [self.micro() for _ in range(gas)]
+
+
+def full_params(engine) -> list[torch.Tensor]:
+    """Copies of every model parameter as the forward pass sees it (gathered on ZeRO 3)."""
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+    return [p.detach().clone() for p in params]
+
+
+def master_copies(engine) -> list[torch.Tensor]:
+    return [p.master.detach().clone() for p in engine._masters.partitions()]
+
+
+class BackwardCounter:
+    """Counts autograd backward calls (every engine.backward ends in one)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = torch.autograd.backward
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd, "backward", counting)
