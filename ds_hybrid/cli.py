@@ -1,6 +1,7 @@
 """``ds-hybrid``: the command-line entry point.
 
     ds-hybrid train [--config PRESET_OR_JSON] [--data PATH] [--steps N] ...
+    ds-hybrid compare RUN_DIR... [--json PATH]
 
 For multi-rank runs use the ``deepspeed`` launcher with ``-m ds_hybrid.train``
 (see launch/).
@@ -11,6 +12,7 @@ import sys
 
 COMMANDS = {
     "train": "train a model with the PredictiveEngine (default: tiny GPT-2 on the stdlib source, CPU)",
+    "compare": "tabulate finished train runs (per run, and mean +- std over seeds)",
 }
 
 
@@ -26,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     if command == "train":
         from . import train
         train.run_cli(rest)
+        return
+    if command == "compare":
+        from . import compare
+        compare.main(rest)
         return
     raise SystemExit(f"ds-hybrid: unknown command '{command}' (commands: {', '.join(COMMANDS)})")
 

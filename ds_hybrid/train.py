@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=int, default=16, help="validation batches per evaluation")
     p.add_argument("--max-corpus-bytes", type=int, default=8_000_000, help="cap on corpus bytes read")
     p.add_argument("--out", default="runs/train", help="output directory (summary.json, steps.jsonl, loss.png)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="override the peak learning rate (optimizer lr and the scheduler's max lr)")
     p.add_argument("--baseline", action="store_true",
                    help="train with hybrid_predict.enabled=false (plain DeepSpeed) for comparison")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
@@ -78,6 +80,23 @@ def apply_run_length(ds_config: dict, steps: int) -> None:
     if "total_num_steps" in params and params["total_num_steps"] != steps:
         params["total_num_steps"] = steps
         params["warmup_num_steps"] = min(params.get("warmup_num_steps", 0), max(steps // 10, 1))
+
+
+def apply_lr(ds_config: dict, lr: float) -> None:
+    """Set the peak learning rate wherever the ds_config holds it."""
+    if lr <= 0:
+        raise SystemExit(f"--lr: must be positive (got {lr})")
+    ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
+    params = (ds_config.get("scheduler") or {}).get("params") or {}
+    for key in ("warmup_max_lr", "max_lr"):
+        if key in params:
+            params[key] = lr
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def ensure_distributed_env() -> None:
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as err:
         raise SystemExit(f"{config_path}: {err}") from None
     apply_run_length(ds_config, args.steps)
+    if args.lr is not None:
+        apply_lr(ds_config, args.lr)
     from .data import ByteDataset, DataError, train_batches, val_batches
     try:
         train_data, val_data = ByteDataset.load(args.data, args.max_corpus_bytes).split(seq_len=args.seq_len)
@@ -201,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_seconds_excluding_eval": train_seconds,
         "tokens_per_second": tokens_per_step * args.steps / train_seconds if train_seconds else None,
         "statistics": stats,
+        "peak_rss_mb": peak_rss_mb(),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

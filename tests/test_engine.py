@@ -247,3 +247,17 @@ def test_zero3_nvme_offload_predict_and_rollback(offload, tmp_path):
         assert torch.equal(a, c)
     r3 = engine.train_step(b.step())  # real step after the rollback, state swapped back in
     assert r3.backward_ran and math.isfinite(r3.loss)
+
+
+def test_scalars_reach_deepspeeds_monitor(tmp_path):
+    """Hybrid/* scalars are written through DeepSpeed's monitor (the CSV section here)."""
+    cfg = ds_config(stage=1, hybrid=EAGER, csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"})
+    engine = make_engine(cfg)
+    b = Batches()
+    results = [engine.train_step(b.step()) for _ in range(8)]
+    files = {p.name: p for p in tmp_path.rglob("*.csv")}
+    for name in ("Hybrid_phase.csv", "Hybrid_confidence.csv", "Hybrid_loss.csv", "Hybrid_step_time_s.csv",
+                 "Hybrid_backward_skipped_pct.csv"):
+        assert name in files, sorted(files)
+    phase_rows = files["Hybrid_phase.csv"].read_text().strip().splitlines()[1:]
+    assert [int(float(r.split(",")[1])) for r in phase_rows] == [Phase(r.phase).code for r in results]

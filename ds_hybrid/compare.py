@@ -1,0 +1,139 @@
+"""``ds-hybrid compare RUN_DIR...``: a table of finished ``ds-hybrid train`` runs.
+
+Reads each run's ``summary.json``, prints one row per run and, for runs that
+differ only in seed, the mean and spread per configuration (hybrid on / off).
+``--json PATH`` writes the same figures. Nothing is measured here: every number
+comes from the runs' own summaries.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def load_run(path: Path) -> dict:
+    f = path / "summary.json" if path.is_dir() else path
+    if not f.is_file():
+        raise SystemExit(f"compare: no summary.json in {path}")
+    s = json.loads(f.read_text())
+    st = s["statistics"]
+    steps = sum(st["steps_per_phase"].values())
+    ms = st["mean_step_seconds"]
+    real = [k for k in ("warmup", "full", "correct") if ms.get(k)]
+    real_ms = (sum(st["seconds_per_phase"][k] for k in real) /
+               sum(st["steps_per_phase"][k] for k in real) * 1e3) if real else None
+    hybrid = bool(s["ds_config"].get("hybrid_predict", {}).get("enabled", False))
+    return {
+        "val_curve": _val_against_time(path if path.is_dir() else path.parent, s["val_points"]),
+        "run": str(path),
+        "hybrid": hybrid,
+        "seed": s["args"]["seed"],
+        "steps": steps,
+        "final_val_loss": s["final_val_loss"],
+        "predicted_pct": 100.0 * st["steps_per_phase"]["predict"] / steps if steps else 0.0,
+        "rolled_back": st["predict_rolled_back"],
+        "accepted": st["predict_accepted"],
+        "backward_skipped_pct": st["backward_skipped_pct"],
+        "real_step_ms": real_ms,
+        "predict_step_ms": ms["predict"] * 1e3 if ms.get("predict") else None,
+        "train_seconds": s["train_seconds_excluding_eval"],
+    }
+
+
+def _val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float]]:
+    """(training seconds so far, validation loss) at each evaluation, from steps.jsonl."""
+    f = run_dir / "steps.jsonl"
+    if not f.is_file():
+        return []
+    cum = [0.0]
+    for line in f.read_text().splitlines():
+        cum.append(cum[-1] + json.loads(line)["step_time_s"])
+    return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
+
+
+def _interp(curve: list[tuple[float, float]], t: float) -> float | None:
+    for (t0, v0), (t1, v1) in zip(curve, curve[1:]):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return None
+
+
+def paired(rows: list[dict]) -> list[dict]:
+    """Hybrid against baseline runs of the same seed: equal steps and equal wall time."""
+    out = []
+    for h in (r for r in rows if r["hybrid"]):
+        base = next((b for b in rows if not b["hybrid"] and b["seed"] == h["seed"] and b["steps"] == h["steps"]), None)
+        if base is None:
+            continue
+        out.append({"seed": h["seed"], "hybrid_val": h["final_val_loss"], "baseline_val": base["final_val_loss"],
+                    "baseline_val_at_hybrid_time": _interp(base["val_curve"], h["train_seconds"]),
+                    "time_ratio": h["train_seconds"] / base["train_seconds"]})
+    return out
+
+
+COLUMNS = [("final_val_loss", "val loss", "{:.4f}"), ("predicted_pct", "predicted %", "{:.1f}"),
+           ("accepted", "accepted", "{:d}"), ("rolled_back", "rolled back", "{:d}"),
+           ("real_step_ms", "real ms/step", "{:.1f}"), ("predict_step_ms", "predict ms/step", "{:.1f}"),
+           ("train_seconds", "train s", "{:.1f}")]
+
+
+def _fmt(fmt: str, v) -> str:
+    if v is None:
+        return "-"
+    return fmt.format(int(v)) if fmt == "{:d}" else fmt.format(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| run | hybrid | seed | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
+    for r in rows:
+        lines.append(f"| {Path(r['run']).name} | {'on' if r['hybrid'] else 'off'} | {r['seed']} | "
+                     + " | ".join(_fmt(f, r[k]) for k, _, f in COLUMNS) + " |")
+    groups = aggregate(rows)
+    if groups:
+        lines += ["", "| hybrid | runs | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+                  "|" + "---|" * (2 + len(COLUMNS))]
+        for g in groups:
+            cells = []
+            for k, _, f in COLUMNS:
+                m, sd = g[k]
+                cells.append("-" if m is None else f"{_fmt('{:.4f}' if k == 'final_val_loss' else '{:.1f}', m)}"
+                             f" ± {_fmt('{:.4f}' if k == 'final_val_loss' else '{:.1f}', sd)}")
+            lines.append(f"| {'on' if g['hybrid'] else 'off'} | {g['runs']} | " + " | ".join(cells) + " |")
+    pairs = paired(rows)
+    if pairs:
+        lines += ["", "| seed | hybrid val loss | baseline val loss (same steps) | baseline val loss at hybrid's "
+                  "wall time | hybrid time / baseline time |", "|---|---|---|---|---|"]
+        for p in pairs:
+            lines.append(f"| {p['seed']} | {p['hybrid_val']:.4f} | {p['baseline_val']:.4f} | "
+                         f"{_fmt('{:.4f}', p['baseline_val_at_hybrid_time'])} | {p['time_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean and standard deviation per hybrid on/off, over seeds."""
+    out = []
+    for hybrid in (True, False):
+        group = [r for r in rows if r["hybrid"] == hybrid]
+        if len(group) < 2:
+            continue
+        g = {"hybrid": hybrid, "runs": len(group)}
+        for k, _, _ in COLUMNS:
+            vals = [r[k] for r in group if r[k] is not None]
+            g[k] = (statistics.mean(vals), statistics.stdev(vals)) if len(vals) >= 2 else (None, None)
+        out.append(g)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="ds-hybrid compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories (or summary.json files) of ds-hybrid train")
+    p.add_argument("--json", help="also write the rows and aggregates to this JSON file")
+    args = p.parse_args(argv)
+    rows = [load_run(Path(r)) for r in args.runs]
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": rows, "aggregate": aggregate(rows), "paired": paired(rows)},
+                                              indent=2))

@@ -1,0 +1,70 @@
+"""The main job end to end on a small corpus, and its input errors."""
+import json
+
+import pytest
+
+from ds_hybrid import train
+from ds_hybrid.cli import main as cli_main
+
+TEXT = ("def add(a, b):\n    return a + b\n\n" * 400)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.py").write_text(TEXT)
+    (d / "b.txt").write_text(TEXT.upper())
+    return d
+
+
+def test_train_job_writes_summary_and_plot(corpus, tmp_path):
+    out = tmp_path / "run"
+    summary = train.main(["--data", str(corpus), "--steps", "40", "--seq-len", "32", "--eval-every", "20",
+                          "--val-batches", "2", "--model", "gpt2-test", "--out", str(out), "--no-progress"])
+    st = summary["statistics"]
+    assert sum(st["steps_per_phase"].values()) == 40
+    assert summary["global_steps"] == 40
+    assert json.loads((out / "summary.json").read_text())["final_val_loss"] == summary["final_val_loss"]
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 40
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s for s, _ in summary["val_points"]] == [0, 20, 40]
+    assert summary["val_points"][-1][1] < summary["val_points"][0][1]  # it learned something
+
+
+def test_baseline_flag_disables_prediction(corpus, tmp_path):
+    summary = train.main(["--data", str(corpus), "--steps", "12", "--seq-len", "32", "--eval-every", "12",
+                          "--val-batches", "1", "--model", "gpt2-test", "--out", str(tmp_path / "b"),
+                          "--no-progress", "--no-plot", "--baseline"])
+    assert summary["statistics"]["steps_per_phase"]["full"] == 12
+    assert summary["statistics"]["backward_skipped"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["--config", "no-such-preset"], "--config: 'no-such-preset'"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_input_fails_before_training(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--no-progress"])
+    assert message in str(err.value)
+
+
+def test_short_corpus_and_bad_config_key(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    with pytest.raises(SystemExit, match="seq_len"):
+        train.main(["--data", str(short), "--no-progress"])
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {}},
+                               "hybrid_predict": {"verify_evry": 2}}))
+    with pytest.raises(SystemExit, match="hybrid_predict.verify_evry"):
+        train.main(["--config", str(cfg), "--no-progress"])
+
+
+def test_cli_lists_commands_and_rejects_unknown(capsys):
+    cli_main([])
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown command 'fly'"):
+        cli_main(["fly"])
