@@ -2,6 +2,7 @@
 
     ds-hybrid train [--config PRESET_OR_JSON] [--data PATH] [--steps N] ...
     ds-hybrid compare RUN_DIR... [--json PATH]
+    ds-hybrid bench [--suite cpu-small] [--quick] [--readme] ...
 
 For multi-rank runs use the ``deepspeed`` launcher with ``-m ds_hybrid.train``
 (see launch/).
@@ -13,6 +14,7 @@ import sys
 COMMANDS = {
     "train": "train a model with the PredictiveEngine (default: tiny GPT-2 on the stdlib source, CPU)",
     "compare": "tabulate finished train runs (per run, and mean +- std over seeds)",
+    "bench": "hybrid against plain DeepSpeed to a target validation loss (suites: cpu-small, gpu-gpt2, offload)",
 }
 
 
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     if command == "train":
         from . import train
         train.run_cli(rest)
+        return
+    if command == "bench":
+        from . import bench
+        bench.main(rest)
         return
     if command == "compare":
         from . import compare

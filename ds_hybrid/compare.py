@@ -26,7 +26,7 @@ def load_run(path: Path) -> dict:
                sum(st["steps_per_phase"][k] for k in real) * 1e3) if real else None
     hybrid = bool(s["ds_config"].get("hybrid_predict", {}).get("enabled", False))
     return {
-        "val_curve": _val_against_time(path if path.is_dir() else path.parent, s["val_points"]),
+        "val_curve": val_against_time(path if path.is_dir() else path.parent, s["val_points"]),
         "run": str(path),
         "hybrid": hybrid,
         "seed": s["args"]["seed"],
@@ -39,10 +39,14 @@ def load_run(path: Path) -> dict:
         "real_step_ms": real_ms,
         "predict_step_ms": ms["predict"] * 1e3 if ms.get("predict") else None,
         "train_seconds": s["train_seconds_excluding_eval"],
+        "peak_rss_mb": s.get("peak_rss_mb"),
+        "tokens_per_step": s["args"]["seq_len"] * s["ds_config"].get("train_micro_batch_size_per_gpu", 1)
+        * s["ds_config"].get("gradient_accumulation_steps", 1) * s.get("world_size", 1),
+        "statistics": st,
     }
 
 
-def _val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float]]:
+def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float]]:
     """(training seconds so far, validation loss) at each evaluation, from steps.jsonl."""
     f = run_dir / "steps.jsonl"
     if not f.is_file():
@@ -53,7 +57,7 @@ def _val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, floa
     return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
 
 
-def _interp(curve: list[tuple[float, float]], t: float) -> float | None:
+def interp_curve(curve: list[tuple[float, float]], t: float) -> float | None:
     for (t0, v0), (t1, v1) in zip(curve, curve[1:]):
         if t0 <= t <= t1:
             return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
@@ -68,7 +72,7 @@ def paired(rows: list[dict]) -> list[dict]:
         if base is None:
             continue
         out.append({"seed": h["seed"], "hybrid_val": h["final_val_loss"], "baseline_val": base["final_val_loss"],
-                    "baseline_val_at_hybrid_time": _interp(base["val_curve"], h["train_seconds"]),
+                    "baseline_val_at_hybrid_time": interp_curve(base["val_curve"], h["train_seconds"]),
                     "time_ratio": h["train_seconds"] / base["train_seconds"]})
     return out
 
