@@ -16,10 +16,18 @@ optimizer step, i.e. one gradient-accumulation boundary's worth of micro-batches
   point (an exact rollback) and the engine returns to Full.
 
 With ``hybrid_predict.enabled: false`` ``train_step`` is exactly the plain
-DeepSpeed loop and nothing else runs.
+DeepSpeed loop and nothing else runs (beyond the non-finite guard below, which
+changes nothing while losses and gradients are finite).
+
+Faults: a NaN or Inf in any rank's loss or raw gradients makes every rank skip
+that optimizer update (one all-reduce at the accumulation boundary decides);
+see ``_take_model_step``. ``save_checkpoint`` / ``load_checkpoint`` add our
+state to DeepSpeed's and write atomically (``ds_hybrid/checkpoint.py``).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,12 +37,14 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from . import checkpoint as ckpt
 from . import zero_access as za
 from .config import HybridPredictConfig, parse_hybrid_config
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
 
 LossFn = Callable[["PredictiveEngine", Any], torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 def default_loss(engine: "PredictiveEngine", batch: Any) -> torch.Tensor:
@@ -64,6 +74,7 @@ class StepResult:
     accepted: bool | None = None    # Predict: verification outcome
     rolled_back_steps: int = 0      # Predict steps undone by this step's rollback
     lr: float = 0.0
+    skipped: bool = False           # real step whose update was skipped (NaN/Inf loss or gradient on a rank)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +89,55 @@ class _Stats:
     predict_accepted: int = 0
     predict_rolled_back: int = 0
     verifications: int = 0
+    skipped_steps: int = 0          # real steps whose optimizer update was skipped (non-finite)
+
+
+class _NonFiniteGuard:
+    """Watches one optimizer step of this rank for NaN/Inf: the micro-batch losses, and
+    every raw gradient through a tensor hook. A leaf tensor's hooks run before its
+    AccumulateGrad node, so before DeepSpeed's reduction hooks: this sees the rank's own
+    gradients on every ZeRO stage, without knowing where a stage keeps them afterwards."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._losses: list[torch.Tensor] = []
+        self._grad_bad: torch.Tensor | None = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(self._check_grad)
+
+    def _check_grad(self, grad: torch.Tensor) -> None:
+        bad = ~torch.isfinite(grad).all()  # stays on the device: no sync inside backward
+        if self._grad_bad is None:
+            self._grad_bad = bad.clone()
+        else:
+            self._grad_bad |= bad.to(self._grad_bad.device)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach().float())
+
+    def collect(self) -> tuple[float, int, bool]:
+        """(sum of this step's losses, their count, whether anything was non-finite); resets."""
+        losses = [float(x) for x in self._losses]
+        bad = any(not math.isfinite(x) for x in losses) or bool(self._grad_bad is not None and self._grad_bad)
+        self._losses, self._grad_bad = [], None
+        return sum(losses), len(losses), bad
+
+
+@contextlib.contextmanager
+def _instance_attrs(obj: Any, **attrs: Any):
+    """Set attributes on one object for the block, then put back what was there."""
+    missing = object()
+    saved = {k: obj.__dict__.get(k, missing) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is missing:
+                delattr(obj, k)
+            else:
+                setattr(obj, k, v)
 
 
 class PredictiveEngine(DeepSpeedEngine):
@@ -90,6 +150,8 @@ class PredictiveEngine(DeepSpeedEngine):
         self.hybrid_config: HybridPredictConfig = parse_hybrid_config(self._config._param_dict)
         self._stats = _Stats()
         self._predicted_update: Callable[[], None] | None = None
+        self._guard = _NonFiniteGuard(self.module)
+        self._boundary_loss: float | None = None  # mean loss over ranks of the last real step
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -118,8 +180,9 @@ class PredictiveEngine(DeepSpeedEngine):
         loss_fn = loss_fn or default_loss
         t0 = time.perf_counter()
         if not self.hybrid_config.enabled:
-            loss = self._shared_mean_loss(self._real_step(batches, loss_fn))
-            result = StepResult(self.global_steps, Phase.FULL.value, loss, None, 0.0, True, 0.0, lr=self._lr())
+            self._real_step(batches, loss_fn)
+            result = StepResult(self.global_steps, Phase.FULL.value, self._boundary_loss, None, 0.0, True, 0.0,
+                                lr=self._lr(), skipped=not self.was_step_applied())
         elif self.controller.phase is Phase.PREDICT:
             result = self._predict_step(batches, loss_fn)
         else:
@@ -145,6 +208,7 @@ class PredictiveEngine(DeepSpeedEngine):
             "predict_accepted": s.predict_accepted,
             "predict_rolled_back": s.predict_rolled_back,
             "verifications": s.verifications,
+            "skipped_steps": s.skipped_steps,
         }
         if self.hybrid_config.enabled:
             out["snapshot_bytes"] = self._snapshot.nbytes()
@@ -153,15 +217,15 @@ class PredictiveEngine(DeepSpeedEngine):
         return out
 
     # ------------------------------------------------------------ phases
-    def _real_step(self, batches: list, loss_fn: LossFn) -> list[float]:
-        """Plain DeepSpeed: forward, backward, step for each micro-batch."""
-        losses = []
+    def _real_step(self, batches: list, loss_fn: LossFn) -> None:
+        """Plain DeepSpeed: forward, backward, step for each micro-batch. The boundary
+        step (``_take_model_step``) all-reduces the losses into ``_boundary_loss`` and
+        skips the update on every rank if any rank saw a NaN/Inf."""
         for batch in batches:
             loss = loss_fn(self, batch)
+            self._guard.record_loss(loss)
             self.backward(loss)
             self.step()
-            losses.append(loss.detach().float())
-        return [float(x) for x in losses]
 
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
@@ -169,12 +233,16 @@ class PredictiveEngine(DeepSpeedEngine):
         predicted = self.predictor.predict_loss(self.global_steps + 1)[0] if phase is Phase.CORRECT else None
         if probe:
             za.stash_direction(self._masters, self._snapshot)
-        losses = self._real_step(batches, loss_fn)
+        self._real_step(batches, loss_fn)
+        loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         sums = za.compare_direction(self._masters, self._snapshot) if probe else torch.zeros(3, dtype=torch.float64)
-        # One collective for the loss and the direction sums: every rank gets the same values.
-        shared = self._all_reduce_sum(torch.cat([torch.tensor([sum(losses), len(losses)], dtype=torch.float64), sums]))
-        loss = float(shared[0] / shared[1])
-        dot, old_sq, new_sq = (float(x) for x in shared[2:])
+        # Every rank calls this collective (probe can differ where a rank's partition is empty).
+        dot, old_sq, new_sq = (float(x) for x in self._all_reduce_sum(sums))
+        if not self.was_step_applied():
+            # No update happened: nothing for the predictor to learn, and the phase's
+            # step budget counts applied updates only, so the controller stays put.
+            return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
+                              True, 0.0, lr=self._lr(), skipped=True)
         self.predictor.observe_real_step(self.global_steps, loss, dot, old_sq, new_sq,
                                          correct=phase is Phase.CORRECT)
         if phase is Phase.CORRECT and predicted is not None and math.isfinite(predicted):
@@ -241,8 +309,17 @@ class PredictiveEngine(DeepSpeedEngine):
     def _take_model_step(self, lr_kwargs):
         """DeepSpeed's boundary step. In a Predict step the optimizer's step is replaced,
         for this call only, by the predicted update; everything after it (zero_grad,
-        overflow check, LR scheduler, global_steps, global_samples) runs unchanged."""
+        overflow check, LR scheduler, global_steps, global_samples) runs unchanged.
+
+        In a real step, one all-reduce shares the losses and whether any rank saw a
+        NaN/Inf; if one did, every rank takes the optimizer wrapper's own overflow
+        branch: gradients cleared, no update, LR scheduler not stepped,
+        ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
+        (DeepSpeed's fp16-overflow semantics)."""
         if self._predicted_update is None:
+            if self._nonfinite_on_any_rank():
+                with self._optimizer_reports_overflow():
+                    return super()._take_model_step(lr_kwargs)
             return super()._take_model_step(lr_kwargs)
         opt, update = self.optimizer, self._predicted_update
 
@@ -260,6 +337,127 @@ class PredictiveEngine(DeepSpeedEngine):
         finally:
             del opt.step
             del self.gradient_clipping
+
+    def _nonfinite_on_any_rank(self) -> bool:
+        """Collective: share this real step's losses (into ``_boundary_loss``) and the NaN/Inf flag."""
+        loss_sum, count, bad = self._guard.collect()
+        shared = self._all_reduce_sum(torch.tensor([loss_sum, count, float(bad)], dtype=torch.float64))
+        self._boundary_loss = float(shared[0] / shared[1]) if shared[1] > 0 else None
+        return bool(shared[2] > 0)
+
+    def _optimizer_reports_overflow(self):
+        """For one boundary step, make the optimizer wrapper take its own overflow branch,
+        which knows where its stage keeps the accumulated gradients and clears them."""
+        opt = self.optimizer
+        name = type(opt).__name__
+        if name == "DeepSpeedZeroOptimizer":  # ZeRO 1/2: step() asks check_overflow -> has_overflow
+            return _instance_attrs(opt, check_grad_overflow=True, has_overflow=lambda partition_gradients=True: True)
+        if name == "DeepSpeedZeroOptimizer_Stage3":
+            def overflowed(update_scale=True):
+                opt.overflow = True
+                return True
+            return _instance_attrs(opt, _overflow_check_and_loss_scale_update=overflowed)
+        if name in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
+            return _instance_attrs(opt, step=lambda closure=None: opt._skip_invalid_grad_norm())
+        if name == "BF16_Optimizer":
+            def skip(closure=None):
+                opt.overflow = True
+                opt.clear_hp_grads()
+                opt.clear_lp_grads()
+            return _instance_attrs(opt, step=skip)
+        if isinstance(opt, torch.optim.Optimizer):  # ZeRO 0 fp32: the engine's zero_grad clears p.grad
+            return _instance_attrs(opt, step=lambda *args, **kwargs: None, overflow=True)
+        raise TypeError(f"ds_hybrid: cannot skip a step of optimizer wrapper {name}")
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint plus ds_hybrid's state, published atomically: written
+        into ``save_dir/.staging-<tag>``, renamed to ``save_dir/<tag>`` when complete,
+        and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
+        ckpt.save_atomic(self, super().save_checkpoint, save_dir, tag, dict(client_state or {}), save_latest,
+                         exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load (``tag=None``: the one ``latest`` names) after checking the files
+        against the checkpoint's manifest, then ds_hybrid's shared and per-rank state.
+        Returns ``(load_path, client_state)``; ``(None, None)`` when there is no ``latest``.
+        Raises ``CheckpointError`` naming the file for a truncated, corrupt or mismatched checkpoint."""
+        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                      custom_load_fn=custom_load_fn)
+        return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs)
+
+    def rebind_optimizer_views(self) -> None:
+        """After DeepSpeed's load: torch's ``Optimizer.load_state_dict`` replaces the
+        param-group dicts, so the master accessor (which keeps references to them on
+        ZeRO 0) is rebuilt; otherwise a Predict step would read a stale learning rate."""
+        if self.hybrid_config.enabled:
+            self._masters = za.master_access(self)
+
+    def hybrid_state_dict(self) -> dict:
+        """State every rank shares (it goes into DeepSpeed's ``client_state``): the phase
+        controller, the predictor, the pending Predict steps, the statistics, and
+        ``micro_steps``, which DeepSpeed does not save."""
+        sd = {"format": ckpt.FORMAT_VERSION, "enabled": self.hybrid_config.enabled,
+              "stats": asdict(self._stats), "micro_steps": int(self.micro_steps)}
+        if self.hybrid_config.enabled:
+            sd.update(controller=self.controller.state_dict(), predictor=self.predictor.state_dict(),
+                      pending=self._pending)
+        return sd
+
+    def load_hybrid_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
+        """Restore ``hybrid_state_dict()``. Without one (a plain DeepSpeed checkpoint) the
+        phase cycle starts again from Warmup, with a warning."""
+        if sd is None:
+            logger.warning(f"{source}: no ds_hybrid state in this checkpoint; the phase cycle restarts from Warmup")
+            return
+        self._stats = _Stats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in sd["stats"].items()})
+        self.micro_steps = sd["micro_steps"]
+        if not self.hybrid_config.enabled:
+            return
+        if not sd["enabled"]:
+            logger.warning(f"{source}: saved with hybrid_predict disabled; the phase cycle starts from Warmup")
+            return
+        self.controller.load_state_dict(sd["controller"])
+        self.predictor.load_state_dict(sd["predictor"])
+        self._pending = sd["pending"]
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: its RNG states and, in the middle of a Predict run, the
+        rollback snapshot (its shard of the masters at the last good point)."""
+        return {"format": ckpt.FORMAT_VERSION, "rank": int(self.global_rank), "world_size": int(self.dp_world_size),
+                "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save()}
+
+    def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
+        """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
+        a snapshot still needed is retaken from the loaded masters, with a warning."""
+        if sd is not None:
+            ckpt.set_rng_state(sd["rng"])
+        if not self.hybrid_config.enabled or not self._snapshot_needed():
+            return
+        saved = None if sd is None else sd.get("snapshot")
+        za.capture_weights(self._masters, self._snapshot)  # allocates the buffers on the right device
+        shapes = [tuple(b.shape) for b in self._snapshot.buffers]
+        if saved is not None and [tuple(b.shape) for b in saved] == shapes:
+            for buf, value in zip(self._snapshot.buffers, saved):
+                buf.copy_(value)
+            return
+        logger.warning(f"{source}: saved in the middle of a Predict run, but this rank's rollback snapshot does "
+                       f"not apply here; the loaded weights become the last good point ({self._pending} unverified "
+                       "Predict steps can no longer be rolled back)")
+
+    def _snapshot_needed(self) -> bool:
+        # Inside a Predict run the snapshot is the last good point a rejection returns to;
+        # at every other step boundary it is retaken (or unused) before it is read.
+        return self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0
+
+    def _snapshot_to_save(self) -> list[torch.Tensor] | None:
+        if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):
+            return None
+        return [b.detach().to("cpu", copy=True) for b in self._snapshot.buffers]
 
     # ------------------------------------------------------------ helpers
     def _as_micro_batches(self, micro_batches: Any) -> list:
@@ -306,6 +504,7 @@ class PredictiveEngine(DeepSpeedEngine):
         else:
             s.backward_skipped += gas
         s.verifications += int(r.verified)
+        s.skipped_steps += int(r.skipped)
         if self.hybrid_config.enabled and self.hybrid_config.log_to_monitor and self.monitor.enabled \
                 and self.global_rank == 0:
             events = [("Hybrid/phase", Phase(r.phase).code, self.global_samples),

@@ -11,7 +11,16 @@ stream, and rank 0 prints and writes the outputs.
 
 The loop below is the whole of training: one ``engine.train_step`` per optimizer
 step, validation every ``--eval-every`` steps (its time is not counted in the
-step times).
+step times), a checkpoint every ``--save-every`` steps.
+
+Checkpoints and resume: ``--save-dir D`` writes atomic checkpoints (see
+``ds_hybrid/checkpoint.py``) every ``--save-every`` steps, at the end, and when
+SIGINT (Ctrl-C) or SIGTERM arrives: the loop stops at the next step boundary,
+every rank agreeing. ``--resume`` continues from ``D/latest``. The training
+stream is a generator seeded per (seed, rank); a resumed run replays it past the
+batches already consumed (``steps done x gradient_accumulation_steps`` per rank),
+so it reads exactly the batches the uninterrupted run would have read, and the
+losses after the resume point are the same bit for bit (CPU, fp32).
 """
 from __future__ import annotations
 
@@ -20,14 +29,21 @@ import json
 import logging
 import os
 import platform
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESET_DIR = REPO_ROOT / "ds_configs"
+TRAIN_STATE_KEY = "ds_hybrid.train"  # the train loop's state in a checkpoint's client_state
+# Arguments a resumed run must share with the run that wrote the checkpoint: they
+# decide the model, the data stream and the optimizer's settings.
+RESUME_MUST_MATCH = ("config", "data", "model", "seq_len", "seed", "max_corpus_bytes", "lr", "baseline")
+INTERRUPTED_EXIT_CODE = 130  # the shell's code for a run stopped by SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
+    p.add_argument("--save-dir", default=None,
+                   help="write checkpoints here (atomic; DIR/latest names the newest): every --save-every steps, "
+                        "at the end, and on Ctrl-C / SIGTERM")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N optimizer steps (0: only at the end and on Ctrl-C / SIGTERM)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --save-dir (from step 0 when it holds none yet)")
     # The deepspeed launcher passes --local_rank; torchrun sets LOCAL_RANK.
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help=argparse.SUPPRESS)
@@ -118,6 +141,88 @@ def quiet_logs(verbose: bool) -> None:
     transformers.logging.set_verbosity_error()
 
 
+def check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """--save-dir / --save-every / --resume errors, before anything is built; an
+    existing checkpoint to resume from has its files checked here too."""
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every: must be 0 or more (got {args.save_every})")
+    if args.save_every and not args.save_dir:
+        raise SystemExit("--save-every: needs --save-dir")
+    if args.resume and not args.save_dir:
+        raise SystemExit("--resume: needs --save-dir (the folder holding the checkpoints)")
+    if args.save_dir is None:
+        return
+    save_dir = Path(args.save_dir)
+    if save_dir.exists() and not save_dir.is_dir():
+        raise SystemExit(f"--save-dir: {save_dir} exists and is not a directory")
+    if args.resume and save_dir.is_dir():
+        from .checkpoint import CheckpointError, read_latest, resolve_tag_dir, verify_files
+        try:
+            tag = read_latest(save_dir, universal=False)
+            if tag is not None:
+                verify_files(resolve_tag_dir(save_dir, tag))
+        except CheckpointError as err:
+            raise SystemExit(f"--resume: {err}") from None
+
+
+def run_identity(args: argparse.Namespace) -> dict:
+    """The arguments a resumed run must share with the checkpoint's run."""
+    return {key: getattr(args, key) for key in RESUME_MUST_MATCH}
+
+
+def check_same_run(saved: dict, current: dict, where: Path) -> None:
+    """Fail naming the flag when a resumed run would read other data or build another model."""
+    for key in RESUME_MUST_MATCH:
+        if saved.get(key) != current[key]:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"--resume: {where} was trained with {flag} {saved.get(key)!r}, this run has "
+                             f"{current[key]!r}; resume with the same {flag} (or use another --save-dir)")
+
+
+def skip_batches(stream: Any, n: int) -> None:
+    """Advance the training stream past ``n`` batches. It is a generator seeded per
+    (seed, rank), so replaying it is how a resumed run reaches its position; a batch
+    costs one index gather, far less than a training step."""
+    for _ in range(n):
+        next(stream)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM ask the training loop to stop at the next step
+    boundary. A second SIGINT interrupts at once (the previous handler is back).
+    Use as a context manager: the previous handlers are restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        # Python lets only the main thread install handlers (a loop run from another thread stops by itself).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self._previous[signum])
+
+    def agreed(self, device: Any) -> bool:
+        """Collective when there are several ranks: stop if any rank received a signal,
+        so every rank leaves the loop after the same step."""
+        import torch
+        import torch.distributed as dist
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
 def validation_loss(engine: Any, batches: list) -> float:
     """Mean loss over the fixed validation batches (the same on every rank)."""
     from .data import evaluate
@@ -136,7 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be at least 1 (got {getattr(args, flag)})")
 
     # Everything that can be wrong with the input fails here, before a model is built.
-    ds_config, config_path = resolve_config(args.config)
+    check_checkpoint_flags(args)
+    try:
+        ds_config, config_path = resolve_config(args.config)
+    except ValueError as err:  # a file that is not JSON: the message names it
+        raise SystemExit(f"--config: {err}") from None
     from .config import ConfigError, parse_hybrid_config
     if args.baseline:
         ds_config.setdefault("hybrid_predict", {})["enabled"] = False
@@ -184,29 +293,71 @@ def main(argv: list[str] | None = None) -> dict:
               f"{world} rank(s), batch {micro_bs}x{gas}x{world}, {args.steps} steps", flush=True)
 
     records: list[dict] = []
-    val_points: list[tuple[int, float]] = [(0, validation_loss(engine, val_set))]
+    val_points: list[tuple[int, float]] = []
+    train_seconds = 0.0
+    start = 0
+    resumed_from = None
+    if args.resume:
+        loop, resumed_from = resume_from_checkpoint(engine, args)
+        if loop is not None:
+            start, records, train_seconds = loop["step"], loop["records"], loop["train_seconds"]
+            val_points = [tuple(v) for v in loop["val_points"]]
+            skip_batches(stream, loop["batches_per_rank"])
+            if is_main:
+                print(f"resumed from {resumed_from} (step {start} of {args.steps})", flush=True)
+        elif is_main:
+            print(f"--resume: no checkpoint in {args.save_dir} yet; starting from step 0", flush=True)
+    if not val_points:
+        val_points.append((0, validation_loss(engine, val_set)))
     bar = None
     if is_main and not args.no_progress:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
     tokens_per_step = micro_bs * gas * world * args.seq_len
-    train_seconds = 0.0
-    for step in range(1, args.steps + 1):
-        batches = [to_device(next(stream)) for _ in range(gas)]
-        result = engine.train_step(batches)
-        train_seconds += result.step_time_s
-        records.append(result.as_dict())
-        if step % args.eval_every == 0 or step == args.steps:
-            val_points.append((step, validation_loss(engine, val_set)))
+    done, interrupted = start, None
+    saved_at, checkpoint = (start, resumed_from) if resumed_from else (None, None)
+
+    def save_checkpoint() -> None:
+        nonlocal saved_at, checkpoint
+        loop_state = {"step": done, "batches_per_rank": done * gas, "records": records, "val_points": val_points,
+                      "train_seconds": train_seconds, "run": run_identity(args), "planned_steps": args.steps}
+        tag = f"global_step{engine.global_steps}"
+        engine.save_checkpoint(args.save_dir, tag, client_state={TRAIN_STATE_KEY: loop_state})
+        saved_at, checkpoint = done, str(Path(args.save_dir) / tag)
         if bar is not None:
-            post = {"phase": result.phase[:4], "conf": f"{result.confidence:.2f}",
-                    "tok/s": f"{tokens_per_step / max(result.step_time_s, 1e-9):.0f}", "val": f"{val_points[-1][1]:.3f}"}
-            if result.loss is not None:
-                post["loss"] = f"{result.loss:.3f}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
+            bar.write(f"saved checkpoint {checkpoint}")  # above the progress bar, not into it
+        elif is_main:
+            print(f"saved checkpoint {checkpoint}", flush=True)
+
+    with StopSignals() as stop:
+        for step in range(start + 1, args.steps + 1):
+            batches = [to_device(next(stream)) for _ in range(gas)]
+            result = engine.train_step(batches)
+            done = step
+            train_seconds += result.step_time_s
+            records.append(result.as_dict())
+            if step % args.eval_every == 0 or step == args.steps:
+                val_points.append((step, validation_loss(engine, val_set)))
+            if bar is not None:
+                post = {"phase": result.phase[:4], "conf": f"{result.confidence:.2f}",
+                        "tok/s": f"{tokens_per_step / max(result.step_time_s, 1e-9):.0f}",
+                        "val": f"{val_points[-1][1]:.3f}"}
+                if result.loss is not None:
+                    post["loss"] = f"{result.loss:.3f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+            if args.save_dir and args.save_every and step % args.save_every == 0:
+                save_checkpoint()
+            if step < args.steps and stop.agreed(device):  # a step boundary every rank reaches
+                interrupted = stop.received or "another rank"
+                break
+        if args.save_dir and saved_at != done:
+            save_checkpoint()
     if bar is not None:
         bar.close()
+    if interrupted and is_main:
+        where = f"; checkpoint {checkpoint}, continue with --resume" if checkpoint else " (no --save-dir: nothing saved)"
+        print(f"stopped by {interrupted} after step {done} of {args.steps}{where}", flush=True)
 
     stats = engine.statistics()
     summary = {
@@ -217,10 +368,14 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters": count_parameters(model),
         "world_size": world,
         "steps": args.steps,
+        "steps_done": done,
+        "interrupted": interrupted is not None,
+        "resumed_from": resumed_from,
+        "checkpoint": checkpoint,
         "final_val_loss": val_points[-1][1],
         "val_points": val_points,
         "train_seconds_excluding_eval": train_seconds,
-        "tokens_per_second": tokens_per_step * args.steps / train_seconds if train_seconds else None,
+        "tokens_per_second": tokens_per_step * done / train_seconds if train_seconds else None,
         "statistics": stats,
         "peak_rss_mb": peak_rss_mb(),
         "global_steps": engine.global_steps,
@@ -243,6 +398,24 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def resume_from_checkpoint(engine: Any, args: argparse.Namespace) -> tuple[dict | None, str | None]:
+    """Load the newest checkpoint in --save-dir into the engine; return the train loop's
+    saved state and the checkpoint folder ((None, None) when there is no checkpoint yet)."""
+    from .checkpoint import CheckpointError
+    try:
+        load_path, client_state = engine.load_checkpoint(args.save_dir)
+    except CheckpointError as err:
+        raise SystemExit(f"--resume: {err}") from None
+    if load_path is None:
+        return None, None
+    tag_dir = Path(load_path).parent
+    loop = client_state.get(TRAIN_STATE_KEY)
+    if loop is None:
+        raise SystemExit(f"--resume: {load_path} holds no ds-hybrid train loop state (saved by another program)")
+    check_same_run(loop["run"], run_identity(args), tag_dir)
+    return loop, str(tag_dir)
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run table: steps and mean time per phase, skipped backward passes, validation loss."""
     st = summary["statistics"]
@@ -254,14 +427,16 @@ def format_summary(summary: dict) -> str:
                  f"verifications {st['verifications']}")
     lines.append(f"backward passes skipped: {st['backward_skipped']} of "
                  f"{st['backward_skipped'] + st['backward_passes']} ({st['backward_skipped_pct']:.1f}%)")
-    lines.append(f"validation loss: {summary['final_val_loss']:.4f} after {summary['steps']} steps "
+    lines.append(f"validation loss: {summary['final_val_loss']:.4f} after {summary['val_points'][-1][0]} steps "
                  f"({summary['train_seconds_excluding_eval']:.1f} s training, eval excluded)")
     return "\n".join(lines)
 
 
 def run_cli(argv: list[str] | None = None) -> None:
-    """Entry point for ``ds-hybrid train`` and ``python -m ds_hybrid.train``."""
-    main(argv)
+    """Entry point for ``ds-hybrid train`` and ``python -m ds_hybrid.train``. Exits with
+    130 when SIGINT / SIGTERM stopped the run early (after its checkpoint is written)."""
+    summary = main(argv)
+    code = INTERRUPTED_EXIT_CODE if summary["interrupted"] else 0
     # Multi-rank CPU (gloo) runs can abort in interpreter teardown after all work is done;
     # leave through a barrier and os._exit so the exit status reflects the run.
     import torch.distributed as dist
@@ -269,7 +444,9 @@ def run_cli(argv: list[str] | None = None) -> None:
         dist.barrier()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
-"""One rank of the multi-rank test: trains, then writes what it saw to a JSON file.
+"""One rank of a multi-rank test: trains, then writes what it saw to ``<out>/rank{r}.json``.
 
-Run by tests/test_multirank.py as N processes with RANK / WORLD_SIZE / MASTER_PORT set.
-Rank 1 reports a loss 10x too high on one Predict verification: the all-reduced
-decision must roll back on every rank, not only on rank 1.
+Started by tests/spawn.py as N processes with RANK / WORLD_SIZE / MASTER_PORT set.
+Each rank reads its own shard of the training stream (``ds_hybrid.data.train_batches``
+with its rank). With ``--faults`` one rank at a time sees something wrong, and the
+all-reduced decisions must act on every rank:
+
+* step 2: the last rank's loss is NaN                -> every rank skips the update
+* step 3: rank 0's loss is finite, its gradient NaN  -> every rank skips the update
+* rank 1's second Predict verification: loss x 10    -> every rank rolls back
+
+With ``--save-dir`` the ranks save a checkpoint tagged ``final`` at the end.
 """
+import argparse
 import hashlib
 import json
 import os
@@ -13,35 +21,72 @@ import torch
 import torch.distributed as dist
 
 from ds_hybrid import Phase
+from ds_hybrid.data import train_batches
 from ds_hybrid.engine import default_loss
-from engine_utils import EAGER, Batches, ds_config, full_params, make_engine
+from engine_utils import EAGER, MICRO, SEQ, ds_config, full_params, make_engine
 
-stage, out_dir, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-rank = int(os.environ["RANK"])
-engine = make_engine(ds_config(stage=stage, hybrid=dict(EAGER, min_predict_steps=3, max_predict_steps=3)))
-batches = Batches(rank=rank)  # each rank reads its own stream
-spike_at = {"predict_seen": 0}
+NAN_LOSS_STEP = 2   # 1-based step numbers (global_steps after the step)
+NAN_GRAD_STEP = 3
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--stage", type=int, required=True)
+parser.add_argument("--steps", type=int, required=True)
+parser.add_argument("--gas", type=int, default=1)
+parser.add_argument("--faults", action="store_true")
+parser.add_argument("--save-dir", default=None)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+engine = make_engine(ds_config(stage=args.stage, gas=args.gas, hybrid=dict(EAGER, min_predict_steps=3,
+                                                                            max_predict_steps=3)))
+corpus = torch.randint(0, 48, (8192,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
+stream = train_batches(corpus, SEQ, MICRO, seed=7, rank=rank, world_size=world)
+predict_verifications = {"seen": 0}
+
+
+def nan_gradient_loss(eng, batch, poison: bool):
+    """A finite loss whose gradient is NaN when ``poison``: d/dz sqrt(z + eps) at z = 0 is
+    inf for eps = 0, times 0. Every rank builds the same graph (ZeRO 3 gathers parameters
+    in backward in graph order, so ranks must not differ in it); only the value of eps differs."""
+    out = eng(**batch)
+    z = out.logits.float().sum()
+    eps = 0.0 if poison else 1.0
+    return out.loss + 0.0 * torch.sqrt(z - z.detach() + eps)
 
 
 def loss_fn(eng, batch):
+    step = eng.global_steps + 1  # the step being computed
+    real = torch.is_grad_enabled()
+    if args.faults and real and step == NAN_LOSS_STEP and rank == world - 1:
+        return default_loss(eng, batch) * float("nan")
+    if args.faults and real and step == NAN_GRAD_STEP:
+        return nan_gradient_loss(eng, batch, poison=rank == 0)
     loss = default_loss(eng, batch)
-    # The second Predict verification on rank 1 sees a spike; rank 0 sees nothing odd.
-    if rank == 1 and eng.phase is Phase.PREDICT and not torch.is_grad_enabled():
-        spike_at["predict_seen"] += 1
-        if spike_at["predict_seen"] == 2:
+    if args.faults and rank == 1 and eng.phase is Phase.PREDICT and not real:
+        predict_verifications["seen"] += 1
+        if predict_verifications["seen"] == 2:
             return loss * 10
     return loss
 
 
+def batch_digest(batch: dict) -> str:
+    return hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16]
+
+
 record = []
-for _ in range(steps):
-    r = engine.train_step(batches.step(), loss_fn=loss_fn)
+for _ in range(args.steps):
+    micro = [next(stream) for _ in range(args.gas)]
+    r = engine.train_step(micro, loss_fn=loss_fn)
     record.append({"phase": r.phase, "loss": r.loss, "accepted": r.accepted, "rolled_back": r.rolled_back_steps,
-                   "step": r.step, "scale": r.step_scale, "confidence": r.confidence})
+                   "skipped": r.skipped, "step": r.step, "lr": r.lr, "batches": [batch_digest(b) for b in micro]})
+if args.save_dir:
+    engine.save_checkpoint(args.save_dir, "final")
 digest = hashlib.sha256(b"".join(p.float().numpy().tobytes() for p in full_params(engine))).hexdigest()
-with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"record": record, "weights_sha256": digest, "global_steps": engine.global_steps,
-               "statistics": engine.statistics()}, f)
+               "micro_steps": engine.micro_steps, "deepspeed_skipped_steps": engine.skipped_steps,
+               "statistics": engine.statistics(), "hybrid_state": engine.hybrid_state_dict()}, f)
 dist.barrier()
 print(f"RANK{rank} DONE", flush=True)
 sys.stdout.flush()
