@@ -233,6 +233,8 @@ def compare_seed(base: dict, other: dict) -> dict:
         "predict_rolled_back": st["predict_rolled_back"],
         "peak_rss_mb": other.get("peak_rss_mb"),
         "baseline_peak_rss_mb": base.get("peak_rss_mb"),
+        "gpu_peak_mb": other.get("gpu_peak_allocated_mb"),
+        "baseline_gpu_peak_mb": base.get("gpu_peak_allocated_mb"),
         "tokens_per_s_by_phase": phase_throughput(other),
         "baseline_tokens_per_s": phase_throughput(base).get("full"),
     }
@@ -248,6 +250,7 @@ def mean_spread(values: list[float | None]) -> dict:
 
 AGG_KEYS = ["time_to_target_ratio", "final_val_gap_pct", "val_at_equal_time", "baseline_val_at_equal_time",
             "backward_skipped_pct", "predict_accepted", "predict_rolled_back", "peak_rss_mb", "baseline_peak_rss_mb",
+            "gpu_peak_mb", "baseline_gpu_peak_mb",
             "train_seconds", "baseline_train_seconds"]
 
 
@@ -370,6 +373,14 @@ def _ms(a: dict, fmt="{:.3f}") -> str:
     return f"{fmt.format(a['mean'])} ± {fmt.format(a['std'])}"
 
 
+def _gpu_cell(g: dict) -> str:
+    """The GPU allocator peak, where the runs had a GPU."""
+    gpu = g.get("gpu_peak_mb") or {"mean": None}
+    if gpu["mean"] is None:
+        return ""
+    return f"; GPU {_ms(gpu, '{:.0f}')} ({_ms(g['baseline_gpu_peak_mb'], '{:.0f}')})"
+
+
 def markdown(result: dict) -> str:
     s = result["suite"]
     lines = [f"Suite `{s['name']}`: {s['doc']}; {s['steps']} steps of {s['seq_len']}-byte sequences, seeds "
@@ -387,7 +398,7 @@ def markdown(result: dict) -> str:
             f"{_ms(g['final_val_gap_pct'], '{:+.2f}')}% | {_ms(g['val_at_equal_time'], '{:.4f}')} "
             f"({_ms(g['baseline_val_at_equal_time'], '{:.4f}')}) | {_ms(g['backward_skipped_pct'], '{:.1f}')}% | "
             f"{_ms(g['predict_accepted'], '{:.0f}')} / {_ms(g['predict_rolled_back'], '{:.0f}')} | "
-            f"{_ms(g['peak_rss_mb'], '{:.0f}')} ({_ms(g['baseline_peak_rss_mb'], '{:.0f}')}) | "
+            f"{_ms(g['peak_rss_mb'], '{:.0f}')} ({_ms(g['baseline_peak_rss_mb'], '{:.0f}')}){_gpu_cell(g)} | "
             f"{_ms(g['train_seconds'], '{:.1f}')} ({_ms(g['baseline_train_seconds'], '{:.1f}')}) |")
     for name, c in result.get("comparator_errors", {}).items():
         lines.append(f"| {name} | did not run: {c} | | | | | | | |")

@@ -40,6 +40,7 @@ def load_run(path: Path) -> dict:
         "predict_step_ms": ms["predict"] * 1e3 if ms.get("predict") else None,
         "train_seconds": s["train_seconds_excluding_eval"],
         "peak_rss_mb": s.get("peak_rss_mb"),
+        "gpu_peak_allocated_mb": s.get("gpu_peak_allocated_mb"),
         "tokens_per_step": s["args"]["seq_len"] * s["ds_config"].get("train_micro_batch_size_per_gpu", 1)
         * s["ds_config"].get("gradient_accumulation_steps", 1) * s.get("world_size", 1),
         "statistics": st,

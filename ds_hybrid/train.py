@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_second": tokens_per_step * done / train_seconds if train_seconds else None,
         "statistics": stats,
         "peak_rss_mb": peak_rss_mb(),
+        # The allocator's peak on this rank's GPU (None on CPU), for the bench's memory column.
+        "gpu_peak_allocated_mb": (torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

@@ -67,3 +67,15 @@ def test_quick_bench_end_to_end(tmp_path, monkeypatch):
     text = readme.read_text()
     assert "old" not in text and "docs/results/cpu-small.json" in text and text.endswith("outro\n")
     assert json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())["suite"]["name"] == "cpu-small"
+
+
+def test_gpu_peak_is_reported_only_where_measured():
+    base = _row([(0.0, 5.0), (10.0, 2.0)], 10.0)
+    gpu = dict(_row([(0.0, 5.0), (10.0, 2.1)], 10.0), gpu_peak_allocated_mb=900.0)
+    base["gpu_peak_allocated_mb"] = 1800.0
+    r = bench.compare_seed(base, gpu)
+    assert (r["gpu_peak_mb"], r["baseline_gpu_peak_mb"]) == (900.0, 1800.0)
+    agg = {k: bench.mean_spread([r[k], r[k]]) for k in bench.AGG_KEYS}
+    assert bench._gpu_cell(agg) == "; GPU 900 ± 0 (1800 ± 0)"
+    cpu = bench.compare_seed(_row([(0.0, 5.0), (10.0, 2.0)], 10.0), _row([(0.0, 5.0), (10.0, 2.1)], 10.0))
+    assert bench._gpu_cell({k: bench.mean_spread([cpu[k]]) for k in bench.AGG_KEYS}) == ""
