@@ -355,7 +355,6 @@ def load_verified(engine: Any, deepspeed_load: Callable[..., Any], load_dir: str
                               f"{err})") from err
     if load_path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed found no model-states file in this checkpoint")
-    engine.rebind_optimizer_views()
     reseat_cpu_adam_kernels(engine.optimizer)
     client_state = dict(client_state or {})
     shared = client_state.pop(STATE_KEY, None)

@@ -390,13 +390,6 @@ class PredictiveEngine(DeepSpeedEngine):
                       custom_load_fn=custom_load_fn)
         return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs)
 
-    def rebind_optimizer_views(self) -> None:
-        """After DeepSpeed's load: torch's ``Optimizer.load_state_dict`` replaces the
-        param-group dicts, so the master accessor (which keeps references to them on
-        ZeRO 0) is rebuilt; otherwise a Predict step would read a stale learning rate."""
-        if self.hybrid_config.enabled:
-            self._masters = za.master_access(self)
-
     def hybrid_state_dict(self) -> dict:
         """State every rank shares (it goes into DeepSpeed's ``client_state``): the phase
         controller, the predictor, the pending Predict steps, the statistics, and

@@ -90,8 +90,10 @@ class MasterAccess(abc.ABC):
                    for p in self.partitions())
 
 
-def _group_of_each_param(base: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
-    return [(p, g) for g in base.param_groups for p in g["params"]]
+def _group_of_each_param(base: torch.optim.Optimizer) -> list[tuple[torch.Tensor, int]]:
+    # The group's index, not its dict: Optimizer.load_state_dict (a checkpoint load)
+    # replaces the group dicts, and a cached dict would hold a stale learning rate.
+    return [(p, gi) for gi, g in enumerate(base.param_groups) for p in g["params"]]
 
 
 class _PlainAccess(MasterAccess):
@@ -108,8 +110,8 @@ class _PlainAccess(MasterAccess):
         return len(self._params)
 
     def _entry(self, i):
-        p, g = self._params[i]
-        return p.data, p, g
+        p, gi = self._params[i]
+        return p.data, p, self.base.param_groups[gi]
 
     def _step_count(self, state, group):
         # FusedAdam increments state["step"] of the last parameter of a group only
@@ -144,14 +146,14 @@ class _FP16UnfusedAccess(MasterAccess):
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
-        self._masters = [(m, g) for ms, g in zip(optimizer.fp32_groups, self.base.param_groups) for m in ms]
+        self._masters = [(m, gi) for gi, ms in enumerate(optimizer.fp32_groups) for m in ms]  # index: see above
 
     def _count(self):
         return len(self._masters)
 
     def _entry(self, i):
-        m, g = self._masters[i]
-        return m, m, g
+        m, gi = self._masters[i]
+        return m, m, self.base.param_groups[gi]
 
     def propagate(self):
         for masters, lp_group in zip(self.optimizer.fp32_groups, self.optimizer.fp16_groups):
