@@ -47,10 +47,14 @@ class DivergenceConfig(_Section):
 class PredictorConfig(_Section):
     """The predictor that builds a Predict step's weight update."""
 
-    type: Literal["adam_direction"] = "adam_direction"
-    """``adam_direction``: the bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)``
-    read from the optimizer state, times the current learning rate, times the step
-    scale below. Needs an Adam-family optimizer (Adam, AdamW, FusedAdam, CPU Adam)."""
+    type: Literal["adam_direction", "rssm"] = "adam_direction"
+    """Both move the weights along the bias-corrected Adam direction
+    ``m_hat / (sqrt(v_hat) + eps)`` read from the optimizer state, times the learning
+    rate and a step scale (needs Adam, AdamW, FusedAdam or CPU Adam). ``adam_direction``:
+    one learned scale, a linear loss trend, confidence from the direction cosine.
+    ``rssm``: the dynamics model of the ``dynamics`` section (64-feature encoder, RSSM
+    ensemble, residual corrector, calibrated confidence, bandit horizon, per-layer-group
+    scales learned from measured progress)."""
 
     step_scale: float = Field(0.5, gt=0.0)
     """Multiplier on the learned step scale. The learned scale is the running projection
@@ -70,6 +74,91 @@ class PredictorConfig(_Section):
     """Compare predicted and actual Adam directions on every real step (Warmup, Full and
     Correct), not only on Correct steps. Costs two passes over the master weights per
     real step and uses the snapshot buffer."""
+
+
+class DynamicsConfig(_Section):
+    """The dynamics model used by ``predictor.type: rssm`` (ds_hybrid/dynamics/)."""
+
+    ensemble_size: int = Field(3, ge=1, le=16)
+    """RSSM ensemble members; they differ in initialisation and in the windows they train
+    on, and their disagreement is part of the confidence."""
+
+    deter: int = Field(256, ge=8)
+    """Size of each member's deterministic GRU state."""
+
+    stoch: int = Field(32, ge=1)
+    """Size of each member's stochastic Gaussian latent."""
+
+    horizon: int = Field(8, ge=1, le=64)
+    """Steps ahead the loss head forecasts (k = 1..horizon); at least ``max_predict_steps``."""
+
+    train_every: int = Field(4, ge=1)
+    """Train the RSSM after every this many real observations."""
+
+    train_iters: int = Field(1, ge=0)
+    """Gradient steps per training round (0 freezes the model, e.g. after ``init_from``)."""
+
+    window: int = Field(16, ge=2)
+    """Length of the observation windows the RSSM trains and filters on."""
+
+    batch_windows: int = Field(8, ge=1)
+    """Windows per member per gradient step."""
+
+    lr: float = Field(1e-3, gt=0.0)
+    """Learning rate of the RSSM's own Adam optimizer."""
+
+    replay: int = Field(2048, ge=32)
+    """Observations kept for training (the oldest are dropped)."""
+
+    min_observations: int = Field(24, ge=4)
+    """Observed losses needed before the predictor may predict at all."""
+
+    corrector: bool = True
+    """Correct the RSSM's loss and step-scale forecasts with the online residual
+    regression of ``dynamics/corrector.py``."""
+
+    calibration_bins: int = Field(5, ge=1)
+    """Bins of the raw score (ensemble disagreement and recent error against the acceptance
+    band) in which the acceptance frequency, the confidence, is counted."""
+
+    explore_every: int = Field(3, ge=0)
+    """While the current bin has fewer than ``explore_evidence`` verified outcomes, take a
+    1-step exploratory Predict run at every n-th decision (0: never). Exploratory steps
+    are counted apart in the calibration table."""
+
+    explore_evidence: int = Field(8, ge=0)
+    """Verified outcomes a bin needs before exploration stops there."""
+
+    bandit_alpha: float = Field(0.5, ge=0.0)
+    """LinUCB exploration weight of the horizon bandit."""
+
+    progress_every: int = Field(1, ge=0)
+    """Measure the progress of every n-th verified Predict step: the no-grad loss of its
+    batch before the predicted update (the same run with the step skipped) minus the loss
+    after it. It teaches how far to go; 0 turns it off. Costs one forward per measurement."""
+
+    reject_negative_progress: bool = True
+    """Roll back a measured Predict step whose batch loss is higher than without it."""
+
+    min_group_cosine: float = Field(0.0, ge=-1.0, le=1.0)
+    """A layer group whose running cosine between consecutive Adam directions is below this
+    is not moved in Predict steps (its direction does not persist)."""
+
+    batch_difficulty: bool = True
+    """Condition loss forecasts on a cheap statistic of the batch, known before its forward:
+    its tokens' cross-entropy under running bigram counts (unigram above 1024 tokens of
+    vocabulary). Needs ``input_ids`` batches; it explains much of the batch-to-batch loss noise."""
+
+    trajectory_path: str | None = None
+    """Write one JSON line per optimizer step (the observation the predictor saw) to this
+    file on rank 0, for offline evaluation (``ds-hybrid dynamics-eval``). Any predictor type."""
+
+    init_from: str | None = None
+    """Start the predictor from a state saved by ``ds-hybrid dynamics-eval --save-predictor``
+    (a predictor trained offline on recorded trajectories)."""
+
+    seed: int = 0
+    """Seed of the ensemble's initialisation and window sampling."""
 
 
 class HybridPredictConfig(_Section):
@@ -112,16 +201,29 @@ class HybridPredictConfig(_Section):
     """Write the per-step scalars through DeepSpeed's monitor (TensorBoard / CSV / W&B
     sections of the ds_config) when it is enabled."""
 
+    kernels: Literal["auto", "cupy", "torch"] = "auto"
+    """Where the predictor's hot paths run (fused predicted update, RSSM step and rollout,
+    state encoding): ``cupy`` = the CUDA kernels of ``kernels/*.cu`` through CuPy (fails,
+    naming what is missing, without CuPy or a CUDA device), ``torch`` = their torch
+    references, ``auto`` = the kernels when CuPy imports and the tensors are on a CUDA
+    device, else torch. ``ds-hybrid report`` shows what ``auto`` picks here."""
+
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
     """Rejection bands for verified Predict steps."""
 
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     """Settings of the update predictor."""
 
+    dynamics: DynamicsConfig = Field(default_factory=DynamicsConfig)
+    """The dynamics model (``predictor.type: rssm``) and trajectory recording."""
+
     @model_validator(mode="after")
     def _horizon_order(self) -> "HybridPredictConfig":
         if self.min_predict_steps > self.max_predict_steps:
             raise ValueError(f"min_predict_steps ({self.min_predict_steps}) must not exceed "
+                             f"max_predict_steps ({self.max_predict_steps})")
+        if self.predictor.type == "rssm" and self.dynamics.horizon < self.max_predict_steps:
+            raise ValueError(f"dynamics.horizon ({self.dynamics.horizon}) must be at least "
                              f"max_predict_steps ({self.max_predict_steps})")
         return self
 

@@ -40,6 +40,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import checkpoint as ckpt
 from . import zero_access as za
 from .config import HybridPredictConfig, parse_hybrid_config
+from .dynamics.batchstats import BatchDifficulty
+from .dynamics.encoder import Observation
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
 
@@ -75,6 +77,7 @@ class StepResult:
     rolled_back_steps: int = 0      # Predict steps undone by this step's rollback
     lr: float = 0.0
     skipped: bool = False           # real step whose update was skipped (NaN/Inf loss or gradient on a rank)
+    progress: float | None = None   # Predict: batch loss with the step skipped minus with it (measured steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +93,10 @@ class _Stats:
     predict_rolled_back: int = 0
     verifications: int = 0
     skipped_steps: int = 0          # real steps whose optimizer update was skipped (non-finite)
+    predictor_seconds: float = 0.0  # time spent in the predictor (encoding, training, decisions)
+    progress_sum: float = 0.0       # sum of measured progress of Predict steps (loss units)
+    progress_n: int = 0
+    progress_positive: int = 0
 
 
 class _NonFiniteGuard:
@@ -160,8 +167,20 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
         self.controller = PhaseController(self.hybrid_config)
-        self.predictor = AdamDirectionPredictor(self.hybrid_config)
+        self.predictor = make_predictor(self.hybrid_config)
         self._pending = 0  # Predict steps applied since the last good point
+        dyn = self.hybrid_config.dynamics
+        self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
+        self._verifications = 0
+        # Progress of measured Predict steps: (step, lr, scale, progress), for the regime analysis.
+        self.progress_log: list[tuple[int, float, float, float]] = []
+        sched = getattr(self._config, "scheduler_params", None) or {}
+        self._total_steps = int(sched.get("total_num_steps", 0) or 0)
+        self._trajectory = None
+        if dyn.trajectory_path and self.global_rank == 0:
+            from .dynamics.trajectory import TrajectoryWriter
+            self._trajectory = TrajectoryWriter(dyn.trajectory_path, meta={
+                "predictor": self.hybrid_config.predictor.type, "world_size": int(self.dp_world_size)})
 
     # ------------------------------------------------------------------ API
     @property
@@ -214,6 +233,18 @@ class PredictiveEngine(DeepSpeedEngine):
             out["snapshot_bytes"] = self._snapshot.nbytes()
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
+            out["predictor"] = self.hybrid_config.predictor.type
+            out["predictor_seconds"] = s.predictor_seconds
+            real = sum(s.steps[p.value] for p in Phase if p is not Phase.PREDICT)
+            real_s = sum(s.seconds[p.value] for p in Phase if p is not Phase.PREDICT)
+            # Mean predictor time per step over the mean time of a real step (which includes it).
+            total = sum(s.steps.values())
+            out["predictor_cost_fraction"] = ((s.predictor_seconds / total) / (real_s / real)
+                                              if total and real and real_s else None)
+            out["progress_measured"] = s.progress_n
+            out["progress_mean"] = s.progress_sum / s.progress_n if s.progress_n else None
+            out["progress_positive_share"] = s.progress_positive / s.progress_n if s.progress_n else None
+            out["predictor_details"] = self.predictor.statistics()
         return out
 
     # ------------------------------------------------------------ phases
@@ -230,45 +261,66 @@ class PredictiveEngine(DeepSpeedEngine):
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
         probe = (phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps) and self._masters.has_adam_state()
-        predicted = self.predictor.predict_loss(self.global_steps + 1)[0] if phase is Phase.CORRECT else None
+        local_difficulty = self._measure_difficulty(batches)
         if probe:
             za.stash_direction(self._masters, self._snapshot)
         self._real_step(batches, loss_fn)
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
-        sums = za.compare_direction(self._masters, self._snapshot) if probe else torch.zeros(3, dtype=torch.float64)
-        # Every rank calls this collective (probe can differ where a rank's partition is empty).
-        dot, old_sq, new_sq = (float(x) for x in self._all_reduce_sum(sums))
+        groups = (za.compare_direction(self._masters, self._snapshot) if probe else
+                  torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64))
+        # One collective for the per-group sums, the batch difficulty and the gradient norm;
+        # every rank calls it (probe can differ where a rank's partition is empty). The norm
+        # is averaged because DeepSpeed's may differ in the last bits between ranks, and
+        # everything the predictor sees must be identical everywhere.
+        grad_norm = self._grad_norm()
+        local = torch.cat([groups.flatten(), local_difficulty,
+                           torch.tensor([grad_norm if grad_norm is not None else -1.0], dtype=torch.float64)])
+        shared = self._all_reduce_sum(local)
+        groups = shared[:-3].view(groups.shape)
+        difficulty = float(shared[-3] / shared[-2]) if shared[-2] > 0 else None
+        grad_norm = float(shared[-1]) / self._world() if float(shared[-1]) >= 0 else None
+        with self._timed_predictor():
+            predicted = self.predictor.predict_loss(self.global_steps, difficulty)[0]
         if not self.was_step_applied():
             # No update happened: nothing for the predictor to learn, and the phase's
             # step budget counts applied updates only, so the controller stays put.
             return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
                               True, 0.0, lr=self._lr(), skipped=True)
-        self.predictor.observe_real_step(self.global_steps, loss, dot, old_sq, new_sq,
-                                         correct=phase is Phase.CORRECT)
         if phase is Phase.CORRECT and predicted is not None and math.isfinite(predicted):
             self.predictor.record_verification(self.global_steps, predicted, loss, phase.value, None)
-        self.controller.end_step(self._decide)
+        self._observe(Observation(step=self.global_steps, phase=phase.value, loss=loss, lr=self._lr(),
+                                  grad_norm=grad_norm, groups=groups.tolist() if probe else None,
+                                  predicted_loss=predicted if math.isfinite(predicted) else None,
+                                  total_steps=self._total_steps, batch_difficulty=difficulty))
+        with self._timed_predictor():
+            self.controller.end_step(self._decide)
         return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
                           True, 0.0, lr=self._lr())
-
-    def _decide(self) -> tuple[bool, int]:
-        """The Predict decision: a pure function of shared (all-reduced) values."""
-        conf = self.predictor.confidence()
-        if self.predictor.ready() and conf >= self.hybrid_config.confidence_threshold and conf > 0:
-            return True, self.predictor.horizon(conf)
-        return False, 0
 
     def _predict_step(self, batches: list, loss_fn: LossFn) -> StepResult:
         ctl, cfg = self.controller, self.hybrid_config
         if ctl.predict_index == 0:
             za.capture_weights(self._masters, self._snapshot)
             self._pending = 0
-        scale = self.predictor.step_scale()
+        with self._timed_predictor():
+            scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
+        scale = sum(scales) / len(scales) if scales else 0.0
         lr = self._lr()
+        verify = ctl.verify_now()
+        every = cfg.dynamics.progress_every
+        measure = verify and every > 0 and self._verifications % every == 0
+        self._verifications += int(verify)
+        local = torch.zeros(5, dtype=torch.float64)  # observed sum, count, skipped-step sum, difficulty sum, tokens
+        if verify:
+            local[3:] = self._measure_difficulty(batches)
+        if measure:
+            # The same run with this step skipped: the batch's loss before the update.
+            with torch.no_grad():
+                local[2] = sum(float(loss_fn(self, b).detach().float()) for b in batches)
 
         @torch.no_grad()
         def predicted_update() -> None:
-            za.apply_predicted_update(self._masters, scale)
+            za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
             self._masters.propagate()
 
         # DeepSpeed's step() reaches _take_model_step only at an accumulation boundary:
@@ -281,14 +333,23 @@ class PredictiveEngine(DeepSpeedEngine):
             self._predicted_update = None
         self._pending += 1
 
-        verify = ctl.verify_now()
-        observed = predicted = None
+        observed = predicted = progress = difficulty = None
         accepted, undone = None, 0
         if verify:
             with torch.no_grad():
                 losses = [float(loss_fn(self, b).detach().float()) for b in batches]
-            observed = self._shared_mean_loss(losses)
-            accepted, predicted = self.predictor.accept(observed, self.global_steps, cfg.divergence)
+            local[0], local[1] = sum(losses), len(losses)
+            shared = self._all_reduce_sum(local)
+            observed = float(shared[0] / shared[1])
+            difficulty = float(shared[3] / shared[4]) if shared[4] > 0 else None
+            if measure:
+                progress = float(shared[2] / shared[1]) - observed
+                self._record_progress(progress, lr, scale)
+            with self._timed_predictor():
+                accepted, predicted = self.predictor.accept(observed, self.global_steps, cfg.divergence,
+                                                            difficulty, progress)
+            ok, predicted = self._agreed([float(accepted), predicted])
+            accepted = ok > 0.5
             self.predictor.record_verification(self.global_steps, predicted, observed, Phase.PREDICT.value, accepted)
             if accepted:
                 self._stats.predict_accepted += self._pending
@@ -300,11 +361,76 @@ class PredictiveEngine(DeepSpeedEngine):
                 self._stats.predict_rolled_back += undone
             self._pending = 0
         else:
-            predicted = self.predictor.predict_loss(self.global_steps)[0]
-        ctl.end_step(self._decide, rolled_back=accepted is False)
+            with self._timed_predictor():
+                predicted = self.predictor.predict_loss(self.global_steps)[0]
+        self._observe(Observation(step=self.global_steps, phase=Phase.PREDICT.value, loss=observed, lr=lr,
+                                  step_scale=scale, predicted_loss=predicted, accepted=accepted,
+                                  rolled_back=undone, horizon=ctl.horizon, predict_index=ctl.predict_index,
+                                  total_steps=self._total_steps, progress=progress, batch_difficulty=difficulty))
+        with self._timed_predictor():
+            ctl.end_step(self._decide, rolled_back=accepted is False)
         return StepResult(self.global_steps, Phase.PREDICT.value, observed, predicted, self.predictor.confidence(),
                           False, 0.0, step_scale=scale, verified=verify, accepted=accepted,
-                          rolled_back_steps=undone, lr=lr)
+                          rolled_back_steps=undone, lr=lr, progress=progress)
+
+    # ------------------------------------------------------------ predictor plumbing
+    def _decide(self) -> tuple[bool, int]:
+        predict, horizon = self.predictor.decide()
+        predict, horizon = self._agreed([float(predict), float(horizon)])
+        return predict > 0.5, int(horizon)
+
+    def _agreed(self, values: list[float]) -> list[float]:
+        """Rank 0's values on every rank. Each rank's predictor sees the same all-reduced
+        inputs, but CPU math libraries may round differently per process (a least-squares
+        fit differed in the 16th digit between two gloo ranks in a test), and one flipped
+        comparison would split the phases and hang a collective. So rank 0's predictor
+        decides; the others follow it (one small broadcast per decision)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return values
+        dev = torch.device(get_accelerator().current_device_name())
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        torch.distributed.broadcast(t, src=0)
+        return t.cpu().tolist()
+
+    @contextlib.contextmanager
+    def _timed_predictor(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._stats.predictor_seconds += time.perf_counter() - t0
+
+    def _observe(self, obs: Observation) -> None:
+        """Hand one step's shared observation to the predictor (and the trajectory file)."""
+        with self._timed_predictor():
+            self.predictor.observe(obs)
+        if self._trajectory is not None:
+            self._trajectory.write(obs)
+
+    def _measure_difficulty(self, batches: list) -> torch.Tensor:
+        """This rank's (cross-entropy sum, token count) of the batch; zeros when off."""
+        if self._difficulty is None:
+            return torch.zeros(2, dtype=torch.float64)
+        got = self._difficulty.measure(batches)
+        return torch.tensor(got if got is not None else (0.0, 0.0), dtype=torch.float64)
+
+    def _grad_norm(self) -> float | None:
+        try:
+            g = self.get_global_grad_norm()
+        except Exception:  # not every optimizer wrapper keeps one
+            return None
+        if g is None:
+            return None
+        g = float(g)
+        return g if g >= 0 else None
+
+    def _record_progress(self, progress: float, lr: float, scale: float) -> None:
+        s = self._stats
+        s.progress_sum += progress
+        s.progress_n += 1
+        s.progress_positive += int(progress > 0)
+        self.progress_log.append((int(self.global_steps), lr, scale, progress))
+        del self.progress_log[:-10000]
 
     def _take_model_step(self, lr_kwargs):
         """DeepSpeed's boundary step. In a Predict step the optimizer's step is replaced,
@@ -398,7 +524,8 @@ class PredictiveEngine(DeepSpeedEngine):
               "stats": asdict(self._stats), "micro_steps": int(self.micro_steps)}
         if self.hybrid_config.enabled:
             sd.update(controller=self.controller.state_dict(), predictor=self.predictor.state_dict(),
-                      pending=self._pending)
+                      pending=self._pending, verifications=self._verifications, progress_log=list(self.progress_log),
+                      difficulty=None if self._difficulty is None else self._difficulty.state_dict())
         return sd
 
     def load_hybrid_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
@@ -417,6 +544,10 @@ class PredictiveEngine(DeepSpeedEngine):
         self.controller.load_state_dict(sd["controller"])
         self.predictor.load_state_dict(sd["predictor"])
         self._pending = sd["pending"]
+        self._verifications = sd.get("verifications", 0)
+        self.progress_log = [tuple(x) for x in sd.get("progress_log", [])]
+        if self._difficulty is not None and sd.get("difficulty") is not None:
+            self._difficulty.load_state_dict(sd["difficulty"])
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: its RNG states and, in the middle of a Predict run, the
@@ -472,6 +603,11 @@ class PredictiveEngine(DeepSpeedEngine):
         torch.distributed.all_reduce(buf)
         return buf.cpu()
 
+    def _world(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size()
+
     def _shared_mean_loss(self, losses: list[float]) -> float:
         t = self._all_reduce_sum(torch.tensor([sum(losses), len(losses)], dtype=torch.float64))
         return float(t[0] / t[1])
@@ -509,6 +645,14 @@ class PredictiveEngine(DeepSpeedEngine):
             if r.predicted_loss is not None and math.isfinite(r.predicted_loss):
                 events.append(("Hybrid/predicted_loss", r.predicted_loss, self.global_samples))
             self.monitor.write_events(events)
+
+
+def make_predictor(cfg: HybridPredictConfig):
+    """The predictor named by ``hybrid_predict.predictor.type``."""
+    if cfg.predictor.type == "rssm":
+        from .dynamics.predictor import RSSMPredictor
+        return RSSMPredictor(cfg)
+    return AdamDirectionPredictor(cfg)
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,

@@ -58,6 +58,32 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 4, "intermediate_size": 344},
     ),
+    # Shapes for `ds-hybrid plan` (counted on the meta device); building one on a CPU takes
+    # 4 bytes per parameter of host memory.
+    "llama-1b": ModelSpec(
+        "llama",
+        "Llama, 22 layers, hidden 2048, 32 heads (4 key/value), MLP 5632, vocabulary 32000 "
+        "(TinyLlama's shape, 1.1B parameters).",
+        {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "intermediate_size": 5632},
+        vocab_size=32000, seq_len=2048,
+    ),
+    "llama-7b": ModelSpec(
+        "llama",
+        "Llama, 32 layers, hidden 4096, 32 heads, MLP 11008, vocabulary 32000 (Llama-2-7B's "
+        "shape, 6.7B parameters).",
+        {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+         "num_key_value_heads": 32, "intermediate_size": 11008},
+        vocab_size=32000, seq_len=4096,
+    ),
+    "llama-50b": ModelSpec(
+        "llama",
+        "Llama, 64 layers, hidden 8192, 64 heads (8 key/value), MLP 24576, vocabulary 32000 "
+        "(48.8B parameters): the ZeRO-Infinity planning case.",
+        {"num_hidden_layers": 64, "hidden_size": 8192, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "intermediate_size": 24576},
+        vocab_size=32000, seq_len=4096,
+    ),
 }
 
 
@@ -149,19 +175,42 @@ def model_config(name: str = "gpt2-tiny", vocab_size: int | None = None,
     return config
 
 
+ATTENTION_CHOICES = ("auto", "sdpa", "eager")
+# Attention-probability dropout keys of the supported configs (GPT-2, Llama).
+_ATTN_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout")
+
+
+def attention_dropout(config: PretrainedConfig) -> float:
+    """The attention-probability dropout a config trains with (0.0 when it has none)."""
+    return max([float(getattr(config, k, 0.0) or 0.0) for k in _ATTN_DROPOUT_KEYS])
+
+
 def build_model(name: str = "gpt2-tiny", vocab_size: int | None = None,
-                seq_len: int | None = None, **overrides: Any) -> torch.nn.Module:
+                seq_len: int | None = None, attention: str = "auto", **overrides: Any) -> torch.nn.Module:
     """A randomly initialised causal LM (``AutoModelForCausalLM.from_config``).
 
-    Arguments as in ``model_config``. Uses PyTorch SDPA attention where the
-    architecture supports it. Deterministic under ``torch.manual_seed``.
+    Arguments as in ``model_config``. Deterministic under ``torch.manual_seed``.
+    ``attention``: ``sdpa`` runs PyTorch's ``scaled_dot_product_attention``, which
+    dispatches to fused kernels (flash or memory-efficient on CUDA, flash on the CPU)
+    that never hold the T x T attention matrix; ``eager`` is transformers' reference
+    path that does; ``auto`` (default) is ``sdpa`` where the architecture has it (GPT-2
+    and Llama do), else the model's default. The CPU's fused kernel has no dropout:
+    with attention dropout > 0 in training, CPU SDPA runs its unfused math path (CUDA's
+    flash and memory-efficient kernels implement dropout). The named models train
+    without dropout. DeepSpeed's transformer kernel (``DeepSpeedTransformerLayer``)
+    replaces BERT-style encoder layers only, so it has no place in these causal LMs.
     """
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)} (got {attention!r})")
     config = model_config(name, vocab_size, seq_len, **overrides)
-    try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except (ValueError, ImportError):
-        # Architectures without an SDPA path (possible for JSON configs) use their default.
-        model = AutoModelForCausalLM.from_config(config)
+    if attention != "auto":
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            # Architectures without an SDPA path (possible for JSON configs) use their default.
+            model = AutoModelForCausalLM.from_config(config)
     if getattr(model, "loss_type", "") is None:
         # transformers infers the loss from the class name, which fails for
         # GPT2LMHeadModel, then warns and falls back to the causal-LM loss; name it
@@ -174,3 +223,30 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
     """Number of parameter elements; tied weights (GPT-2's embedding / head) count once."""
     return sum(p.numel() for p in model.parameters()
                if p.requires_grad or not trainable_only)
+
+
+def layer_groups(model: torch.nn.Module, groups: int = 4) -> list[dict]:
+    """Optimizer param groups by depth: embeddings, ``groups - 2`` contiguous bands of
+    transformer blocks, and everything after the blocks (final norm, untied head).
+
+    Each becomes one flat master partition under ZeRO 1/2 and one entry of the
+    per-group statistics, so Predict steps can move layers by different amounts.
+    Groups carry a ``name``; empty ones are dropped.
+    """
+    import re
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    blocks = sorted({int(m.group(1)) for n, _ in named for m in [re.search(r"\.(?:h|layers)\.(\d+)\.", n)] if m})
+    bands = max(groups - 2, 1)
+    out: dict[str, list] = {}
+    for n, p in named:
+        m = re.search(r"\.(?:h|layers)\.(\d+)\.", n)
+        if m and blocks:
+            pos = blocks.index(int(m.group(1)))
+            key = f"blocks_{pos * bands // len(blocks)}"
+        elif any(k in n for k in ("wte", "wpe", "embed_tokens")):
+            key = "embeddings"
+        else:
+            key = "head"
+        out.setdefault(key, []).append(p)
+    order = ["embeddings"] + [f"blocks_{i}" for i in range(bands)] + ["head"]
+    return [{"params": out[k], "name": k} for k in order if k in out]

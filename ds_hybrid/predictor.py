@@ -90,7 +90,7 @@ class AdamDirectionPredictor:
         std = math.sqrt(sum(r * r for r in resid) / max(n - 2, 1))
         return slope, intercept, std, xs[-1]
 
-    def predict_loss(self, step: int) -> tuple[float, float]:
+    def predict_loss(self, step: int, difficulty: float | None = None) -> tuple[float, float]:
         """Expected loss at ``step`` and its noise std. The trend is not allowed to
         rise: a Predict step is meant to make progress."""
         if not self.losses:
@@ -100,8 +100,10 @@ class AdamDirectionPredictor:
         slope, intercept, std, _ = self._trend()
         return intercept + min(slope, 0.0) * step, std
 
-    def accept(self, observed: float, step: int, div: DivergenceConfig) -> tuple[bool, float]:
-        """Verification: is the observed loss inside the accepted band? Returns (ok, predicted)."""
+    def accept(self, observed: float, step: int, div: DivergenceConfig, difficulty: float | None = None,
+               progress: float | None = None) -> tuple[bool, float]:
+        """Verification: is the observed loss inside the accepted band? Returns (ok, predicted).
+        (This predictor ignores the batch difficulty and the measured progress.)"""
         predicted, std = self.predict_loss(step)
         if not math.isfinite(observed):
             return False, predicted
@@ -126,13 +128,40 @@ class AdamDirectionPredictor:
         frac = 1.0 if thr >= 1.0 else min(max((confidence - thr) / (1.0 - thr), 0.0), 1.0)
         return c.min_predict_steps + int(round(frac * (c.max_predict_steps - c.min_predict_steps)))
 
+    # -- the engine's predictor interface (shared with dynamics.RSSMPredictor) ----
+    def observe(self, obs) -> None:
+        """One step's ``dynamics.encoder.Observation``: real steps teach the scale and trend."""
+        if obs.phase == "predict" or obs.loss is None:
+            return
+        dot = old_sq = new_sq = 0.0
+        for row in obs.groups or []:
+            dot, old_sq, new_sq = dot + row[0], old_sq + row[1], new_sq + row[2]
+        self.observe_real_step(obs.step, obs.loss, dot, old_sq, new_sq, correct=obs.phase == "correct")
+
+    def step_scales(self, num_groups: int, index: int) -> list[float]:
+        """One scale for every layer group."""
+        return [self.step_scale()] * num_groups
+
+    def decide(self) -> tuple[bool, int]:
+        """Predict when ready and confident, for a run that grows with the confidence."""
+        conf = self.confidence()
+        if self.ready() and conf >= self.cfg.confidence_threshold and conf > 0:
+            return True, self.horizon(conf)
+        return False, 0
+
+    def statistics(self) -> dict:
+        return {}
+
     # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "proj_ema": self.proj_ema, "cos_ema": self.cos_ema,
+        return {"type": "adam_direction", "losses": list(self.losses), "proj_ema": self.proj_ema, "cos_ema": self.cos_ema,
                 "accepted": self.accepted, "rejected": self.rejected,
                 "loss_log": list(self.loss_log), "update_log": list(self.update_log)}
 
     def load_state_dict(self, sd: dict) -> None:
+        if sd.get("type", "adam_direction") != "adam_direction":
+            raise ValueError("predictor state is not an adam_direction predictor's "
+                             "(hybrid_predict.predictor.type changed?)")
         self.losses = deque((tuple(x) for x in sd["losses"]), maxlen=self.pcfg.loss_window)
         self.proj_ema, self.cos_ema = sd["proj_ema"], sd["cos_ema"]
         self.accepted, self.rejected = sd["accepted"], sd["rejected"]

@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="store_true",
                    help="train with hybrid_predict.enabled=false (plain DeepSpeed) for comparison")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--predictor", choices=("adam_direction", "rssm"), default=None,
+                   help="override hybrid_predict.predictor.type")
+    p.add_argument("--trajectory", default=None,
+                   help="record the predictor's observations, one JSON line per step, to this file "
+                        "(hybrid_predict.dynamics.trajectory_path; for ds-hybrid dynamics-eval)")
+    p.add_argument("--layer-groups", type=int, default=4,
+                   help="optimizer param groups per model: embeddings, N-2 bands of transformer blocks, "
+                        "and the final norm/head (Predict steps scale each group separately); 1: one group")
+    p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="record memory every step (ds_hybrid.memory.MemoryProfiler; ~10 us per step): "
+                        "memory.csv, memory_report.txt, memory.png, and per-phase peaks in summary.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     p.add_argument("--save-dir", default=None,
@@ -256,6 +267,18 @@ def main(argv: list[str] | None = None) -> dict:
     apply_run_length(ds_config, args.steps)
     if args.lr is not None:
         apply_lr(ds_config, args.lr)
+    if args.predictor or args.trajectory:
+        section = ds_config.setdefault("hybrid_predict", {"enabled": False})
+        if args.predictor:
+            section.setdefault("predictor", {})["type"] = args.predictor
+        if args.trajectory:
+            section.setdefault("dynamics", {})["trajectory_path"] = args.trajectory
+        try:
+            parse_hybrid_config(ds_config)
+        except ConfigError as err:
+            raise SystemExit(f"--predictor/--trajectory: {err}") from None
+    if args.layer_groups < 1:
+        raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     from .data import ByteDataset, DataError, train_batches, val_batches
     try:
         train_data, val_data = ByteDataset.load(args.data, args.max_corpus_bytes).split(seq_len=args.seq_len)
@@ -265,14 +288,21 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import deepspeed
     import ds_hybrid
-    from .models import build_model, count_parameters
+    from .models import build_model, count_parameters, layer_groups
     from .plotting import plot_loss_with_phases
 
     ensure_distributed_env()
     quiet_logs(args.verbose)
     torch.manual_seed(args.seed)
+    from .memory import MemoryProfiler
+    profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
     model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
-    engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if "activation_checkpointing" in ds_config:
+        # DeepSpeed's section does nothing by itself; its presence means: recompute each layer
+        # in backward (transformers' non-reentrant checkpointing; run here on ZeRO 1 and 3).
+        model.activation_checkpointing_enable()
+    params = layer_groups(model, args.layer_groups) if args.layer_groups > 1 else model.parameters()
+    engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
     rank, world = engine.global_rank, engine.world_size
     is_main = rank == 0
     gas = engine.gradient_accumulation_steps()
@@ -329,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
         elif is_main:
             print(f"saved checkpoint {checkpoint}", flush=True)
 
+    if profiler is not None:
+        profiler.begin()  # set-up peak: model, deepspeed.initialize, step-0 validation
     with StopSignals() as stop:
         for step in range(start + 1, args.steps + 1):
             batches = [to_device(next(stream)) for _ in range(gas)]
@@ -336,8 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
             done = step
             train_seconds += result.step_time_s
             records.append(result.as_dict())
+            if profiler is not None:
+                profiler.record(step, result.phase, result.step_time_s)
             if step % args.eval_every == 0 or step == args.steps:
                 val_points.append((step, validation_loss(engine, val_set)))
+                if profiler is not None:
+                    profiler.reset_peak()  # validation's memory is not the next step's
             if bar is not None:
                 post = {"phase": result.phase[:4], "conf": f"{result.confidence:.2f}",
                         "tok/s": f"{tokens_per_step / max(result.step_time_s, 1e-9):.0f}",
@@ -377,9 +413,14 @@ def main(argv: list[str] | None = None) -> dict:
         "train_seconds_excluding_eval": train_seconds,
         "tokens_per_second": tokens_per_step * done / train_seconds if train_seconds else None,
         "statistics": stats,
-        "peak_rss_mb": peak_rss_mb(),
+        # Measured Predict steps: (step, lr, scale, batch loss skipped minus taken).
+        "progress_log": list(getattr(engine, "progress_log", [])),
+        # The profiler resets the kernel's high-water mark every step; it keeps the process peak.
+        "peak_rss_mb": max(peak_rss_mb(), profiler.process_peak_rss_mb if profiler else 0.0),
         # The allocator's peak on this rank's GPU (None on CPU), for the bench's memory column.
-        "gpu_peak_allocated_mb": (torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None,
+        "gpu_peak_allocated_mb": ((profiler.process_peak_gpu_allocated_mb if profiler else None)
+                                  or ((torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None)),
+        "memory": profiler.summary() if profiler else None,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -395,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
                                     "rolled_back": r["rolled_back_steps"] > 0} for r in records],
                                   out / "loss.png", val_points=val_points,
                                   title=f"{args.model} on {args.data or 'stdlib source'} ({config_path.name})")
+        if profiler is not None:
+            profiler.write(out, plot=not args.no_plot, title=f"{args.model}: memory by step ({config_path.name})")
         print(format_summary(summary), flush=True)
         print(f"wrote {out / 'summary.json'}, {out / 'steps.jsonl'}" + ("" if args.no_plot else f", {out / 'loss.png'}"))
     return summary

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ class MasterPartition:
     state: dict  # the optimizer state for ``master``: step, exp_avg, exp_avg_sq
     group: dict  # its param group: lr, betas, eps, weight_decay
     step: float  # real optimizer steps behind the moments (for bias correction)
+    group_index: int = 0  # index of ``group`` in the optimizer's param_groups (a layer group)
 
 
 class MasterAccess(abc.ABC):
@@ -60,8 +61,12 @@ class MasterAccess(abc.ABC):
         """Number of master entries on this rank."""
 
     @abc.abstractmethod
-    def _entry(self, i: int) -> tuple[torch.Tensor, Any, dict]:
-        """(master tensor, optimizer-state key, param group) of entry ``i``."""
+    def _entry(self, i: int) -> tuple[torch.Tensor, Any, int]:
+        """(master tensor, optimizer-state key, param-group index) of entry ``i``."""
+
+    def num_groups(self) -> int:
+        """Number of optimizer param groups (ds_hybrid's layer groups, see models.layer_groups)."""
+        return len(self.base.param_groups)
 
     @contextlib.contextmanager
     def _resident(self, i: int):
@@ -72,9 +77,10 @@ class MasterAccess(abc.ABC):
         """Yield every master partition of this rank, swapped in while in use."""
         for i in range(self._count()):
             with self._resident(i):
-                master, key, group = self._entry(i)
+                master, key, gi = self._entry(i)
+                group = self.base.param_groups[gi]
                 state = self.base.state.get(key, {})
-                yield MasterPartition(master, state, group, self._step_count(state, group))
+                yield MasterPartition(master, state, group, self._step_count(state, group), gi)
 
     def _step_count(self, state: dict, group: dict) -> float:
         # torch keeps the count in the state; FusedAdam in the param group too.
@@ -111,7 +117,7 @@ class _PlainAccess(MasterAccess):
 
     def _entry(self, i):
         p, gi = self._params[i]
-        return p.data, p, self.base.param_groups[gi]
+        return p.data, p, gi
 
     def _step_count(self, state, group):
         # FusedAdam increments state["step"] of the last parameter of a group only
@@ -130,7 +136,7 @@ class _FP16OptimizerAccess(MasterAccess):
 
     def _entry(self, i):
         flat = self.optimizer.fp32_groups_flat[i]
-        return flat, flat, self.base.param_groups[i]
+        return flat, flat, i
 
     def propagate(self):
         from torch._utils import _unflatten_dense_tensors
@@ -153,7 +159,7 @@ class _FP16UnfusedAccess(MasterAccess):
 
     def _entry(self, i):
         m, gi = self._masters[i]
-        return m, m, self.base.param_groups[gi]
+        return m, m, gi
 
     def propagate(self):
         for masters, lp_group in zip(self.optimizer.fp32_groups, self.optimizer.fp16_groups):
@@ -172,7 +178,7 @@ class _BF16OptimizerAccess(MasterAccess):
 
     def _entry(self, i):
         flat = self.optimizer.fp32_groups_flat_partition[i]
-        return flat, flat, self.base.param_groups[i]
+        return flat, flat, i
 
     def propagate(self):
         self.optimizer.update_lp_params()
@@ -189,7 +195,7 @@ class _Zero12Access(MasterAccess):
 
     def _entry(self, i):
         flat = self.optimizer.single_partition_of_fp32_groups[i]
-        return flat, flat, self.base.param_groups[i]
+        return flat, flat, i
 
     def propagate(self):
         self.optimizer.update_lp_params()
@@ -212,7 +218,7 @@ class _Zero3Access(MasterAccess):
     def _entry(self, i):
         opt = self.optimizer
         flat = opt.fp32_partitioned_groups_flat[i]
-        return flat, flat, self.base.param_groups[opt.sub_group_to_group_id[i]]
+        return flat, flat, opt.sub_group_to_group_id[i]
 
     @contextlib.contextmanager
     def _resident(self, i):
@@ -343,25 +349,40 @@ def restore_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
     access.propagate()  # a collective on ZeRO 1-3: every rank rolls back together
 
 
+def _scale_of(scale: "float | Sequence[float]", gi: int) -> float:
+    return float(scale) if isinstance(scale, (int, float)) else float(scale[gi])
+
+
 @torch.no_grad()
-def apply_predicted_update(access: MasterAccess, scale: float) -> float:
+def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]", backend: str = "torch") -> float:
     """Add ``-scale * lr * adam_direction`` (plus AdamW's decoupled decay) to the masters.
 
-    Returns the squared norm of the applied update on this rank (for statistics).
-    The caller propagates to the model parameters.
+    ``scale`` is one number, or one per layer group (optimizer param group); a
+    group with scale 0 is left untouched, decay included. ``backend`` is
+    ``hybrid_predict.kernels``: the one-pass CUDA kernel (``kernels/fused_update.cu``)
+    on GPU partitions, or its torch reference, which is bit-identical to
+    ``adam_direction`` + add on the same device. Returns the squared norm of the
+    applied update on this rank. The caller propagates to the model parameters.
     """
-    sq = 0.0
+    from . import kernels
+    sq = []
     for part in access.partitions():
         if part.master.numel() == 0 or "exp_avg" not in part.state:
             continue
-        lr = float(part.group["lr"])
-        update = adam_direction(part).mul_(-scale * lr)
-        wd = float(part.group.get("weight_decay", 0.0))
-        if access.decoupled_decay and wd:
-            update.add_(part.master, alpha=-lr * wd)
-        sq += float(update.double().pow(2).sum())
-        part.master.add_(update)
-    return sq
+        s = _scale_of(scale, part.group_index)
+        if s == 0.0:
+            continue
+        if part.step < 1:
+            raise RuntimeError("ds_hybrid: the optimizer state has no step count; a Predict step needs at "
+                               "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
+        g = part.group
+        beta1, beta2 = g.get("betas", (0.9, 0.999))
+        sq.append(kernels.fused_update(
+            part.master, part.state["exp_avg"], part.state["exp_avg_sq"], lr=float(g["lr"]), scale=s,
+            beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
+            weight_decay=float(g.get("weight_decay", 0.0)), decoupled=access.decoupled_decay,
+            bias_correction=g.get("bias_correction", True), compute_sq=True, backend=backend))
+    return sum(float(x) for x in sq)  # one host sync per step, after every partition is queued
 
 
 @torch.no_grad()
@@ -373,25 +394,37 @@ def stash_direction(access: MasterAccess, bufs: PartitionBuffers) -> None:
     bufs.holds = "direction"
 
 
+# Columns of compare_direction's per-group sums.
+DIRECTION_STATS = ("dot", "old_sq", "new_sq", "master_sq", "m_abs", "v_sqrt", "numel")
+
+
 @torch.no_grad()
 def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Tensor:
-    """Sums for the predicted-vs-actual comparison after a real step.
+    """Per-layer-group sums for the predicted-vs-actual comparison after a real step.
 
-    Returns float64 ``[<d_new, d_old>, |d_old|^2, |d_new|^2]`` over this rank's
-    partitions; the caller all-reduces them (a sum, so ranks with shards agree)
-    and derives the projection ``<d_new, d_old> / |d_old|^2`` (how far the next
-    real step goes along the stashed direction) and the cosine.
+    Returns float64 ``[num_groups, 7]`` with the columns of ``DIRECTION_STATS``:
+    ``<d_new, d_old>``, ``|d_old|^2``, ``|d_new|^2`` (the stashed Adam direction
+    against the one after the step), ``|master|^2``, ``sum |m|``, ``sum sqrt(v)``
+    and the element count, over this rank's partitions. The caller all-reduces
+    them (sums, so ranks holding shards agree) and derives per group the
+    projection ``<d_new, d_old> / |d_old|^2`` (how far the next real step goes
+    along the stashed direction), the cosine and the moment summaries.
     """
-    out = torch.zeros(3, dtype=torch.float64)
+    out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     if bufs.holds != "direction":
         return out
     for i, part in enumerate(access.partitions()):
-        if "exp_avg" not in part.state or i >= len(bufs.buffers):
+        if "exp_avg" not in part.state or i >= len(bufs.buffers) or part.master.numel() == 0:
             continue
         new = adam_direction(part)
         old = bufs.buffers[i].to(new.device, non_blocking=True)
-        out[0] += float(torch.dot(new.flatten().double(), old.flatten().double()))
-        out[1] += float(old.double().pow(2).sum())
-        out[2] += float(new.double().pow(2).sum())
+        row = out[part.group_index]
+        row[0] += float(torch.dot(new.flatten().double(), old.flatten().double()))
+        row[1] += float(old.double().pow(2).sum())
+        row[2] += float(new.double().pow(2).sum())
+        row[3] += float(part.master.double().pow(2).sum())
+        row[4] += float(part.state["exp_avg"].double().abs().sum())
+        row[5] += float(part.state["exp_avg_sq"].double().sqrt().sum())
+        row[6] += float(part.master.numel())
     bufs.holds = None
     return out

@@ -35,11 +35,16 @@ parser.add_argument("--gas", type=int, default=1)
 parser.add_argument("--faults", action="store_true")
 parser.add_argument("--save-dir", default=None)
 parser.add_argument("--out", required=True)
+parser.add_argument("--predictor", default="adam_direction")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-engine = make_engine(ds_config(stage=args.stage, gas=args.gas, hybrid=dict(EAGER, min_predict_steps=3,
-                                                                            max_predict_steps=3)))
+hybrid = dict(EAGER, min_predict_steps=3, max_predict_steps=3)
+if args.predictor == "rssm":
+    # Decide early and often, so a short run exercises training, exploration and the bandit.
+    hybrid.update(predictor={"type": "rssm"}, min_predict_steps=1,
+                  dynamics={"min_observations": 4, "train_every": 2, "explore_every": 1, "window": 4})
+engine = make_engine(ds_config(stage=args.stage, gas=args.gas, hybrid=hybrid))
 corpus = torch.randint(0, 48, (8192,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
 stream = train_batches(corpus, SEQ, MICRO, seed=7, rank=rank, world_size=world)
 predict_verifications = {"seen": 0}
@@ -74,6 +79,13 @@ def batch_digest(batch: dict) -> str:
     return hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16]
 
 
+def json_state(sd: dict) -> dict:
+    sd = {k: v for k, v in sd.items() if k != "difficulty"}
+    if args.predictor == "rssm":
+        sd.pop("predictor")
+    return sd
+
+
 record = []
 for _ in range(args.steps):
     micro = [next(stream) for _ in range(args.gas)]
@@ -86,7 +98,9 @@ digest = hashlib.sha256(b"".join(p.float().numpy().tobytes() for p in full_param
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"record": record, "weights_sha256": digest, "global_steps": engine.global_steps,
                "micro_steps": engine.micro_steps, "deepspeed_skipped_steps": engine.skipped_steps,
-               "statistics": engine.statistics(), "hybrid_state": engine.hybrid_state_dict()}, f)
+               "statistics": {k: v for k, v in engine.statistics().items() if k != "predictor_details"},
+               # (JSON: the RSSM's state and the difficulty counts hold tensors; compared elsewhere)
+               "hybrid_state": json_state(engine.hybrid_state_dict())}, f)
 dist.barrier()
 print(f"RANK{rank} DONE", flush=True)
 sys.stdout.flush()

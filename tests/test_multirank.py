@@ -43,3 +43,16 @@ def test_ranks_agree_and_survive_one_rank_faults(stage, world, tmp_path):
     for step in range(STEPS):
         digests = [d for rep in ranks for d in rep["record"][step]["batches"]]
         assert len(set(digests)) == len(digests), f"two ranks read the same batch at step {step + 1}"
+
+
+@pytest.mark.slow
+def test_ranks_agree_with_the_rssm_predictor(tmp_path):
+    """The dynamics model (its training, exploration, bandit and monitor) sees only shared
+    values, and rank 0's decisions, scales and verdicts are broadcast: every rank takes
+    the same phases and ends with the same weights."""
+    ranks = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "30", "--predictor", "rssm"], 2, tmp_path)
+    first, other = ranks
+    for col in ("phase", "loss", "rolled_back", "accepted", "lr"):
+        assert [s[col] for s in other["record"]] == [s[col] for s in first["record"]], f"ranks differ in '{col}'"
+    assert other["weights_sha256"] == first["weights_sha256"]
+    assert "predict" in [s["phase"] for s in first["record"]]

@@ -22,5 +22,5 @@ def test_quick_start_has_two_commands_and_ci_runs_the_test_one():
 def test_readme_cli_examples_name_real_commands():
     from ds_hybrid.cli import COMMANDS
     text = (ROOT / "README.md").read_text()
-    used = set(re.findall(r"ds-hybrid (\w+)", text))
+    used = set(re.findall(r"ds-hybrid ([\w-]+)", text))
     assert used <= set(COMMANDS), used - set(COMMANDS)

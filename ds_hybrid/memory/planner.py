@@ -1,0 +1,723 @@
+"""``ds-hybrid plan``: which preset fits a model on a machine, and how much memory each needs.
+
+    ds-hybrid plan --model llama-7b --gpu-mem 24GB --cpu-mem 128GB [--nvme 500GB] [--gpus 1 --nodes 1]
+    ds-hybrid plan --validate          # CPU check of the estimate against measured runs
+
+For every preset in ``ds_configs/`` the plan estimates, for the given model, sequence length
+and micro batch:
+
+* **GPU, per device**: model states (from DeepSpeed's own estimators where they apply:
+  ``estimate_zero2_model_states_mem_needs`` for ZeRO 2 and ``estimate_zero3_model_states_mem_needs``
+  for ZeRO 3 with 16-bit weights and no NVMe; the same byte counting otherwise, see
+  ``model_states``), DeepSpeed's gradient buckets and ZeRO-3 gathered parameters, activations
+  (``activation_bytes``), ds_hybrid's rollback snapshot when it lives on the GPU, the predictor,
+  and framework overhead (CUDA context, allocator fragmentation);
+* **CPU, per node**: the processes' runtime, offloaded model states, pinned NVMe swap buffers,
+  the snapshot when it lives in host memory, and building the model: ``ds-hybrid train`` builds
+  the full fp32 model on the CPU in every process before DeepSpeed partitions it (no
+  ``deepspeed.zero.Init``), so a node needs ``4 x params x processes`` at start-up whatever the
+  stage (``--zero-init`` plans as if ZeRO 3 models were built under ``zero.Init``);
+* **NVMe, per node**: ZeRO-Infinity's swapped optimizer state, gradients and parameters.
+
+A preset fits when all three are within ``--gpu-mem``, ``--cpu-mem`` and ``--nvme``. The pick is the
+fastest preset that fits, fastest meaning least offload: nothing offloaded, then the optimizer
+in CPU memory, then parameters too, then NVMe; then the lower ZeRO stage; then 16-bit before
+fp32.
+
+Estimated, not measured: there is no GPU here. The GPU constants below are assumptions. The
+CPU-side arithmetic is checked by ``validate_cpu`` (``--validate``), which trains small models
+on DeepSpeed's CPU accelerator, where "the device" is host memory, and compares the estimate
+for that run with the measured peak RSS above the process's RSS before the model was built.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+PRESET_DIR = REPO_ROOT / "ds_configs"
+KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
+
+# ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
+CUDA_CONTEXT_BYTES = 1 * GiB          # CUDA context + cuBLAS / cuDNN workspaces + NCCL buffers per process
+GPU_FRAGMENTATION = 0.10              # the caching allocator's reserved-but-unused share on top of live bytes
+HOST_RUNTIME_BYTES = 3 * GiB          # host RSS of one CUDA training process before its model: CUDA libraries,
+                                      # torch, DeepSpeed, transformers, the corpus
+# ---- measured here ----------------------------------------------------------------------------
+# RSS that a CPU run adds over its pre-model baseline besides everything counted below: DeepSpeed's
+# engine and C++ ops, autograd and thread-pool arenas. Measured on gpt2-test (38K parameters, so
+# almost nothing else): the mean of (measured - estimated without this term) over five runs
+# (tiny-cpu; ZeRO 1 at micro batch 4 and 16, ZeRO 1 with checkpointing, ZeRO 2, ZeRO 3; seq 128;
+# range 126-147 MiB). validate_cpu's rows report the same difference as "unexplained_bytes".
+CPU_ENGINE_OVERHEAD_BYTES = 134 * MiB
+MALLOC_RETAINED_MAX = 64 * MiB        # glibc: 2 x DEFAULT_MMAP_THRESHOLD_MAX (32 MiB on 64-bit)
+# The predictor's state (the RSSM ensemble and its optimizer: a few MB); an upper bound.
+PREDICTOR_BYTES = 16 * MiB
+# DeepSpeed's own CPU-side safety factor in its estimators (additional_buffer_factor).
+DS_BUFFER_FACTOR = 1.5
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {"": 1, "b": 1,
+          "k": KiB, "kib": KiB, "ki": KiB, "kb": 10 ** 3,
+          "m": MiB, "mib": MiB, "mi": MiB, "mb": 10 ** 6,
+          "g": GiB, "gib": GiB, "gi": GiB, "gb": 10 ** 9,
+          "t": 2 ** 40, "tib": 2 ** 40, "ti": 2 ** 40, "tb": 10 ** 12}
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message names the flag."""
+
+
+def parse_size(text: str | int | float, flag: str = "size") -> int:
+    """Bytes from ``'24GB'`` (10**9), ``'24GiB'`` / ``'24G'`` (2**30), ``'500M'``, ``'1.5TB'`` or a
+    plain number of bytes. SI suffixes (kB, MB, GB, TB) are powers of 10; IEC ones (KiB, MiB,
+    GiB, TiB) and bare letters (K, M, G, T) are powers of 2. Errors name ``flag``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise PlanError(f"{flag}: cannot read {text!r} as a memory size "
+                            f"(examples: 24GB, 24GiB, 500G, 1.5TB, 25769803776)")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    out = value * _UNITS[unit]
+    if not math.isfinite(out) or out < 0:
+        raise PlanError(f"{flag}: a memory size must be 0 or more (got {text!r})")
+    return int(out)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 2 ** 40:
+        return f"{n / 2 ** 40:.2f} TiB"
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / MiB:.0f} MiB"
+
+
+# ============================================================== the model
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model; counted on the meta device (no weights)."""
+
+    name: str
+    family: str                # "gpt2" (LayerNorm, GELU MLP) or "llama" (RMSNorm, RoPE, SwiGLU)
+    params: int                # unique parameters (tied weights once)
+    largest_module_params: int # DeepSpeed's largest_layer_params: the biggest single module's own
+    block_params: int          # one transformer block
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    default_seq_len: int
+    activation: str
+
+
+def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
+    """Counts for a named model (``ds_hybrid.models``) or a transformers config JSON."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from ..models import MODEL_SPECS, model_config
+    try:
+        config = model_config(name, vocab_size=vocab_size)
+    except ValueError as err:
+        raise PlanError(f"--model: {err}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    layers = int(config.num_hidden_layers)
+    blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks[0]), default=0) if blocks else 0
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    model_type = config.model_type
+    family = "gpt2" if model_type in ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "gptj") else "llama"
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    act = str(getattr(config, "activation_function", None) or getattr(config, "hidden_act", "silu"))
+    positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048)
+    default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else min(positions, 2048)
+    return ModelShape(name=name, family=family, params=params, largest_module_params=largest,
+                      block_params=block, layers=layers, hidden=hidden, heads=heads,
+                      kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+                      intermediate=int(inter), vocab=int(config.vocab_size), max_positions=positions,
+                      default_seq_len=default_seq, activation=act)
+
+
+# ============================================================== the preset
+OFFLOAD_LEVEL = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+@dataclass(frozen=True)
+class PresetSpec:
+    """The parts of a ds_config the estimate reads (DeepSpeed's defaults where a key is absent)."""
+
+    name: str
+    stage: int
+    lp_bytes: int              # 2 with bf16 / fp16, 4 in fp32
+    offload_optimizer: str     # none | cpu | nvme
+    offload_param: str         # none | cpu | nvme
+    activation_checkpointing: bool
+    micro_batch: int
+    gradient_accumulation: int
+    reduce_bucket_size: int
+    overlap_comm: bool
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    sub_group_size: int
+    param_buffer_count: int
+    param_buffer_size: int
+    optimizer_buffer_count: int
+    hybrid_enabled: bool
+    snapshot_device: str
+    path: str = ""
+
+    @property
+    def speed_rank(self) -> tuple:
+        """Sort key, fastest first: least offload, then lower stage, then 16-bit."""
+        p, o = OFFLOAD_LEVEL[self.offload_param], OFFLOAD_LEVEL[self.offload_optimizer]
+        return (max(p, o), p, o, self.stage, self.lp_bytes)
+
+    def describe(self) -> str:
+        off = []
+        if self.offload_optimizer != "none":
+            off.append(f"opt->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            off.append(f"param->{self.offload_param}")
+        return (f"Z{self.stage} {'bf16' if self.lp_bytes == 2 else 'fp32'}"
+                f"{' ' + ','.join(off) if off else ''}{' AC' if self.activation_checkpointing else ''}")
+
+
+def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> PresetSpec:
+    """Read a ds_config dict (DeepSpeed's defaults fill what it leaves out)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from ..config import ConfigError, parse_hybrid_config
+    zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+    try:
+        hybrid = parse_hybrid_config(ds_config)
+    except ConfigError as err:
+        raise PlanError(f"preset {name}: {err}") from None
+    lp = 2 if (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled") else 4
+    oo = str(getattr(zero.offload_optimizer.device, "value", zero.offload_optimizer.device)) \
+        if zero.offload_optimizer else "none"
+    op = str(getattr(zero.offload_param.device, "value", zero.offload_param.device)) if zero.offload_param else "none"
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+    if micro is None:  # train_batch_size and gas given: one process's share
+        micro = max(1, int(ds_config.get("train_batch_size", 1)) // max(int(gas), 1))
+    return PresetSpec(
+        name=name, stage=int(zero.stage), lp_bytes=lp, offload_optimizer=oo, offload_param=op,
+        activation_checkpointing="activation_checkpointing" in ds_config,
+        micro_batch=int(micro), gradient_accumulation=int(gas),
+        reduce_bucket_size=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
+        prefetch_bucket_size=int(zero.prefetch_bucket_size), max_live_parameters=int(zero.max_live_parameters),
+        sub_group_size=int(zero.sub_group_size),
+        param_buffer_count=int(zero.offload_param.buffer_count) if zero.offload_param else 0,
+        param_buffer_size=int(zero.offload_param.buffer_size) if zero.offload_param else 0,
+        optimizer_buffer_count=int(zero.offload_optimizer.buffer_count) if zero.offload_optimizer else 0,
+        hybrid_enabled=bool(hybrid.enabled), snapshot_device=str(hybrid.snapshot_device), path=path)
+
+
+def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
+    """Every preset in ds_configs/ (or the named ones, by name or path)."""
+    paths: list[Path]
+    if names:
+        paths = []
+        for n in names:
+            p = Path(n)
+            if not p.is_file():
+                p = PRESET_DIR / (n if n.endswith(".json") else f"{n}.json")
+            if not p.is_file():
+                known = sorted(q.stem for q in PRESET_DIR.glob("*.json"))
+                raise PlanError(f"--presets: '{n}' is neither a file nor a preset (presets: {known})")
+            paths.append(p)
+    else:
+        paths = sorted(PRESET_DIR.glob("*.json"))
+    out = []
+    for p in paths:
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise PlanError(f"preset {p}: {err}") from None
+        out.append(preset_spec(cfg, p.stem, str(p)))
+    return out
+
+
+# ============================================================== the arithmetic
+@dataclass
+class Item:
+    where: str      # gpu | cpu | nvme
+    what: str
+    bytes: float
+    source: str = "ds_hybrid"
+
+
+def layer_activation_elements(shape: ModelShape, lp_bytes: int) -> float:
+    """Elements (in the training precision) that one transformer block saves for backward per
+    token, counted from the eager transformers implementations with SDPA attention (flash /
+    memory-efficient kernels: no sequence x sequence score matrix is kept).
+
+    GPT-2: LayerNorm inputs and outputs (4), q, k, v (3), the attention output and its
+    re-laid-out copy (2): 9 x hidden; the MLP's fc output, the tanh-GELU's intermediates
+    (tanh, 1 + tanh, x / 2) and its output: 5 x intermediate (2 for a fused GELU).
+    Llama: each RMSNorm keeps its input, the normalised value and its scaled output (3; 4 in
+    16-bit, where the input is upcast to fp32), attention keeps the rotated q and the
+    attention output (2; RoPE keeps only cos / sin, the output's re-layout is a view) and
+    the rotated k and v at the key/value width (SDPA's native grouped-query path); SwiGLU
+    keeps gate, up, silu(gate) and their product: 4 x intermediate. Checked against
+    ``torch.autograd.graph.saved_tensors_hooks`` in tests/test_plan.py.
+    """
+    h, inter = shape.hidden, shape.intermediate
+    if shape.family == "gpt2":
+        i_terms = 5 if shape.activation in ("gelu_new", "gelu_pytorch_tanh_python", "gelu_python") else 2
+        return 9 * h + i_terms * inter
+    kv_ratio = shape.kv_heads / shape.heads
+    norm = 3 if lp_bytes == 4 else 4
+    return 2 * norm * h + (2 + 2 * kv_ratio) * h + 4 * inter
+
+
+def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, lp_bytes: int,
+                     checkpointing: bool) -> dict[str, float]:
+    """Activation memory of one micro-batch at its peak (the start of backward), in bytes.
+
+    ``layers``: what the blocks keep (all of each block, or with checkpointing only each
+    block's input); ``head``: the final norm and the loss (cross-entropy keeps fp32
+    log-probabilities over the vocabulary); ``working``: the largest transient of the backward
+    pass, either the loss's (fp32 gradient in and out of log-softmax, plus the 16-bit logits'
+    gradient) or one block's (its recomputed activations with checkpointing, plus its
+    gradients in flight).
+    """
+    tokens = seq_len * micro_batch
+    block = layer_activation_elements(shape, lp_bytes) * tokens * lp_bytes
+    block_grads = (3 * shape.hidden + 2 * shape.intermediate) * tokens * lp_bytes
+    if checkpointing:
+        layers = shape.layers * shape.hidden * tokens * lp_bytes
+        block_working = block + block_grads
+    else:
+        layers = shape.layers * block
+        block_working = block_grads
+    norm_units = 2 if shape.family == "gpt2" else (3 if lp_bytes == 4 else 4)
+    head = norm_units * shape.hidden * tokens * lp_bytes + shape.vocab * tokens * 4
+    loss_working = shape.vocab * tokens * (8 + (lp_bytes if lp_bytes == 2 else 0))
+    return {"layers": layers, "head": head, "working": max(loss_working, block_working)}
+
+
+def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
+                 zero_init: bool = False, accelerator: str = "cuda") -> list[Item]:
+    """Weights, gradients, fp32 masters and Adam moments (and building the model) per GPU / node.
+
+    DeepSpeed's estimators give the numbers where they apply (ZeRO 2 and 3, 16-bit weights, no
+    NVMe); their CPU figures include DeepSpeed's 1.5x buffer factor and the build of the model
+    in each process. Elsewhere the same bytes per parameter are counted here: weights
+    (2 or 4), gradients (2 or 4; partitioned from ZeRO 2), an fp32 gradient partition (4),
+    fp32 masters (4; the weights themselves in fp32 ZeRO 0) and Adam's two moments (8), the
+    last three partitioned from ZeRO 1.
+    """
+    P, W, lp, st = shape.params, gpus * nodes, preset.lp_bytes, preset.stage
+    oo, op = preset.offload_optimizer, preset.offload_param
+    largest = shape.largest_module_params
+    items: list[Item] = []
+    build = 4 * P * gpus  # ds-hybrid train builds the fp32 model on the CPU in every process
+    if st == 3 and op != "none" and oo == "none":
+        raise PlanError(f"preset {preset.name}: offload_param needs offload_optimizer as well (DeepSpeed)")
+    if st < 3 and (op != "none" or oo == "nvme"):
+        raise PlanError(f"preset {preset.name}: parameter offload and NVMe need ZeRO stage 3")
+    if st == 0 and oo != "none":
+        raise PlanError(f"preset {preset.name}: optimizer offload needs ZeRO stage 1 or more")
+
+    if accelerator == "cpu":  # one place for everything; the model built is the model trained
+        if st == 0:
+            per = (16 if lp == 4 else 20) * P
+        else:
+            grads = lp * P if st == 1 else lp * P / W
+            per = lp * P / (W if st == 3 else 1) + grads + 16 * P / W
+        items.append(Item("cpu", f"model states (ZeRO {st}, {lp}-byte weights)", per))
+        return items
+
+    if lp == 2 and st == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        cpu, gpu = estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=oo == "cpu",
+                                                         additional_buffer_factor=DS_BUFFER_FACTOR)
+        items += [Item("gpu", "model states", gpu, "deepspeed"),
+                  Item("cpu", "model states + model build", cpu, "deepspeed")]
+        return items
+    if lp == 2 and st == 3 and "nvme" not in (oo, op):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            P, largest, gpus, nodes, cpu_offload=oo == "cpu", cpu_offload_params=op == "cpu",
+            zero_init=zero_init, additional_buffer_factor=DS_BUFFER_FACTOR)
+        items += [Item("gpu", "model states + largest layer", gpu, "deepspeed"),
+                  Item("cpu", "model states + model build" if not zero_init else "model states", cpu,
+                       "deepspeed")]
+        return items
+
+    # The same counting for what DeepSpeed has no estimator for.
+    if st == 0:
+        items.append(Item("gpu", "model states (ZeRO 0)", (16 if lp == 4 else 20) * P))
+        items.append(Item("cpu", "model build", build))
+        return items
+    if st in (1, 2):
+        grads = lp * P if st == 1 else lp * P / W
+        if oo == "none":
+            items.append(Item("gpu", f"model states (ZeRO {st})", lp * P + grads + 16 * P / W))
+            items.append(Item("cpu", "model build", build * DS_BUFFER_FACTOR))
+        else:
+            items.append(Item("gpu", f"weights + gradients (ZeRO {st})", lp * P + (grads if st == 1 else 0)))
+            items.append(Item("cpu", "masters + Adam + fp32 gradients, or model build",
+                              max(build, 16 * P * gpus / W) * DS_BUFFER_FACTOR))
+        return items
+    # stage 3: fp32 weights, or NVMe (ZeRO-Infinity)
+    items.append(Item("gpu", "largest layer gathered", 4 * largest, "deepspeed"))
+    if op == "none":
+        items.append(Item("gpu", "weight partition", lp * P / W))
+    if oo == "none":
+        items.append(Item("gpu", "gradients + masters + Adam (partitions)", (lp + 4 + 4 + 8) * P / W))
+    states_cpu = 0.0
+    if oo == "cpu":
+        states_cpu += 16 * P * gpus / W
+    if op == "cpu":
+        states_cpu += lp * P * gpus / W
+    nvme = 0.0
+    if oo == "nvme":
+        nvme += 16 * P / nodes   # fp32 masters, Adam moments, fp32 gradients swapped out
+        group = min(preset.sub_group_size, math.ceil(P / W))
+        states_cpu += gpus * group * 4 * (preset.optimizer_buffer_count + 1)  # swap buffers + gradient buffer
+    if op == "nvme":
+        nvme += lp * P / nodes
+        states_cpu += gpus * preset.param_buffer_count * preset.param_buffer_size * lp
+    if nvme:
+        items.append(Item("nvme", "swapped optimizer state / gradients / weights", nvme))
+    items.append(Item("cpu", "offloaded states + pinned swap buffers, or model build",
+                      max(0 if zero_init else build, states_cpu)))
+    return items
+
+
+@dataclass
+class Estimate:
+    preset: str
+    description: str
+    micro_batch: int
+    seq_len: int
+    gpu_bytes: float
+    cpu_bytes: float
+    nvme_bytes: float
+    snapshot_bytes: float
+    snapshot_where: str
+    items: list[Item] = field(default_factory=list)
+    fits: bool | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["items"] = [asdict(i) for i in self.items]
+        return d
+
+
+def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 1,
+             seq_len: int | None = None, micro_batch: int | None = None, zero_init: bool = False,
+             accelerator: str = "cuda") -> Estimate:
+    """Per-device GPU, per-node CPU and per-node NVMe bytes for training ``shape`` with ``preset``.
+
+    ``accelerator="cpu"`` estimates a run on DeepSpeed's CPU accelerator instead: everything
+    lands in host memory, and ``cpu_bytes`` is what the run adds to its process's RSS over
+    the RSS before the model was built (what ``validate_cpu`` measures); ``gpu_bytes`` is 0.
+    """
+    seq = seq_len or shape.default_seq_len
+    mb = micro_batch or preset.micro_batch
+    W = gpus * nodes
+    dev = "cpu" if accelerator == "cpu" else "gpu"
+    items = model_states(shape, preset, gpus, nodes, zero_init, accelerator)
+    P, lp = shape.params, preset.lp_bytes
+
+    # DeepSpeed's gradient buckets and ZeRO-3's gathered weights.
+    if preset.stage in (1, 2, 3):
+        bucket_dtype = 4 if preset.stage == 1 else lp   # ZeRO 1 stages the fp32 accumulator
+        n = preset.reduce_bucket_size * (2 if preset.overlap_comm else 1)
+        if accelerator == "cpu":  # pages of an empty CPU tensor are resident only once written
+            n = min(n, P)
+        items.append(Item(dev, "gradient reduction bucket", n * bucket_dtype, "deepspeed config"))
+    if preset.stage == 3:
+        # ZeRO 3 keeps gathered weights that are used again within stage3_max_reuse_distance (1e9 by
+        # default: every weight, since backward reuses them all), up to stage3_max_live_parameters.
+        gathered = min(max(preset.max_live_parameters, shape.block_params), P)
+        items.append(Item(dev, "gathered weights (<= stage3_max_live_parameters)", gathered * lp,
+                          "deepspeed config"))
+
+    act = activation_bytes(shape, seq, mb, lp, preset.activation_checkpointing)
+    items.append(Item(dev, "activations: blocks" + (" (checkpointed)" if preset.activation_checkpointing else ""),
+                      act["layers"]))
+    items.append(Item(dev, "activations: final norm + loss", act["head"]))
+    items.append(Item(dev, "backward working set", act["working"]))
+
+    # ds_hybrid's own buffers: one fp32 copy of the rank's master partition.
+    snap, snap_where = 0.0, "-"
+    if preset.hybrid_enabled:
+        part = 4 * P / (W if preset.stage >= 1 else 1)
+        masters_on_cpu = preset.offload_optimizer != "none"
+        snap_where = "cpu" if (accelerator == "cpu" or preset.snapshot_device == "cpu" or masters_on_cpu) else "gpu"
+        snap = part * (gpus if snap_where == "cpu" and accelerator != "cpu" else 1)
+        items.append(Item(snap_where, "rollback snapshot (fp32 master partition)", snap))
+        items.append(Item(dev, "predictor", PREDICTOR_BYTES))
+
+    if accelerator == "cpu":
+        # glibc's malloc raises its mmap threshold to the size of a freed mmapped block (up to 32 MiB)
+        # and keeps up to twice that of freed heap memory before trimming: a step's freed
+        # activations stay resident up to that bound.
+        transient = act["layers"] + act["working"]
+        items.append(Item("cpu", "freed memory malloc keeps (glibc, <= 64 MiB)", min(MALLOC_RETAINED_MAX, transient),
+                          "glibc defaults"))
+        items.append(Item("cpu", "engine overhead (measured, gpt2-test)", CPU_ENGINE_OVERHEAD_BYTES, "measured"))
+    else:
+        live = sum(i.bytes for i in items if i.where == "gpu")
+        items.append(Item("gpu", "allocator fragmentation (assumed 10%)", GPU_FRAGMENTATION * live, "assumed"))
+        items.append(Item("gpu", "CUDA context + workspaces (assumed)", CUDA_CONTEXT_BYTES, "assumed"))
+        items.append(Item("cpu", f"process runtime x {gpus} (assumed)", HOST_RUNTIME_BYTES * gpus, "assumed"))
+
+    total = {w: sum(i.bytes for i in items if i.where == w) for w in ("gpu", "cpu", "nvme")}
+    return Estimate(preset=preset.name, description=preset.describe(), micro_batch=mb, seq_len=seq,
+                    gpu_bytes=total["gpu"], cpu_bytes=total["cpu"], nvme_bytes=total["nvme"],
+                    snapshot_bytes=snap, snapshot_where=snap_where, items=items)
+
+
+# ============================================================== the plan
+@dataclass
+class Plan:
+    model: ModelShape
+    gpu_mem: int
+    cpu_mem: int
+    nvme: int
+    gpus: int
+    nodes: int
+    estimates: list[Estimate]
+    picked: str | None
+
+    def as_dict(self) -> dict:
+        return {"model": asdict(self.model),
+                "hardware": {"gpu_mem_bytes": self.gpu_mem, "cpu_mem_bytes": self.cpu_mem, "nvme_bytes": self.nvme,
+                             "gpus_per_node": self.gpus, "nodes": self.nodes},
+                "estimates": [e.as_dict() for e in self.estimates], "picked": self.picked,
+                "assumptions": {"cuda_context_bytes": CUDA_CONTEXT_BYTES, "gpu_fragmentation": GPU_FRAGMENTATION,
+                                "host_runtime_bytes_per_process": HOST_RUNTIME_BYTES,
+                                "predictor_bytes": PREDICTOR_BYTES, "ds_buffer_factor": DS_BUFFER_FACTOR},
+                "note": "estimated, not measured: GPU figures are not validated on a GPU"}
+
+
+def make_plan(shape: ModelShape, presets: list[PresetSpec], gpu_mem: int, cpu_mem: int, nvme: int = 0,
+              gpus: int = 1, nodes: int = 1, seq_len: int | None = None, micro_batch: int | None = None,
+              zero_init: bool = False) -> Plan:
+    """Estimate every preset, mark which fit, pick the fastest that fits (``None`` if none does)."""
+    ests = []
+    for p in sorted(presets, key=lambda q: (q.speed_rank, q.name)):
+        e = estimate(shape, p, gpus, nodes, seq_len, micro_batch, zero_init)
+        if e.gpu_bytes > gpu_mem:
+            e.reasons.append(f"GPU {fmt_bytes(e.gpu_bytes)} > {fmt_bytes(gpu_mem)}")
+        if e.cpu_bytes > cpu_mem:
+            e.reasons.append(f"CPU {fmt_bytes(e.cpu_bytes)} > {fmt_bytes(cpu_mem)}")
+        if e.nvme_bytes > nvme:
+            e.reasons.append("needs --nvme" if not nvme else f"NVMe {fmt_bytes(e.nvme_bytes)} > {fmt_bytes(nvme)}")
+        e.fits = not e.reasons
+        ests.append(e)
+    picked = next((e.preset for e in ests if e.fits), None)
+    return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked)
+
+
+def format_plan(plan: Plan) -> str:
+    m = plan.model
+    lines = [f"model {m.name}: {m.params / 1e6:,.1f}M parameters ({m.layers} layers x {m.hidden}, "
+             f"vocabulary {m.vocab}); {plan.gpus} GPU(s) x {plan.nodes} node(s); per GPU {fmt_bytes(plan.gpu_mem)}, "
+             f"per node CPU {fmt_bytes(plan.cpu_mem)}, NVMe {fmt_bytes(plan.nvme) if plan.nvme else 'none'}",
+             "",
+             f"| preset | setup | micro batch x seq | GPU / device | CPU / node | NVMe / node | snapshot | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in plan.estimates:
+        snap = "-" if not e.snapshot_bytes else f"{fmt_bytes(e.snapshot_bytes)} {e.snapshot_where}"
+        fits = "yes" if e.fits else "no: " + "; ".join(e.reasons)
+        lines.append(f"| {e.preset} | {e.description} | {e.micro_batch} x {e.seq_len} | {fmt_bytes(e.gpu_bytes)} | "
+                     f"{fmt_bytes(e.cpu_bytes)} | {fmt_bytes(e.nvme_bytes) if e.nvme_bytes else '-'} | {snap} | {fits} |")
+    lines.append("")
+    if plan.picked:
+        lines.append(f"picked: {plan.picked} (the fastest that fits: least offload, then lowest ZeRO stage)")
+    else:
+        lines.append("picked: none fits; see the reasons above (more --cpu-mem, --nvme, more --gpus, a smaller "
+                     "--micro-batch or --seq-len)")
+    lines.append("Estimates, not measurements. GPU: model states (DeepSpeed's estimators where they apply) + buckets "
+                 "+ activations + ds_hybrid's snapshot and predictor + CUDA context (1 GiB, assumed) + 10% "
+                 "fragmentation (assumed). CPU: per node, including building the fp32 model in each process.")
+    return "\n".join(lines)
+
+
+# ============================================================== validation on CPU
+def validate_cpu(models: Iterable[str] = ("gpt2-tiny", "gpt2-124m"), steps: int = 8, seq_len: int = 128,
+                 micro_batch: int = 4, stage: int = 1, checkpointing: bool = False, hybrid: bool = True,
+                 out_dir: str | Path | None = None, quiet: bool = True) -> list[dict]:
+    """Train each model a few steps on DeepSpeed's CPU accelerator (``python -m ds_hybrid.train``,
+    one subprocess per model, the ``tiny-cpu`` preset at the given ZeRO stage, micro batch and
+    sequence length) and compare the planner's estimate for that run with what was measured.
+
+    On the CPU accelerator "the device" is host memory. **Measured**: the highest per-step
+    peak RSS of the training loop (or of set-up, if higher) minus the RSS just before the
+    model was built (``summary.json``'s ``memory``; everything the process had already
+    loaded: interpreter, torch, DeepSpeed, transformers, the corpus). **Estimated**:
+    ``estimate(..., accelerator="cpu")``: model states, the gradient bucket, activations,
+    the rollback snapshot, the predictor and the engine overhead measured once on gpt2-test.
+    """
+    from ..train import resolve_config
+    base, _ = resolve_config("tiny-cpu")
+    base["zero_optimization"] = {"stage": stage}
+    base["train_micro_batch_size_per_gpu"] = micro_batch
+    base["gradient_accumulation_steps"] = 1
+    hp = base.setdefault("hybrid_predict", {})
+    hp.update({"enabled": hybrid, "warmup_steps": 2, "full_steps": 2, "confidence_threshold": 0.0,
+               "min_predict_steps": 2, "max_predict_steps": 3})
+    if checkpointing:
+        base["activation_checkpointing"] = {}
+    else:
+        base.pop("activation_checkpointing", None)
+    tmp = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="ds-hybrid-plan-validate-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in models:
+        run = tmp / name
+        run.mkdir(parents=True, exist_ok=True)
+        cfg_path = run / "ds_config.json"
+        cfg_path.write_text(json.dumps(base, indent=2))
+        cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", name,
+               "--steps", str(steps), "--seq-len", str(seq_len), "--eval-every", str(steps), "--val-batches", "1",
+               "--out", str(run), "--no-plot", "--no-progress"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+        if proc.returncode != 0:
+            raise RuntimeError(f"validation run {name} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}"
+                               f"\n{proc.stderr[-2000:]}")
+        summary = json.loads((run / "summary.json").read_text())
+        mem = summary["memory"]
+        loop_peak = max((p["rss_peak_mb"] for p in mem["phases"].values()), default=0.0)
+        measured = (max(loop_peak, mem["setup_peak_rss_mb"] or 0.0) - mem["baseline_rss_mb"]) * MiB
+        shape = model_shape(name, vocab_size=256)
+        est = estimate(shape, preset_spec(base, f"tiny-cpu (ZeRO {stage})"), 1, 1, seq_len, micro_batch,
+                       accelerator="cpu")
+        row = {"model": name, "params": shape.params, "stage": stage, "seq_len": seq_len, "micro_batch": micro_batch,
+               "checkpointing": checkpointing, "hybrid": hybrid, "steps": steps,
+               "estimated_bytes": est.cpu_bytes, "measured_bytes": measured,
+               "ratio": est.cpu_bytes / measured if measured > 0 else None,
+               "unexplained_bytes": measured - (est.cpu_bytes - CPU_ENGINE_OVERHEAD_BYTES),
+               "baseline_rss_mb": mem["baseline_rss_mb"], "setup_peak_rss_mb": mem["setup_peak_rss_mb"],
+               "loop_peak_rss_mb": loop_peak, "per_phase_peak_rss_mb":
+                   {k: v["rss_peak_mb"] for k, v in mem["phases"].items()},
+               "items": [asdict(i) for i in est.items]}
+        results.append(row)
+        if not quiet:
+            print(_validation_line(row), flush=True)
+    return results
+
+
+def _validation_line(r: dict) -> str:
+    return (f"{r['model']:<10} {r['params'] / 1e6:7.2f}M  ZeRO {r['stage']}  {r['micro_batch']}x{r['seq_len']}"
+            f"{' AC' if r['checkpointing'] else '   '}  estimated {r['estimated_bytes'] / MiB:8.1f} MiB  "
+            f"measured {r['measured_bytes'] / MiB:8.1f} MiB  ratio {r['ratio']:.3f}")
+
+
+def _child_env() -> dict:
+    import os
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child is its own world of 1
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+# ============================================================== CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-hybrid plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="a named model (ds_hybrid.models, e.g. llama-7b) or a "
+                                                 "transformers config JSON")
+    p.add_argument("--gpu-mem", default=None, help="memory per GPU: 24GB (10^9), 24GiB or 24G (2^30), or bytes")
+    p.add_argument("--cpu-mem", default=None, help="host memory per node, same units")
+    p.add_argument("--nvme", default="0", help="NVMe space per node for ZeRO-Infinity, same units (0: none)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1, help="nodes")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--micro-batch", type=int, default=None, help="micro batch per GPU (default: each preset's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: the model's)")
+    p.add_argument("--presets", nargs="+", default=None, help="presets to consider (default: all in ds_configs/)")
+    p.add_argument("--zero-init", action="store_true",
+                   help="plan ZeRO-3 presets as if the model were built under deepspeed.zero.Init (ds-hybrid "
+                        "train does not do that yet: it builds the full fp32 model in every process)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.add_argument("--validate", action="store_true",
+                   help="instead of planning: train small models on the CPU and compare the estimate with the "
+                        "measured memory (see validate_cpu)")
+    p.add_argument("--validate-models", nargs="+", default=["gpt2-tiny", "gpt2-124m"], help="--validate: models")
+    p.add_argument("--validate-steps", type=int, default=8, help="--validate: steps per run")
+    p.add_argument("--validate-stage", type=int, nargs="+", default=[1], help="--validate: ZeRO stages to run")
+    p.add_argument("--validate-checkpointing", action="store_true", help="--validate: with activation checkpointing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> Plan | list[dict]:
+    args = build_parser().parse_args(argv)
+    try:
+        for flag in ("gpus", "nodes", "seq_len", "micro_batch", "vocab_size"):
+            v = getattr(args, flag)
+            if v is not None and v < 1:
+                raise PlanError(f"--{flag.replace('_', '-')}: must be at least 1 (got {v})")
+        if args.validate:
+            return _run_validation(args)
+        if args.model is None:
+            raise PlanError("--model: required (a named model such as llama-7b, or a config JSON)")
+        if args.gpu_mem is None:
+            raise PlanError("--gpu-mem: required (memory per GPU, e.g. 24GB)")
+        if args.cpu_mem is None:
+            raise PlanError("--cpu-mem: required (host memory per node, e.g. 128GB)")
+        gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
+        cpu_mem = parse_size(args.cpu_mem, "--cpu-mem")
+        nvme = parse_size(args.nvme, "--nvme")
+        presets = load_presets(args.presets)
+        shape = model_shape(args.model, args.vocab_size)
+        if args.seq_len and args.seq_len > shape.max_positions:
+            raise PlanError(f"--seq-len: {args.seq_len} is more than {args.model}'s {shape.max_positions} positions")
+        plan = make_plan(shape, presets, gpu_mem, cpu_mem, nvme, args.gpus, args.nodes, args.seq_len,
+                         args.micro_batch, args.zero_init)
+    except PlanError as err:
+        raise SystemExit(f"ds-hybrid plan: {err}") from None
+    print(format_plan(plan))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(plan.as_dict(), indent=2))
+        print(f"wrote {args.json}")
+    return plan
+
+
+def _run_validation(args: argparse.Namespace) -> list[dict]:
+    seq = args.seq_len or 128
+    mb = args.micro_batch or 4
+    print(f"CPU validation: estimate for the run vs measured peak RSS above the pre-model baseline "
+          f"({args.validate_steps} steps, micro batch {mb}, seq {seq})", flush=True)
+    rows = []
+    for stage in args.validate_stage:
+        rows += validate_cpu(args.validate_models, args.validate_steps, seq, mb, stage,
+                             args.validate_checkpointing, quiet=False)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

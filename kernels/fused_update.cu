@@ -1,0 +1,149 @@
+// Fused predicted update: one pass over a flat fp32 master partition.
+//
+// Reference: ds_hybrid.kernels.fused_update_reference (the arithmetic of
+// zero_access.adam_direction + apply_predicted_update for one partition):
+//
+//   snapshot = master                                   (optional: rollback point)
+//   d        = (m / bc1) / (sqrt(v / bc2) + eps)        (bias-corrected Adam direction)
+//   u        = step * d + decay * master                (step = -scale*lr, decay = -lr*wd or 0)
+//   master   = master + u
+//   lp       = bf16(master) or fp16(master)              (optional: the model's copy)
+//   sq      += u * u                                     (optional: squared update norm, fp64)
+//
+// The operations and their order are those of the torch reference, in fp32, so the
+// masters agree to rounding (the reference's fp32 ops may be fused differently).
+// Memory traffic per element: 12 bytes read (master, m, v), 4 written (master), plus
+// 2 (lp) and 4 (snapshot) when asked for. Nothing else touches memory, so the kernel
+// runs at the memory bandwidth: a grid-stride loop over 4-element vectors (16-byte
+// loads) when every pointer is aligned, scalar otherwise.
+//
+// No headers: NVRTC (CuPy's compiler) and nvcc both accept this file as it is, and
+// tests/cuda_emu runs it on the CPU (DSH_EMULATE) against the reference.
+// Low-precision copies are written as raw 16-bit patterns (unsigned short).
+
+#define DSH_FULL_MASK 0xffffffffu
+
+// fp32 -> bf16, round to nearest even; NaN -> 0x7fc0 (torch's c10::BFloat16 rule).
+__device__ __forceinline__ unsigned short dsh_f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// fp32 -> fp16, IEEE round to nearest even (the hardware conversion; torch's rule too).
+__device__ __forceinline__ unsigned short dsh_f32_to_f16(float f) {
+    unsigned short h;
+#ifdef DSH_EMULATE   // tests/cuda_emu: the host compiler's IEEE conversion
+    const _Float16 v = (_Float16)f;
+    __builtin_memcpy(&h, &v, 2);
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+// LP: 0 = no low-precision copy, 1 = bf16, 2 = fp16.
+template <int LP>
+__device__ __forceinline__ unsigned short dsh_to_lp(float f) {
+    return LP == 1 ? dsh_f32_to_bf16(f) : dsh_f32_to_f16(f);
+}
+
+// The update u of one element whose master is x (the new master is x + u).
+__device__ __forceinline__ float dsh_update_of(float x, float m, float v, float step,
+                                               float bc1, float bc2, float eps, float decay) {
+    const float denom = sqrtf(v / bc2) + eps;
+    const float d = (m / bc1) / denom;
+    float u = d * step;
+    if (decay != 0.0f) u = u + decay * x;   // AdamW's decoupled decay (0: none; an inf master stays inf)
+    return u;
+}
+
+// Block-wide sum of per-thread fp64 partials, then one atomicAdd per block.
+__device__ __forceinline__ void dsh_block_sum_atomic(double val, double* out) {
+    __shared__ double warp_sums[32];
+    for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(DSH_FULL_MASK, val, off);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = val;
+    __syncthreads();
+    if (warp == 0) {
+        const int nwarps = (blockDim.x + 31) >> 5;
+        val = lane < nwarps ? warp_sums[lane] : 0.0;
+        for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(DSH_FULL_MASK, val, off);
+        if (lane == 0) atomicAdd(out, val);   // fp64 atomicAdd: sm_60 and later
+    }
+}
+
+// master, exp_avg, exp_avg_sq: n fp32 values. lp: n 16-bit values (LP != 0).
+// snapshot: n fp32 values (SNAP). sq: one fp64 accumulator (SQ), zeroed by the caller.
+// VEC: every pointer 16-byte aligned (lp: 8-byte), processed in float4 vectors; the
+// n % 4 tail is done by the first threads of the grid.
+template <int LP, bool SNAP, bool SQ, bool VEC>
+__global__ void
+fused_predicted_update(float* __restrict__ master, const float* __restrict__ exp_avg,
+                       const float* __restrict__ exp_avg_sq, unsigned short* __restrict__ lp,
+                       float* __restrict__ snapshot, double* __restrict__ sq, long long n,
+                       float step, float bc1, float bc2, float eps, float decay) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    double acc = 0.0;
+    if (VEC) {
+        const long long nvec = n >> 2;
+        float4* mv = reinterpret_cast<float4*>(master);
+        const float4* av = reinterpret_cast<const float4*>(exp_avg);
+        const float4* sv = reinterpret_cast<const float4*>(exp_avg_sq);
+        for (long long i = tid; i < nvec; i += stride) {
+            float4 x = mv[i];
+            const float4 m = __ldg(av + i);
+            const float4 v = __ldg(sv + i);
+            if (SNAP) reinterpret_cast<float4*>(snapshot)[i] = x;
+            const float u0 = dsh_update_of(x.x, m.x, v.x, step, bc1, bc2, eps, decay);
+            const float u1 = dsh_update_of(x.y, m.y, v.y, step, bc1, bc2, eps, decay);
+            const float u2 = dsh_update_of(x.z, m.z, v.z, step, bc1, bc2, eps, decay);
+            const float u3 = dsh_update_of(x.w, m.w, v.w, step, bc1, bc2, eps, decay);
+            x.x = x.x + u0; x.y = x.y + u1; x.z = x.z + u2; x.w = x.w + u3;
+            mv[i] = x;
+            if (LP != 0) {
+                ushort4 h;
+                h.x = dsh_to_lp<LP>(x.x); h.y = dsh_to_lp<LP>(x.y);
+                h.z = dsh_to_lp<LP>(x.z); h.w = dsh_to_lp<LP>(x.w);
+                reinterpret_cast<ushort4*>(lp)[i] = h;
+            }
+            if (SQ) acc += (double)u0 * u0 + (double)u1 * u1 + (double)u2 * u2 + (double)u3 * u3;
+        }
+        for (long long i = (nvec << 2) + tid; i < n; i += stride) {   // tail: n % 4 elements
+            float x = master[i];
+            if (SNAP) snapshot[i] = x;
+            const float u = dsh_update_of(x, exp_avg[i], exp_avg_sq[i], step, bc1, bc2, eps, decay);
+            x = x + u;
+            master[i] = x;
+            if (LP != 0) lp[i] = dsh_to_lp<LP>(x);
+            if (SQ) acc += (double)u * u;
+        }
+    } else {
+        for (long long i = tid; i < n; i += stride) {
+            float x = master[i];
+            if (SNAP) snapshot[i] = x;
+            const float u = dsh_update_of(x, __ldg(exp_avg + i), __ldg(exp_avg_sq + i),
+                                          step, bc1, bc2, eps, decay);
+            x = x + u;
+            master[i] = x;
+            if (LP != 0) lp[i] = dsh_to_lp<LP>(x);
+            if (SQ) acc += (double)u * u;
+        }
+    }
+    if (SQ) dsh_block_sum_atomic(acc, sq);
+}
+
+// Every variant, instantiated here so that `nvcc -c` compiles them all and NVRTC finds
+// them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>").
+#define DSH_INST(LP, SNAP, SQ, VEC)                                                         \
+    template __global__ void fused_predicted_update<LP, SNAP, SQ, VEC>(                   \
+        float*, const float*, const float*, unsigned short*, float*, double*, long long,   \
+        float, float, float, float, float);
+#define DSH_INST_VEC(LP, SNAP, SQ) DSH_INST(LP, SNAP, SQ, true) DSH_INST(LP, SNAP, SQ, false)
+#define DSH_INST_SQ(LP, SNAP) DSH_INST_VEC(LP, SNAP, true) DSH_INST_VEC(LP, SNAP, false)
+#define DSH_INST_SNAP(LP) DSH_INST_SQ(LP, true) DSH_INST_SQ(LP, false)
+DSH_INST_SNAP(0)
+DSH_INST_SNAP(1)
+DSH_INST_SNAP(2)

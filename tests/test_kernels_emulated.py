@@ -1,0 +1,325 @@
+"""kernels/*.cu run on the CPU (tests/cuda_emu) against their torch references.
+
+The CUDA sources are compiled as C++ with a small emulation of threads, barriers and warp
+shuffles (tests/cuda_emu/cuda_emu.h): this checks the kernels' logic (indexing, shared memory,
+reductions, every template variant, odd sizes, tails) without a GPU. The host's math library
+differs from CUDA's by about an ulp, and the emulation cannot see timing or memory-model bugs:
+the tests marked ``gpu`` in test_kernels.py run the real kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_hybrid import kernels
+from ds_hybrid.dynamics.encoder import window_features as window_features_ref
+from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gxx_ok() -> bool:
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return False
+    out = subprocess.run([gxx, "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    return out.split(".")[0].isdigit() and int(out.split(".")[0]) >= 11   # <barrier>, _Float16
+
+
+pytestmark = pytest.mark.skipif(not _gxx_ok(), reason="needs g++ >= 11 to build the CPU emulation")
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    so = tmp_path_factory.mktemp("emu") / "libkernels_emu.so"
+    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
+           f"-I{ROOT / 'tests' / 'cuda_emu'}", f"-I{ROOT / 'kernels'}", str(ROOT / "tests/cuda_emu/harness.cpp"),
+           "-o", str(so)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return ctypes.CDLL(str(so))
+
+
+def _p(t: torch.Tensor | None):
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+# ---------------------------------------------------------------------------- fused update
+
+def assert_update_close(got, ref, before):
+    """The tolerance stated in kernels/README.md: each new master within 2 ulp of the reference's
+    plus 4 ulp of the update (the fp32 operations are the same, but compilers fuse and vectorise
+    them differently, and torch's CPU kernels divide by a scalar through its reciprocal)."""
+    finite = ref.isfinite()
+    assert torch.equal(got[~finite].nan_to_num(), ref[~finite].nan_to_num()), "non-finite masters differ"
+    got, ref, before = got[finite], ref[finite], before[finite]
+    tol = 2.0 ** -22 * ref.abs() + 2.0 ** -21 * (ref - before).abs()
+    bad = (got - ref).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} elements outside the tolerance, e.g. index {int(bad.nonzero()[0])}"
+
+
+def _run_update(emu, master, m, v, *, lp=None, snap=None, sq=False, vec=True, blocks=3, threads=64, **kw):
+    bc1, bc2 = kernels._bias_corrections(kw["beta1"], kw["beta2"], kw["step"], kw.get("bias_correction", True))
+    decay = -kw["lr"] * kw["weight_decay"] if kw["decoupled"] and kw["weight_decay"] else 0.0
+    sqbuf = torch.zeros((), dtype=torch.float64)
+    lp_code = kernels._LP_CODES[None if lp is None else lp.dtype]
+    f = ctypes.c_float
+    rc = emu.emu_fused_update(lp_code, int(snap is not None), int(sq), int(vec), blocks, threads, _p(master), _p(m),
+                              _p(v), _p(lp), _p(snap), _p(sqbuf), ctypes.c_longlong(master.numel()),
+                              f(-kw["scale"] * kw["lr"]), f(bc1), f(bc2), f(kw["eps"]), f(decay))
+    assert rc == 0
+    return sqbuf
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096 + 3])
+@pytest.mark.parametrize("lp_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("snap,sq,vec", [(True, True, True), (False, False, True), (True, True, False),
+                                         (False, True, False)])
+def test_fused_update_kernel_source_matches_reference(emu, n, lp_dtype, snap, sq, vec):
+    g = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=g)
+    m = torch.randn(n, generator=g) * 1e-2
+    v = torch.rand(n, generator=g) * 1e-4
+    v[0] = 0.0                                  # a zero second moment: eps carries the division
+    kw = dict(lr=3e-3, scale=0.7, beta1=0.9, beta2=0.999, eps=1e-8, step=7, weight_decay=0.1, decoupled=True)
+    ref = master.clone()
+    lp_ref = torch.empty(n, dtype=lp_dtype) if lp_dtype else None
+    sq_ref = kernels.fused_update_reference(ref, m, v, lp_out=lp_ref, compute_sq=True, **kw)
+    got = master.clone()
+    lp = torch.empty(n, dtype=lp_dtype) if lp_dtype else None
+    snapshot = torch.full((n,), float("nan")) if snap else None
+    sq_got = _run_update(emu, got, m, v, lp=lp, snap=snapshot, sq=sq, vec=vec, **kw)
+    assert_update_close(got, ref, master)
+    if lp_dtype:
+        assert torch.equal(lp, got.to(lp_dtype)), "lp copy is the new master rounded to nearest even"
+    if snap:
+        assert torch.equal(snapshot, master), "snapshot is the master before the update"
+    if sq:
+        torch.testing.assert_close(sq_got, sq_ref, rtol=1e-6, atol=0)
+
+
+def test_fused_update_kernel_source_variants(emu):
+    """No bias correction; plain Adam (no decoupled decay); non-finite values to the lp copies."""
+    n = 1000
+    g = torch.Generator().manual_seed(1)
+    master = torch.randn(n, generator=g) * 1e5
+    master[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    master[3] = 70000.0                        # overflows fp16
+    m, v = torch.randn(n, generator=g), torch.rand(n, generator=g)
+    for extra in (dict(bias_correction=False, weight_decay=0.0, decoupled=False),
+                  dict(weight_decay=0.01, decoupled=False)):
+        kw = dict(lr=1e-3, scale=0.5, beta1=0.8, beta2=0.99, eps=1e-6, step=3, **extra)
+        for dt in (torch.bfloat16, torch.float16):
+            ref, got = master.clone(), master.clone()
+            kernels.fused_update_reference(ref, m, v, **kw)
+            lp = torch.empty(n, dtype=dt)
+            _run_update(emu, got, m, v, lp=lp, **kw)
+            assert_update_close(got, ref, master)
+            assert torch.equal(lp.float().nan_to_num(0.0), got.to(dt).float().nan_to_num(0.0))
+            assert lp[2].isnan() and lp[0] == float("inf") and lp[1] == float("-inf")
+
+
+# ---------------------------------------------------------------------------- RSSM
+
+def _weights(model):
+    ptrs = [getattr(model, n).data_ptr() for n in kernels.RSSM_WEIGHTS]
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+
+def _small_model(E=3, deter=64, stoch=8, hidden=32, horizon=4, seed=3):
+    return RSSMEnsemble(RSSMShape(members=E, deter=deter, stoch=stoch, hidden=hidden, horizon=horizon), seed=seed)
+
+
+@pytest.mark.parametrize("E,B,threads", [(3, 2, 64), (2, 1, 192)])
+def test_rssm_step_kernel_source_matches_reference(emu, E, B, threads):
+    model = _small_model(E=E)
+    s = model.shape
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(E, B, s.deter, generator=g)
+    z = torch.randn(E, B, s.stoch, generator=g)
+    a = torch.rand(E, B, s.action, generator=g)
+    with torch.no_grad():
+        h_ref, pm_ref, ps_ref = kernels.rssm_step(model, h, z, a, backend="torch")
+    h_out, pm, ps = (torch.empty_like(h_ref), torch.empty_like(pm_ref), torch.empty_like(ps_ref))
+    emu.emu_rssm_step(E, B, threads, _weights(model), _p(h), _p(z), _p(a), _p(h_out), _p(pm), _p(ps), s.deter,
+                      s.stoch, s.hidden, s.action, s.head_out, ctypes.c_float(s.min_std))
+    for got, ref in ((h_out, h_ref), (pm, pm_ref), (ps, ps_ref)):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("default_shape", [False, True])
+def test_rssm_rollout_kernel_source_matches_reference(emu, default_shape):
+    E, B, K = 3, 2, 5 if not default_shape else 3
+    # The default shape (deter 256, stoch 32, hidden 128) runs with the launcher's block size.
+    model = RSSMEnsemble(seed=5) if default_shape else _small_model(E=E)
+    threads = kernels._rssm_threads(model.shape.deter) if default_shape else 96
+    with torch.no_grad():
+        model.W_h2.mul_(10)        # make the heads' outputs non-trivial (they start near zero)
+        model.b_h2.normal_()
+    s = model.shape
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(E, B, s.deter, generator=g)
+    z = torch.randn(E, B, s.stoch, generator=g)
+    acts = torch.rand(E, B, K, s.action, generator=g)
+    ref = kernels.rssm_rollout(model, h, z, acts, backend="torch")
+    hs, zs = torch.empty(E, B, K, s.deter), torch.empty(E, B, K, s.stoch)
+    heads = torch.empty(E, B, K, s.head_out)
+    emu.emu_rssm_rollout(E, B, threads, _weights(model), _p(h), _p(z), _p(acts), _p(hs), _p(zs), _p(heads), s.deter,
+                         s.stoch, s.hidden, s.action, s.head_out, K)
+    KH = s.horizon
+    got = {"loss_mean": heads[..., :KH], "loss_std": heads[..., KH:2 * KH], "scale_mean": heads[..., 2 * KH],
+           "scale_std": heads[..., 2 * KH + 1], "h": hs, "z": zs}
+    assert set(got) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ---------------------------------------------------------------------------- encoder
+
+def _histories(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.randn(6, 8, 32, dtype=torch.float64, generator=g)
+    hist[:, 0] += torch.linspace(3, 1, 32, dtype=torch.float64)     # a decreasing loss
+    hist[1, 0] = 2.0                                                # constant: std 0, z-score branch
+    counts = torch.tensor([[32, 32, 32, 32, 32, 32, 32, 32],
+                           [32, 9, 8, 7, 6, 5, 4, 3],
+                           [3, 2, 1, 0, 2, 1, 0, 40],               # short windows, a count above 32
+                           [0, 0, 0, 0, 0, 0, 0, 0],
+                           [1, 1, 1, 1, 1, 1, 1, 1],
+                           [17, 16, 15, 9, 8, 2, 3, 31]], dtype=torch.int32)
+    return hist, counts
+
+
+def test_window_features_kernel_source_matches_reference(emu):
+    hist, counts = _histories(0)
+    out = torch.full((hist.shape[0], 39), float("nan"), dtype=torch.float64)
+    emu.emu_window_features(hist.shape[0], _p(hist), _p(counts), _p(out))
+    for i in range(hist.shape[0]):
+        ref = window_features_ref(hist[i], counts[i])
+        torch.testing.assert_close(out[i], ref, rtol=1e-9, atol=1e-12, msg=f"history {i}")
+
+
+# ---------------------------------------------------------------------------- the dispatchers' kernel path
+
+class _FakeArray:
+    """What cupy.from_dlpack would return: here the tensor itself, seen by its pointer."""
+
+    def __init__(self, t: torch.Tensor):
+        assert t.is_contiguous(), "the kernels get contiguous tensors"
+        self.t = t
+
+
+class _FakeKernel:
+    """A RawKernel stand-in that runs the emulated kernel with the launch the dispatcher asked for."""
+
+    def __init__(self, emu, name: str):
+        self.emu, self.name = emu, name
+
+    @staticmethod
+    def _c(a):
+        import numpy as np
+        if isinstance(a, _FakeArray):
+            return ctypes.c_void_p(a.t.data_ptr())
+        if isinstance(a, np.floating):
+            return ctypes.c_float(float(a))
+        if isinstance(a, np.int64):
+            return ctypes.c_longlong(int(a))
+        if isinstance(a, np.int32):
+            return ctypes.c_int(int(a))
+        raise TypeError(f"unexpected kernel argument {type(a)}: the real launch would fail too")
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        c = [self._c(a) for a in args]
+        if self.name.startswith("fused_predicted_update<"):
+            lp, snap, sq, vec = self.name[len("fused_predicted_update<"):-1].split(",")
+            assert len(args) == 12 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
+            rc = self.emu.emu_fused_update(int(lp), int(snap == "true"), int(sq == "true"), int(vec == "true"),
+                                           grid[0], block[0], *c)
+            assert rc == 0
+        elif self.name in ("rssm_step", "rssm_rollout"):
+            W = (ctypes.c_void_p * 12)(*[a.value for a in c[:12]])
+            D, S, H, A, HO = (int(x) for x in args[19:24])
+            assert shared_mem == 4 * (D + S + A + H + 6 * D + 2 * S + H + HO + block[0])
+            assert block[0] % 32 == 0 and block[0] <= 1024 and int(args[18]) == grid[0]
+            fn = self.emu.emu_rssm_step if self.name == "rssm_step" else self.emu.emu_rssm_rollout
+            fn(grid[1], grid[0], block[0], W, *c[12:18], *c[19:])
+        elif self.name == "window_features":
+            assert block == (256,) and len(args) == 3
+            self.emu.emu_window_features(grid[0], *c)
+        else:
+            raise KeyError(self.name)
+
+
+@pytest.fixture
+def emulated_cupy(emu, monkeypatch):
+    """Route ds_hybrid.kernels' cupy path (CPU tensors included) to the emulated kernels."""
+    import contextlib
+
+    import numpy as np
+
+    fake = SimpleNamespace(from_dlpack=_FakeArray, int32=np.int32, int64=np.int64, float32=np.float32)
+    module = SimpleNamespace(get_function=lambda name: _FakeKernel(emu, name))
+    monkeypatch.setattr(kernels, "import_cupy", lambda: fake)
+    monkeypatch.setattr(kernels, "_on_torch_stream", lambda device: contextlib.nullcontext(fake))
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 2)
+    monkeypatch.setattr(kernels, "resolve_backend", lambda backend, *t: "cupy")
+    monkeypatch.setattr(kernels, "_module_or_fallback", lambda *a, **k: module)
+    kernels._rssm_views.clear()
+    yield
+    kernels._rssm_views.clear()
+
+
+@pytest.mark.parametrize("offset", [0, 1])          # 1: an unaligned view, the scalar variant
+@pytest.mark.parametrize("lp_dtype", [None, torch.float16])
+def test_fused_update_dispatch_through_the_kernel(emulated_cupy, offset, lp_dtype):
+    n = 3001
+    g = torch.Generator().manual_seed(offset)
+    base = torch.randn(n + offset, generator=g)
+    m, v = torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4
+    kw = dict(lr=1e-3, scale=0.9, beta1=0.9, beta2=0.98, eps=1e-6, step=4, weight_decay=0.1, decoupled=True)
+    master = base[offset:]
+    before = master.clone()
+    ref = master.clone()
+    sq_ref = kernels.fused_update_reference(ref, m, v, compute_sq=True, **kw)
+    lp = torch.empty(n, dtype=lp_dtype) if lp_dtype else None
+    snap = torch.empty(n)
+    sq = kernels.fused_update(master, m, v, lp_out=lp, snapshot_out=snap, compute_sq=True, backend="cupy", **kw)
+    assert_update_close(master, ref, before)
+    assert torch.equal(snap, before)
+    if lp_dtype:
+        assert torch.equal(lp, master.to(lp_dtype))
+    torch.testing.assert_close(sq, sq_ref, rtol=1e-6, atol=0)
+    # Plain Adam, no extras: nothing returned.
+    assert kernels.fused_update(master, m, v, backend="cupy", **{**kw, "decoupled": False}) is None
+
+
+def test_rssm_and_encoder_dispatch_through_the_kernels(emulated_cupy):
+    model = _small_model(E=2)
+    s = model.shape
+    g = torch.Generator().manual_seed(2)
+    h, z = torch.randn(2, 3, s.deter, generator=g), torch.randn(2, 3, s.stoch, generator=g)
+    a, acts = torch.rand(2, 3, s.action, generator=g), torch.rand(2, 3, 4, s.action, generator=g)
+    with torch.no_grad():
+        got = kernels.rssm_step(model, h, z, a, backend="cupy")
+        ref = (model.step(h, z, a),) + model.prior(model.step(h, z, a))
+    for x, y in zip(got, ref):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    got, ref = kernels.rssm_rollout(model, h, z, acts, backend="cupy"), model.rollout(h, z, acts)
+    assert set(got) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)
+    with pytest.raises(kernels.KernelUnavailable, match="no backward"):
+        kernels.rssm_step(model, h, z, a, backend="cupy")              # autograd on: not the kernel
+
+    hist, counts = _histories(3)
+    out = kernels.window_features(hist, counts, backend="cupy")
+    single = kernels.window_features(hist[1], counts[1], backend="cupy")
+    for i in range(hist.shape[0]):
+        torch.testing.assert_close(out[i], window_features_ref(hist[i], counts[i]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(single, out[1], rtol=0, atol=0)

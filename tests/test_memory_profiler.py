@@ -1,0 +1,164 @@
+"""The memory profiler: what it records, per-phase summaries, spikes, its outputs, its cost, the train job."""
+import csv
+import json
+import time
+
+import pytest
+
+from ds_hybrid.memory import MemoryProfiler, MemorySample, detect_spikes
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic(values, phases=None):
+    """A profiler holding made-up samples (MB), for the summary / spike / output code."""
+    prof = MemoryProfiler()
+    prof.baseline_rss_mb = 100.0
+    phases = phases or ["full"] * len(values)
+    prof.samples = [MemorySample(step=i + 1, phase=ph, time_s=float(i), step_time_s=0.1, rss_mb=v - 5,
+                                 rss_peak_mb=v, pinned_host_mb=0.0) for i, (v, ph) in enumerate(zip(values, phases))]
+    return prof
+
+
+# ------------------------------------------------------------ spikes
+def test_spike_on_a_flat_series_is_found():
+    values = [500.0] * 30
+    values[20] = 700.0
+    assert detect_spikes(values) == [(20, 700.0, 500.0)]
+
+
+def test_spike_rule_needs_both_the_relative_and_the_absolute_jump():
+    flat = [1000.0] * 10
+    assert detect_spikes(flat + [1090.0]) == []                                # +90 MB but only +9%
+    assert detect_spikes(flat + [1080.0], rel=0.05) == [(10, 1080.0, 1000.0)]  # +8% > 5% and 80 MB > 64
+    small = [100.0] * 10
+    assert detect_spikes(small + [150.0]) == []          # +50% but only 50 MB
+    assert detect_spikes(small + [150.0], abs_mb=10) == [(10, 150.0, 100.0)]
+
+
+def test_spike_rule_ignores_slow_growth_short_history_and_missing_values():
+    assert detect_spikes([500.0 + 5 * i for i in range(50)]) == []     # a leak is not a spike
+    assert detect_spikes([500.0, 500.0, 900.0]) == []                   # fewer than 5 steps of history
+    assert detect_spikes([None] * 10 + [900.0]) == []
+    values = [500.0, None] * 5 + [900.0]
+    assert detect_spikes(values) == [(10, 900.0, 500.0)]
+    with pytest.raises(ValueError):
+        detect_spikes([1.0], window=0)
+
+
+# ------------------------------------------------------------ recording
+def test_record_sees_a_peak_inside_the_step_that_is_gone_by_its_end():
+    prof = MemoryProfiler()
+    prof.begin()
+    block = bytearray(256 * 2 ** 20)
+    for i in range(0, len(block), 4096):   # touch every page so it is resident
+        block[i] = 1
+    del block
+    s = prof.record(1, "full", step_time_s=0.1)
+    assert s.phase == "full" and s.step == 1
+    if prof.peak_resettable:  # Linux: the step's own high-water mark
+        assert s.rss_peak_mb - s.rss_mb > 200
+    assert s.rss_peak_mb >= s.rss_mb > 0
+    s2 = prof.record(2, "predict", step_time_s=0.1)  # a new window: the freed block is not in it
+    if prof.peak_resettable:
+        assert s2.rss_peak_mb < s.rss_peak_mb - 200
+    assert prof.process_peak_rss_mb >= s.rss_peak_mb
+
+
+def test_without_a_gpu_only_host_figures_are_recorded():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    prof = MemoryProfiler()
+    s = prof.record(1, "warmup")
+    assert s.gpu_allocated_mb is None and s.gpu_device_used_mb is None and s.pinned_host_mb == 0.0
+    assert prof.process_peak_gpu_allocated_mb is None
+    assert prof.summary()["nvml_error"] is None  # NVML is never touched without CUDA
+
+
+def test_record_costs_well_under_one_percent_of_a_step():
+    prof = MemoryProfiler()
+    for i in range(200):
+        prof.record(i + 1, "full", step_time_s=0.05)  # a 50 ms step is short for training
+    per_step = prof.overhead_s / 200
+    assert per_step < 1e-3, per_step
+    assert prof.overhead_fraction() < 0.01
+    assert prof.summary()["overhead_us_per_step"] == pytest.approx(per_step * 1e6)
+
+
+def test_phase_summary_is_per_phase_in_cycle_order():
+    prof = synthetic([300, 310, 400, 420, 200, 210, 320],
+                     ["warmup", "warmup", "full", "full", "predict", "predict", "correct"])
+    summ = prof.phase_summary()
+    assert list(summ) == ["warmup", "full", "predict", "correct"]
+    assert summ["full"]["steps"] == 2 and summ["full"]["rss_peak_mb"] == 420
+    assert summ["full"]["rss_peak_mean_mb"] == pytest.approx(410)
+    assert summ["predict"]["rss_peak_above_baseline_mb"] == pytest.approx(110)
+    assert summ["predict"]["rss_mean_mb"] == pytest.approx(200)   # end-of-step = peak - 5 in synthetic()
+
+
+def test_spikes_are_reported_with_step_and_phase():
+    values = [500.0] * 25
+    values[22] = 800.0
+    prof = synthetic(values, ["full"] * 20 + ["predict"] * 5)
+    (spike,) = prof.spikes()
+    assert (spike["step"], spike["phase"], spike["metric"]) == (23, "predict", "rss_peak_mb")
+    assert spike["jump_mb"] == pytest.approx(300)
+    assert "step 23 (predict)" in prof.report()
+
+
+# ------------------------------------------------------------ outputs
+def test_csv_report_and_png_are_written(tmp_path):
+    values = [500.0] * 12
+    values[9] = 900.0
+    prof = synthetic(values, ["warmup"] * 4 + ["full"] * 4 + ["predict"] * 2 + ["correct"] * 2)
+    paths = prof.write(tmp_path)
+    assert {p.name for p in paths} == {"memory.csv", "memory_report.txt", "memory.png"}
+    with open(tmp_path / "memory.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and rows[9]["phase"] == "predict" and float(rows[9]["rss_peak_mb"]) == 900
+    assert rows[0]["gpu_allocated_mb"] == ""   # not measured: empty, not 0
+    report = (tmp_path / "memory_report.txt").read_text()
+    for word in ("warmup", "full", "predict", "correct", "spikes", "profiler cost"):
+        assert word in report
+    assert (tmp_path / "memory.png").read_bytes()[:8] == PNG
+
+
+def test_plot_with_gpu_columns(tmp_path):
+    prof = synthetic([500.0] * 6, ["full"] * 3 + ["predict"] * 3)
+    for i, s in enumerate(prof.samples):
+        s.gpu_allocated_mb, s.gpu_reserved_mb, s.gpu_peak_allocated_mb = 1000.0, 1200.0, 1500.0 + i
+    prof.plot(tmp_path / "m.png")
+    assert (tmp_path / "m.png").read_bytes()[:8] == PNG
+    assert "GPU peak" in prof.report()
+    with pytest.raises(ValueError):
+        MemoryProfiler().plot(tmp_path / "empty.png")
+
+
+# ------------------------------------------------------------ the train job
+def test_train_job_writes_memory_outputs(tmp_path):
+    from ds_hybrid import train
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 400)
+    cfg = json.loads((train.PRESET_DIR / "tiny-cpu.json").read_text())
+    cfg["hybrid_predict"].update({"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0,
+                                  "min_predict_steps": 2, "max_predict_steps": 3})
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    t = time.perf_counter()
+    summary = train.main(["--data", str(corpus), "--config", str(tmp_path / "cfg.json"), "--steps", "14",
+                          "--seq-len", "32", "--eval-every", "7", "--val-batches", "1", "--model", "gpt2-test",
+                          "--out", str(out), "--no-progress"])
+    wall = time.perf_counter() - t
+    mem = summary["memory"]
+    phases = summary["statistics"]["steps_per_phase"]
+    assert {p: v["steps"] for p, v in mem["phases"].items()} == {p: n for p, n in phases.items() if n}
+    assert phases["predict"] > 0   # the run reached Predict steps, so the table compares phases
+    with open(out / "memory.csv") as f:
+        assert len(list(csv.DictReader(f))) == 14
+    assert (out / "memory.png").read_bytes()[:8] == PNG
+    assert "predict" in (out / "memory_report.txt").read_text()
+    assert mem["baseline_rss_mb"] < mem["setup_peak_rss_mb"] <= mem["process_peak_rss_mb"]
+    assert summary["peak_rss_mb"] >= mem["process_peak_rss_mb"] - 1  # the reset did not lose the run's peak
+    assert mem["overhead_s"] < 0.01 * wall
+    assert json.loads((out / "summary.json").read_text())["memory"]["steps_recorded"] == 14
