@@ -339,7 +339,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None) -> dic
         ctl = engine.controller
         engine.hybrid_config.verify_every = 1 if verify else 10**9
         ctl.phase, ctl.horizon, ctl.predict_index = Phase.PREDICT, 10**9, 1  # mid-run: no snapshot
-        engine.predictor.accept = lambda observed, step, div: (True, observed)
+        engine.predictor.accept = lambda observed, step, div, *more: (True, observed)
         engine.train_step(batches())
     out["predict_step_verified"] = timed(lambda: predict_step(True))
     out["predict_step_unverified"] = timed(lambda: predict_step(False))

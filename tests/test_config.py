@@ -22,7 +22,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
     ({"divergence": {"z_threshold": -1}}, "hybrid_predict.divergence.z_threshold"),
     ({"divergence": {"max_loss_ratio": 1.0}}, "hybrid_predict.divergence.max_loss_ratio"),
     ({"divergence": {"tolerance": 0.1}}, "hybrid_predict.divergence.tolerance"),
-    ({"predictor": {"type": "rssm"}}, "hybrid_predict.predictor.type"),
+    ({"predictor": {"type": "lstm"}}, "hybrid_predict.predictor.type"),
     ({"predictor": {"step_scale": 0}}, "hybrid_predict.predictor.step_scale"),
     ({"min_predict_steps": 5, "max_predict_steps": 2}, "min_predict_steps"),
 ])

@@ -6,16 +6,18 @@ A raw score ``u`` in (0, 1] comes from what the model knows about itself:
 
 (all in loss units): near 1 when the members agree and recent forecasts were
 well inside the band. ``u`` picks one of ``bins`` equal-width bins; the
-confidence is that bin's acceptance frequency under a Beta(0, 1) prior,
-``accepted / (accepted + rejected + 1)``: zero evidence gives confidence 0, no
-optimistic prior. Adjacent bins are pooled where they violate monotonicity (a
-higher score never gets a lower confidence). Outcomes come from verified
-Predict steps only.
+confidence is a lower confidence bound (Wilson, ``z``) on that bin's acceptance
+frequency, counted with an extra rejection (a Beta(0, 1) prior): zero evidence
+gives confidence 0, no optimistic prior. Counts decay by ``decay`` per new
+outcome, because what verification accepts drifts as training moves on and as the
+step-scale multiplier changes; a bound on a recent frequency keeps "accepted share
+>= confidence" true where the plain mean ran a few points under it (three seeds of
+the unit tests' easy regime, ``benchmarks/calibration_easy.py``). Adjacent bins are pooled
+where they violate monotonicity (a higher score never gets a lower confidence).
+Outcomes come from verified Predict steps only.
 
-Because the confidence is an observed frequency, it is calibrated by
-construction as evidence accumulates; ``table()`` reports, per confidence bin
-at decision time, the share of those Predict steps that verification
-accepted, which is the calibration measurement.
+``table()`` reports, per confidence interval at decision time, the share of those
+Predict steps that verification accepted: the calibration measurement.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import math
 
 
 class ConfidenceCalibrator:
-    def __init__(self, bins: int = 5):
-        self.bins = bins
+    def __init__(self, bins: int = 5, z: float = 0.5, decay: float = 0.995):
+        self.bins, self.z, self.decay = bins, z, decay
         self.acc = [0.0] * bins
         self.rej = [0.0] * bins
         # (confidence at decision, accepted?) of every verified Predict step, for the table.
@@ -55,9 +57,12 @@ class ConfidenceCalibrator:
                 out[i] = self._rate(blk)
         return out
 
-    @staticmethod
-    def _rate(blk) -> float:
-        return blk[0] / (blk[0] + blk[1] + 1.0)
+    def _rate(self, blk) -> float:
+        n = blk[0] + blk[1] + 1.0  # the prior's one rejection
+        p, z2 = blk[0] / n, self.z * self.z
+        centre = p + z2 / (2 * n)
+        spread = self.z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+        return max((centre - spread) / (1 + z2 / n), 0.0)
 
     def confidence(self, u: float) -> float:
         return self._pooled()[self.bin_of(u)]
@@ -68,6 +73,8 @@ class ConfidenceCalibrator:
 
     def record(self, u: float, confidence: float, accepted: bool) -> None:
         i = self.bin_of(u)
+        self.acc = [a * self.decay for a in self.acc]
+        self.rej = [r * self.decay for r in self.rej]
         if accepted:
             self.acc[i] += 1
         else:

@@ -235,7 +235,8 @@ def _run_row(run_dir: Path) -> dict:
     acc, rb = st["predict_accepted"], st["predict_rolled_back"]
     det = st.get("predictor_details") or {}
     return {
-        "run": str(run_dir), "predictor": st.get("predictor", "?"), "seed": summ["args"]["seed"],
+        "run": str(run_dir), "predictor": st.get("predictor", "plain DeepSpeed"), "seed": summ["args"]["seed"],
+        "lr": summ["ds_config"].get("optimizer", {}).get("params", {}).get("lr"),
         "data": summ["args"].get("data") or "stdlib",
         "val_loss": summ["final_val_loss"], "steps": n,
         "predict_pct": 100.0 * st["predict_steps"] / max(n, 1),
@@ -265,7 +266,7 @@ def engine_table(run_dirs: list[str]) -> dict:
     rows = [_run_row(Path(d)) for d in run_dirs]
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(f"{r['predictor']} / {Path(r['data']).name}", []).append(r)
+        groups.setdefault(f"{r['predictor']} / {Path(r['data']).name} / lr {r['lr']:g}", []).append(r)
     table = {}
     for name, rs in groups.items():
         agg = {"runs": len(rs), "seeds": [r["seed"] for r in rs]}
@@ -286,7 +287,7 @@ def engine_table(run_dirs: list[str]) -> dict:
 
 
 def format_engine_table(table: dict) -> str:
-    head = "| predictor / corpus | runs | " + " | ".join(ENGINE_COLUMNS) + " |"
+    head = "| predictor / corpus / peak lr | runs | " + " | ".join(ENGINE_COLUMNS) + " |"
     lines = [head, "|" + "---|" * (len(ENGINE_COLUMNS) + 2)]
     for name, agg in table.items():
         cells = []
