@@ -52,6 +52,9 @@ class Suite:
     needs_gpu: bool = False
     overrides: dict = field(default_factory=dict)    # merged into the preset (nested dicts)
     comparators: dict = field(default_factory=dict)  # extra plain runs: name -> overrides
+    # The hybrid also runs with its schedule stretched by these factors (its Predict steps
+    # are cheap but each moves less than a real one; a user who predicts gives it more steps).
+    hybrid_stretch: tuple[float, ...] = (1.5,)
 
 
 SUITES: dict[str, Suite] = {
@@ -92,6 +95,7 @@ class Run:
     lr: float
     config: dict
     out: Path
+    steps: int | None = None  # optimizer steps (and schedule length); None: the suite's
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
@@ -107,7 +111,7 @@ def run_train(run: Run, suite: Suite, data: str | None, live: bool) -> dict:
     cfg_path = run.out / "ds_config.json"
     cfg_path.write_text(json.dumps(run.config, indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", suite.model,
-           "--steps", str(suite.steps), "--seq-len", str(suite.seq_len), "--seed", str(run.seed),
+           "--steps", str(run.steps or suite.steps), "--seq-len", str(suite.seq_len), "--seed", str(run.seed),
            "--lr", repr(run.lr), "--eval-every", str(suite.eval_every), "--val-batches", str(suite.val_batches),
            "--out", str(run.out), "--no-plot"]
     if data:
@@ -140,8 +144,8 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
     base_lr = float(base_cfg["optimizer"]["params"]["lr"])
     rows: dict[str, dict] = {}
     runs_done = 0
-    n_runs = (len(suite.lr_multipliers) + (len(suite.seeds) - 1) + len(suite.seeds)
-              + len(suite.comparators) * len(suite.seeds))
+    n_runs = (len(suite.lr_multipliers) + (len(suite.seeds) - 1)
+              + len(suite.seeds) * (2 + len(suite.hybrid_stretch) + len(suite.comparators)))
     t_start = time.time()
 
     def execute(run: Run) -> dict:
@@ -160,10 +164,27 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
         lr = base_lr * m
         sweep[m] = execute(Run(f"baseline-lr{m:g}-s{first}", "baseline", first, lr, base_cfg,
                                out / f"baseline-lr{m:g}-s{first}"))
-    finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
-    if not finite:
-        raise RuntimeError("bench: every baseline of the LR sweep diverged")
-    best_m = min(finite, key=lambda m: finite[m]["final_val_loss"])
+    def best_of(sweep: dict) -> float:
+        finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
+        if not finite:
+            raise RuntimeError("bench: every baseline of the LR sweep diverged")
+        return min(finite, key=lambda m: finite[m]["final_val_loss"])
+
+    # A best LR at the edge of the sweep is not known to be the best: keep doubling (or
+    # halving) until it is inside, at most twice. A baseline with an under-tuned LR makes
+    # any predicted step look useful (they act much like a larger LR).
+    best_m = best_of(sweep)
+    for _ in range(2):
+        if best_m == max(sweep) and len(sweep) > 1:
+            m = best_m * 2
+        elif best_m == min(sweep) and len(sweep) > 1:
+            m = best_m / 2
+        else:
+            break
+        n_runs += 1
+        sweep[m] = execute(Run(f"baseline-lr{m:g}-s{first}", "baseline", first, base_lr * m, base_cfg,
+                               out / f"baseline-lr{m:g}-s{first}"))
+        best_m = best_of(sweep)
     best_lr = base_lr * best_m
     baselines = {first: sweep[best_m]}
     for seed in suite.seeds[1:]:
@@ -171,6 +192,20 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
                                       out / f"baseline-s{seed}"))
     hybrids = {seed: execute(Run(f"hybrid-s{seed}", "hybrid", seed, best_lr, base_cfg, out / f"hybrid-s{seed}"))
                for seed in suite.seeds}
+    # Equal compute: plain DeepSpeed with as many real steps as the hybrid ran, on its own
+    # (fully decayed) schedule. Reading the long baseline's curve at the hybrid's time
+    # instead would compare an annealed run with one still at a high LR.
+    equal = {}
+    for seed, row in hybrids.items():
+        n_real = max(int(round(row["statistics"]["backward_passes"] / row["gas"])), 2 * suite.eval_every)
+        equal[seed] = execute(Run(f"baseline-eq-s{seed}", "baseline", seed, best_lr, base_cfg,
+                                  out / f"baseline-eq-s{seed}", steps=n_real))
+    stretched = {}
+    for k in suite.hybrid_stretch:
+        name = f"hybrid-x{k:g}"
+        stretched[name] = {seed: execute(Run(f"{name}-s{seed}", "hybrid", seed, best_lr, base_cfg,
+                                             out / f"{name}-s{seed}", steps=int(round(suite.steps * k))))
+                           for seed in suite.seeds}
     comparators: dict[str, dict[int, dict]] = {}
     for name, extra in suite.comparators.items():
         comparators[name] = {}
@@ -182,8 +217,9 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
                 comparators[name] = {"error": str(err).splitlines()[0]}
                 print(f"      {name} did not run: {comparators[name]['error']}", flush=True)
                 break
-    return {"sweep": {f"{m:g}": _slim(r) for m, r in sweep.items()}, "best_lr_multiplier": best_m,
+    return {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sweep.items())}, "best_lr_multiplier": best_m,
             "best_lr": best_lr, "baselines": baselines, "hybrids": hybrids, "comparators": comparators,
+            "equal_compute": equal, "stretched": stretched,
             "base_config": base_cfg, "bench_seconds": time.time() - t_start}
 
 
@@ -254,8 +290,18 @@ AGG_KEYS = ["time_to_target_ratio", "final_val_gap_pct", "val_at_equal_time", "b
             "train_seconds", "baseline_train_seconds"]
 
 
+def equal_compute(hybrid: dict, base_eq: dict) -> dict:
+    """One seed: the hybrid against plain DeepSpeed with as many real steps (its own schedule)."""
+    return {"real_steps": int(round(hybrid["statistics"]["backward_passes"] / hybrid["gas"])),
+            "steps": hybrid["steps"], "hybrid_val": hybrid["final_val_loss"],
+            "baseline_val": base_eq["final_val_loss"],
+            "val_gap_pct": 100.0 * (hybrid["final_val_loss"] - base_eq["final_val_loss"]) / base_eq["final_val_loss"],
+            "time_ratio": hybrid["train_seconds"] / base_eq["train_seconds"] if base_eq["train_seconds"] else None}
+
+
 def analyse(raw: dict) -> dict:
     systems = {"hybrid": raw["hybrids"]}
+    systems.update(raw.get("stretched", {}))
     systems.update({k: v for k, v in raw["comparators"].items() if "error" not in v})
     out: dict[str, Any] = {}
     for name, by_seed in systems.items():
@@ -264,6 +310,12 @@ def analyse(raw: dict) -> dict:
         agg["reached_target"] = sum(r["time_to_target_s"] is not None for r in per_seed.values())
         agg["seeds"] = len(per_seed)
         out[name] = {"per_seed": per_seed, "aggregate": agg}
+    if raw.get("equal_compute"):
+        per_seed = {str(s): equal_compute(raw["hybrids"][s], row) for s, row in raw["equal_compute"].items()}
+        out["hybrid"]["equal_compute"] = {
+            "per_seed": per_seed,
+            "aggregate": {k: mean_spread([r[k] for r in per_seed.values()])
+                          for k in ("real_steps", "hybrid_val", "baseline_val", "val_gap_pct", "time_ratio")}}
     return out
 
 
@@ -386,7 +438,8 @@ def markdown(result: dict) -> str:
     lines = [f"Suite `{s['name']}`: {s['doc']}; {s['steps']} steps of {s['seq_len']}-byte sequences, seeds "
              f"{', '.join(map(str, s['seeds']))}. Baseline = plain DeepSpeed (`hybrid_predict.enabled: false`) at the best "
              f"of the LR sweep {result['sweep_table']} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); "
-             f"the hybrid run uses the same LR and schedule. Target = each seed's baseline final validation loss.",
+             f"the hybrid run uses the same LR and schedule (`hybrid-xK`: its schedule stretched to K times the steps). "
+             f"Target = each seed's baseline final validation loss.",
              "",
              "| system | reached target | time to target / baseline | final val gap vs baseline | val loss at equal time "
              "(baseline) | backward skipped | Predict accepted / rolled back | peak RSS MB (baseline) | train s (baseline) |",
@@ -402,6 +455,18 @@ def markdown(result: dict) -> str:
             f"{_ms(g['train_seconds'], '{:.1f}')} ({_ms(g['baseline_train_seconds'], '{:.1f}')}) |")
     for name, c in result.get("comparator_errors", {}).items():
         lines.append(f"| {name} | did not run: {c} | | | | | | | |")
+    eq = result["analysis"]["hybrid"].get("equal_compute")
+    if eq:
+        a = eq["aggregate"]
+        lines += ["", "At equal compute: plain DeepSpeed given as many real (backward) steps as the hybrid ran, on its "
+                  "own fully decayed schedule:", "",
+                  "| seed | hybrid steps (real) | hybrid final val | baseline val, same real steps | gap | "
+                  "hybrid time / baseline time |", "|---|---|---|---|---|---|"]
+        for seed, r in eq["per_seed"].items():
+            lines.append(f"| {seed} | {r['steps']} ({r['real_steps']}) | {r['hybrid_val']:.4f} | {r['baseline_val']:.4f} "
+                         f"| {r['val_gap_pct']:+.2f}% | {_f(r['time_ratio'], '{:.2f}')} |")
+        lines.append(f"| mean | | {_ms(a['hybrid_val'], '{:.4f}')} | {_ms(a['baseline_val'], '{:.4f}')} | "
+                     f"{_ms(a['val_gap_pct'], '{:+.2f}')}% | {_ms(a['time_ratio'], '{:.2f}')} |")
     lines += ["", "Per seed (hybrid):", "",
               "| seed | target | baseline time to target s | hybrid time to target s | hybrid final val | "
               "tokens/s full / predict / correct (baseline) |", "|---|---|---|---|---|---|"]
@@ -437,8 +502,10 @@ def plot(raw: dict, analysis: dict, path: Path, title: str) -> None:
     fig = Figure(figsize=(10, 5.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    colours = {"baseline": "black", "hybrid": "tab:green", "zenflow": "tab:purple"}
-    groups = {"baseline": raw["baselines"], "hybrid": raw["hybrids"]}
+    colours = {"baseline": "black", "hybrid": "tab:green", "zenflow": "tab:purple", "baseline-eq": "grey"}
+    groups = {"baseline": raw["baselines"], "hybrid": raw["hybrids"], **raw.get("stretched", {})}
+    if raw.get("equal_compute"):
+        groups["baseline-eq"] = raw["equal_compute"]
     groups.update({k: v for k, v in raw["comparators"].items() if "error" not in v})
     for name, by_seed in groups.items():
         for i, (seed, row) in enumerate(sorted(by_seed.items(), key=lambda kv: str(kv[0]))):

@@ -43,6 +43,7 @@ def load_run(path: Path) -> dict:
         "gpu_peak_allocated_mb": s.get("gpu_peak_allocated_mb"),
         "tokens_per_step": s["args"]["seq_len"] * s["ds_config"].get("train_micro_batch_size_per_gpu", 1)
         * s["ds_config"].get("gradient_accumulation_steps", 1) * s.get("world_size", 1),
+        "gas": s["ds_config"].get("gradient_accumulation_steps", 1),
         "statistics": st,
     }
 

@@ -73,7 +73,21 @@ class PredictorConfig(_Section):
     learn_from_full_steps: bool = True
     """Compare predicted and actual Adam directions on every real step (Warmup, Full and
     Correct), not only on Correct steps. Costs two passes over the master weights per
-    real step and uses the snapshot buffer."""
+    real step and uses the snapshot buffer. (``direction: drift`` compares on every real
+    step whatever this says: its velocity is updated there.)"""
+
+    direction: Literal["adam", "drift"] = "adam"
+    """What a Predict step moves the weights along. ``adam``: the bias-corrected Adam
+    direction of the optimizer state plus AdamW's decay (the optimizer's next step if the
+    gradient did not change). ``drift``: the running average of the real steps' updates
+    per unit LR (``drift_beta``), which averages out their step-to-step oscillation; it
+    keeps one more buffer per parameter (``memory.velocity_dtype``), reads no optimizer
+    state in Predict steps, and its step scale is the running projection of each real
+    update on that average."""
+
+    drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
+    """``direction: drift``: decay of the running average of real updates (0.95 averages
+    over about 20 real steps)."""
 
 
 class DynamicsConfig(_Section):
@@ -161,6 +175,28 @@ class DynamicsConfig(_Section):
     """Seed of the ensemble's initialisation and window sampling."""
 
 
+class MemoryConfig(_Section):
+    """Phase-aware memory: what the Predict phase keeps, where and in which precision."""
+
+    velocity_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Storage of the ``direction: drift`` velocity (one value per parameter of the rank's
+    partition): ``fp32`` 4 bytes, ``bf16`` 2, ``int8`` 1 (+ one fp32 scale per 256 values,
+    stochastic rounding; see ``ds_hybrid/quant.py``)."""
+
+    park_optimizer_states: bool = False
+    """Move the Adam moments (``exp_avg``, ``exp_avg_sq``: 8 bytes per parameter of the
+    rank's partition) off the accelerator at the start of each Predict run and back when it
+    ends, before the next real step: DeepSpeed's ``offload_states`` on ZeRO 1-2 (and ZeRO 3
+    with FusedAdam), ds_hybrid's own move elsewhere; nothing to do when they already live
+    in CPU memory (``offload_optimizer``). Needs ``predictor.direction: drift``, whose
+    Predict steps do not read them."""
+
+    predict_autocast: Literal["none", "bf16", "fp16"] = "none"
+    """Precision of the Predict phase's no-grad forwards (verification and progress):
+    ``none`` runs them as the model is, ``bf16`` / ``fp16`` under ``torch.autocast``
+    (fp16 on GPUs only). Real steps are not affected."""
+
+
 class HybridPredictConfig(_Section):
     """The ``hybrid_predict`` ds_config section: Warmup -> Full -> Predict -> Correct."""
 
@@ -214,6 +250,9 @@ class HybridPredictConfig(_Section):
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     """Settings of the update predictor."""
 
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """Phase-aware memory settings."""
+
     dynamics: DynamicsConfig = Field(default_factory=DynamicsConfig)
     """The dynamics model (``predictor.type: rssm``) and trajectory recording."""
 
@@ -225,6 +264,9 @@ class HybridPredictConfig(_Section):
         if self.predictor.type == "rssm" and self.dynamics.horizon < self.max_predict_steps:
             raise ValueError(f"dynamics.horizon ({self.dynamics.horizon}) must be at least "
                              f"max_predict_steps ({self.max_predict_steps})")
+        if self.memory.park_optimizer_states and self.predictor.direction != "drift":
+            raise ValueError("memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
+                             "along the Adam direction read the moments it would move off the accelerator")
         return self
 
 

@@ -159,6 +159,8 @@ class PredictiveEngine(DeepSpeedEngine):
         self._predicted_update: Callable[[], None] | None = None
         self._guard = _NonFiniteGuard(self.module)
         self._boundary_loss: float | None = None  # mean loss over ranks of the last real step
+        self._velocity: za.VelocityBuffers | None = None
+        self._parking: za.MomentParking | None = None
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -166,6 +168,12 @@ class PredictiveEngine(DeepSpeedEngine):
                              "Predict steps need Adam or AdamW (or set hybrid_predict.enabled to false)")
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
+        mem = self.hybrid_config.memory
+        # direction: drift keeps the running average of the real updates (one buffer per
+        # parameter of this rank's partition); adam reads the optimizer's moments instead.
+        self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
+                          if self.hybrid_config.predictor.direction == "drift" else None)
+        self._parking = za.MomentParking(self, self._masters) if mem.park_optimizer_states else None
         self.controller = PhaseController(self.hybrid_config)
         self.predictor = make_predictor(self.hybrid_config)
         self._pending = 0  # Predict steps applied since the last good point
@@ -231,6 +239,10 @@ class PredictiveEngine(DeepSpeedEngine):
         }
         if self.hybrid_config.enabled:
             out["snapshot_bytes"] = self._snapshot.nbytes()
+            out["velocity_bytes"] = self._velocity.nbytes() if self._velocity is not None else 0
+            out["direction"] = self.hybrid_config.predictor.direction
+            if self._parking is not None:
+                out["moment_parking"] = self._parking.mode
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type
@@ -260,14 +272,26 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
-        probe = (phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps) and self._masters.has_adam_state()
+        drift = self._velocity is not None
+        probe = drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps)
+                          and self._masters.has_adam_state())
         local_difficulty = self._measure_difficulty(batches)
-        if probe:
+        if drift:
+            # The masters before the step (into the snapshot buffer, free outside Predict runs)
+            # and the LR each group steps with: the update per unit LR feeds the velocity.
+            lrs = [float(g["lr"]) for g in self._masters.base.param_groups]
+            za.capture_weights(self._masters, self._snapshot)
+        elif probe:
             za.stash_direction(self._masters, self._snapshot)
         self._real_step(batches, loss_fn)
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
-        groups = (za.compare_direction(self._masters, self._snapshot) if probe else
-                  torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64))
+        if drift and self.was_step_applied():
+            groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
+                                         cfg.predictor.drift_beta, int(self.global_steps))
+        elif probe and not drift:
+            groups = za.compare_direction(self._masters, self._snapshot)
+        else:
+            groups = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
         # One collective for the per-group sums, the batch difficulty and the gradient norm;
         # every rank calls it (probe can differ where a rank's partition is empty). The norm
         # is averaged because DeepSpeed's may differ in the last bits between ranks, and
@@ -302,6 +326,8 @@ class PredictiveEngine(DeepSpeedEngine):
         if ctl.predict_index == 0:
             za.capture_weights(self._masters, self._snapshot)
             self._pending = 0
+            if self._parking is not None:
+                self._parking.park()  # back when the run ends, before the next real step
         with self._timed_predictor():
             scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
         scale = sum(scales) / len(scales) if scales else 0.0
@@ -315,12 +341,15 @@ class PredictiveEngine(DeepSpeedEngine):
             local[3:] = self._measure_difficulty(batches)
         if measure:
             # The same run with this step skipped: the batch's loss before the update.
-            with torch.no_grad():
+            with self._predict_forwards():
                 local[2] = sum(float(loss_fn(self, b).detach().float()) for b in batches)
 
         @torch.no_grad()
         def predicted_update() -> None:
-            za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
+            if self._velocity is not None:
+                za.apply_velocity_update(self._masters, self._velocity, scales)
+            else:
+                za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
             self._masters.propagate()
 
         # DeepSpeed's step() reaches _take_model_step only at an accumulation boundary:
@@ -336,7 +365,7 @@ class PredictiveEngine(DeepSpeedEngine):
         observed = predicted = progress = difficulty = None
         accepted, undone = None, 0
         if verify:
-            with torch.no_grad():
+            with self._predict_forwards():
                 losses = [float(loss_fn(self, b).detach().float()) for b in batches]
             local[0], local[1] = sum(losses), len(losses)
             shared = self._all_reduce_sum(local)
@@ -369,9 +398,31 @@ class PredictiveEngine(DeepSpeedEngine):
                                   total_steps=self._total_steps, progress=progress, batch_difficulty=difficulty))
         with self._timed_predictor():
             ctl.end_step(self._decide, rolled_back=accepted is False)
+        if self._parking is not None and ctl.phase is not Phase.PREDICT:
+            self._parking.unpark()  # the run is over: the next step is real and needs the moments
         return StepResult(self.global_steps, Phase.PREDICT.value, observed, predicted, self.predictor.confidence(),
                           False, 0.0, step_scale=scale, verified=verify, accepted=accepted,
                           rolled_back_steps=undone, lr=lr, progress=progress)
+
+    @contextlib.contextmanager
+    def _predict_forwards(self):
+        """The Predict phase's forwards: no autograd (no activations or gradients kept), no
+        activation checkpointing (it only pays off when a backward follows; under no_grad it
+        would just run each layer through the checkpoint wrapper), and the precision of
+        ``memory.predict_autocast``."""
+        layers = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        for m in layers:
+            m.gradient_checkpointing = False
+        prec = self.hybrid_config.memory.predict_autocast
+        autocast = (torch.autocast(device_type=self.device.type,
+                                   dtype=torch.bfloat16 if prec == "bf16" else torch.float16)
+                    if prec != "none" else contextlib.nullcontext())
+        try:
+            with torch.no_grad(), autocast:
+                yield
+        finally:
+            for m in layers:
+                m.gradient_checkpointing = True
 
     # ------------------------------------------------------------ predictor plumbing
     def _decide(self) -> tuple[bool, int]:
@@ -501,8 +552,15 @@ class PredictiveEngine(DeepSpeedEngine):
         """DeepSpeed's checkpoint plus ds_hybrid's state, published atomically: written
         into ``save_dir/.staging-<tag>``, renamed to ``save_dir/<tag>`` when complete,
         and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
-        ckpt.save_atomic(self, super().save_checkpoint, save_dir, tag, dict(client_state or {}), save_latest,
-                         exclude_frozen_parameters)
+        parked = self._parking is not None and self._parking.parked
+        if parked:  # DeepSpeed saves the optimizer state from where it normally lives
+            self._parking.unpark()
+        try:
+            ckpt.save_atomic(self, super().save_checkpoint, save_dir, tag, dict(client_state or {}), save_latest,
+                             exclude_frozen_parameters)
+        finally:
+            if parked:
+                self._parking.park()
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -514,6 +572,8 @@ class PredictiveEngine(DeepSpeedEngine):
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
+        if self._parking is not None:
+            self._parking.unpark()  # the loaded moments replace these; they stay on the device until the next run
         return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs)
 
     def hybrid_state_dict(self) -> dict:
@@ -553,13 +613,21 @@ class PredictiveEngine(DeepSpeedEngine):
         """This rank's own state: its RNG states and, in the middle of a Predict run, the
         rollback snapshot (its shard of the masters at the last good point)."""
         return {"format": ckpt.FORMAT_VERSION, "rank": int(self.global_rank), "world_size": int(self.dp_world_size),
-                "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save()}
+                "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save(),
+                "velocity": self._velocity.state_dict() if self._velocity is not None else None}
 
     def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
         """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
         a snapshot still needed is retaken from the loaded masters, with a warning."""
         if sd is not None:
             ckpt.set_rng_state(sd["rng"])
+        if self.hybrid_config.enabled and self._velocity is not None:
+            saved_v = None if sd is None else sd.get("velocity")
+            if saved_v is not None:
+                self._velocity.load_state_dict(saved_v, self._masters)
+            else:
+                logger.warning(f"{source}: no drift velocity for this rank in the checkpoint; it is rebuilt from "
+                               "the next real steps")
         if not self.hybrid_config.enabled or not self._snapshot_needed():
             return
         saved = None if sd is None else sd.get("snapshot")

@@ -18,6 +18,11 @@ What it learns, and from what:
   (a direction that keeps turning cannot be extrapolated) times the share of
   verified Predict steps accepted so far, ``(accepted + 1) / (accepted + rejected + 1)``.
   It is 0 until real steps have been measured.
+
+With ``predictor.direction: drift`` the same sums compare each real update (per unit
+LR) with the velocity, the running average of the updates before it: the projection
+is how much of the velocity the next real step keeps, and it replaces the cosine in
+the confidence (a single update is mostly oscillation around the drift).
 """
 from __future__ import annotations
 
@@ -119,6 +124,11 @@ class AdamDirectionPredictor:
         if not self.ready():
             return 0.0
         evidence = (self.accepted + 1) / (self.accepted + self.rejected + 1)
+        if self.pcfg.direction == "drift":
+            # A single real update is mostly oscillation around the drift (a low cosine with
+            # it by nature); what matters is whether the next step keeps going that way: the
+            # running projection of each real update on the velocity (1: all of it).
+            return min(max(self.proj_ema, 0.0), 1.0) * evidence
         return max(self.cos_ema, 0.0) * evidence
 
     def horizon(self, confidence: float) -> int:

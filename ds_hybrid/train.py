@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--predictor", choices=("adam_direction", "rssm"), default=None,
                    help="override hybrid_predict.predictor.type")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a hybrid_predict key, VALUE read as JSON (else a string); repeatable, e.g. "
+                        "--set predictor.direction=drift --set memory.velocity_dtype=int8")
     p.add_argument("--trajectory", default=None,
                    help="record the predictor's observations, one JSON line per step, to this file "
                         "(hybrid_predict.dynamics.trajectory_path; for ds-hybrid dynamics-eval)")
@@ -125,6 +128,34 @@ def apply_lr(ds_config: dict, lr: float) -> None:
     for key in ("warmup_max_lr", "max_lr"):
         if key in params:
             params[key] = lr
+
+
+def apply_overrides(ds_config: dict, overrides: list[str]) -> None:
+    """``--set KEY=VALUE``: KEY is a dotted path inside ``hybrid_predict``, VALUE JSON
+    (``true``, ``4``, ``0.5``, ``"int8"``) or else a plain string. The whole section is
+    validated afterwards, so a bad key or value fails here, naming both."""
+    from .config import ConfigError, parse_hybrid_config
+    section = ds_config.setdefault("hybrid_predict", {})
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set: expected KEY=VALUE (a hybrid_predict key), got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = section
+        *parents, leaf = key.strip().split(".")
+        for name in parents:
+            child = node.setdefault(name, {})
+            if not isinstance(child, dict):
+                raise SystemExit(f"--set {item}: hybrid_predict.{name} is not a section")
+            node = child
+        node[leaf] = value
+    try:
+        parse_hybrid_config(ds_config)
+    except ConfigError as err:
+        raise SystemExit(f"--set: {err}") from None
 
 
 def peak_rss_mb() -> float:
@@ -267,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
     apply_run_length(ds_config, args.steps)
     if args.lr is not None:
         apply_lr(ds_config, args.lr)
+    if args.overrides:
+        apply_overrides(ds_config, args.overrides)
     if args.predictor or args.trajectory:
         section = ds_config.setdefault("hybrid_predict", {"enabled": False})
         if args.predictor:

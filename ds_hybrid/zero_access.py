@@ -428,3 +428,206 @@ def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Ten
         row[6] += float(part.master.numel())
     bufs.holds = None
     return out
+
+
+# ---------------------------------------------------------------------------
+# The drift direction: a running average of the real updates.
+# ---------------------------------------------------------------------------
+
+class VelocityBuffers:
+    """Per master partition, the exponential average of the real steps' updates per unit
+    learning rate, ``v <- beta * v + (1 - beta) * (w_after - w_before) / lr``: where the
+    weights have been going, with the step-to-step oscillation averaged out. Stored as
+    fp32, bf16 or int8 (``quant.CompactBuffer``); 4, 2 or ~1 bytes per parameter of the
+    rank's partition, on the masters' device."""
+
+    def __init__(self, dtype: str = "fp32", seed: int = 0):
+        self.dtype, self.seed = dtype, seed
+        self.buffers: list = []
+        self.updates = 0  # real updates folded in so far
+
+    def buffer(self, i: int, like: torch.Tensor):
+        from .quant import CompactBuffer
+        while len(self.buffers) <= i:
+            self.buffers.append(None)
+        buf = self.buffers[i]
+        if buf is None or buf.numel != like.numel() or buf.device != like.device:
+            buf = CompactBuffer(like.numel(), self.dtype, like.device)
+            self.buffers[i] = buf
+        return buf
+
+    def generator(self, device: torch.device, step: int, i: int) -> torch.Generator | None:
+        """int8 stochastic rounding: a generator seeded by (seed, step, partition), the same
+        on a rerun and after a resume."""
+        if self.dtype != "int8":
+            return None
+        return torch.Generator(device=device).manual_seed((self.seed * 1_000_003 + step) * 1009 + i)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.buffers if b is not None)
+
+    def state_dict(self) -> dict:
+        return {"dtype": self.dtype, "updates": self.updates,
+                "buffers": [None if b is None else b.state_dict() for b in self.buffers]}
+
+    def load_state_dict(self, sd: dict, access: "MasterAccess") -> None:
+        if sd["dtype"] != self.dtype:
+            raise ValueError(f"the checkpoint's drift velocity is {sd['dtype']}, this run's "
+                             f"hybrid_predict.memory.velocity_dtype is {self.dtype}")
+        self.updates = sd["updates"]
+        parts = list(access.partitions())
+        for i, saved in enumerate(sd["buffers"]):
+            if saved is None or i >= len(parts):
+                continue
+            self.buffer(i, parts[i].master).load_state_dict(saved)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1)  # masters are contiguous (flat partitions, or parameters on ZeRO 0)
+
+
+@torch.no_grad()
+def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
+                     lrs: Sequence[float], beta: float, step: int) -> torch.Tensor:
+    """After a real step: fold its update per unit LR into the velocity, and return the
+    per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
+    (``old`` = the direction a Predict step would have taken, ``new`` = the real update
+    per unit LR). ``before`` holds the masters from before the step (``capture_weights``);
+    ``lrs`` the LR of each param group in that step."""
+    out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
+    if before.holds != "weights":
+        return out
+    first, folded = vel.updates == 0, False
+    for i, part in enumerate(access.partitions()):
+        lr = float(lrs[part.group_index])
+        if part.master.numel() == 0 or lr <= 0 or i >= len(before.buffers):
+            continue
+        folded = True
+        buf = vel.buffer(i, part.master)
+        gen = vel.generator(part.master.device, step, i)
+        master, old_w = _flat(part.master), _flat(before.buffers[i])
+        row = out[part.group_index]
+        for s, e in buf.chunks():
+            delta = (master[s:e] - old_w[s:e].to(master.device, non_blocking=True)).div_(lr)
+            v_old = buf.load(s, e)
+            row[0] += float(torch.dot(delta.double(), v_old.double()))
+            row[1] += float(v_old.double().pow(2).sum())
+            row[2] += float(delta.double().pow(2).sum())
+            row[3] += float(master[s:e].double().pow(2).sum())
+            buf.store(delta if first else v_old.mul_(beta).add_(delta, alpha=1.0 - beta), s, gen)
+        if "exp_avg" in part.state:
+            row[4] += float(part.state["exp_avg"].double().abs().sum())
+            row[5] += float(part.state["exp_avg_sq"].double().sqrt().sum())
+        row[6] += float(part.master.numel())
+    vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
+    before.holds = None
+    return out
+
+
+@torch.no_grad()
+def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "float | Sequence[float]") -> float:
+    """Add ``scale * lr * velocity`` to the masters (per layer group; the velocity already
+    holds the weight decay and clipping of the real steps it averages). Returns the
+    squared norm of the update on this rank. The caller propagates."""
+    sq = []
+    for i, part in enumerate(access.partitions()):
+        s = _scale_of(scale, part.group_index)
+        if part.master.numel() == 0 or s == 0.0 or i >= len(vel.buffers) or vel.buffers[i] is None:
+            continue
+        coef = s * float(part.group["lr"])
+        master, buf = _flat(part.master), vel.buffers[i]
+        for a, b in buf.chunks():
+            u = buf.load(a, b).mul_(coef)
+            sq.append(u.double().pow(2).sum())
+            master[a:b].add_(u)
+    return sum(float(x) for x in sq)
+
+
+# ---------------------------------------------------------------------------
+# Phase-aware memory: the Adam moments leave the accelerator during Predict runs.
+# ---------------------------------------------------------------------------
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class MomentParking:
+    """Moves the Adam moments to host memory for a Predict run and back before the next
+    real step (a drift Predict step does not read them).
+
+    * ZeRO 1/2 (``DeepSpeedZeroOptimizer``), and ZeRO 3 with FusedAdam: DeepSpeed's own
+      ``engine.offload_states(include=[optim_states])`` / ``reload_states()``, which keep
+      a pinned host copy and know their optimizer's buffers.
+    * Elsewhere (ZeRO 0 wrappers, ZeRO 3 with another Adam): ds_hybrid moves the state
+      tensors itself, the same way (``tensor.data`` swapped to a pinned host copy kept
+      here, so ``optimizer.state`` and checkpoints never see it).
+    * Moments already in CPU memory (``offload_optimizer``, or a CPU accelerator): nothing
+      moves; ``mode`` says ``host``.
+    """
+
+    def __init__(self, engine: Any, access: MasterAccess, mode: str | None = None):
+        self.engine, self.access = engine, access
+        self.parked = False
+        self._host: dict[int, torch.Tensor] = {}     # own mode: pinned host copy per moment tensor
+        self._devices: dict[int, torch.device] = {}  # ... and the device it came from
+        self.mode = mode  # chosen at the first park: the moments exist only after a real step
+
+    def _choose_mode(self) -> str:
+        devices = {part.state[k].device.type for part in self.access.partitions() for k in MOMENT_KEYS
+                   if k in part.state}
+        if getattr(self.engine, "zero_cpu_offload", lambda: False)() or devices <= {"cpu"}:
+            return "host"  # already in CPU memory (or no accelerator): moving them would only cost
+        opt = self.engine.optimizer
+        name = type(opt).__name__
+        offload = self.engine.zero_offload_param()
+        param_offloaded = offload is not None and getattr(offload.device, "value", offload.device) != "none"
+        if name == "DeepSpeedZeroOptimizer" and not param_offloaded:
+            return "deepspeed"
+        if name == "DeepSpeedZeroOptimizer_Stage3" and not param_offloaded:
+            from deepspeed.ops.adam import FusedAdam
+            if type(self.access.base) is FusedAdam:
+                return "deepspeed"
+        return "own"
+
+    def park(self) -> None:
+        if self.parked:
+            return
+        if self.mode is None:
+            self.mode = self._choose_mode()
+        if self.mode == "deepspeed":
+            from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+            self.engine.offload_states(include=[OffloadStateTypeEnum.optim_states], pin_memory=True,
+                                       non_blocking=True)
+        elif self.mode == "own":
+            for part in self.access.partitions():
+                for k in MOMENT_KEYS:
+                    t = part.state.get(k)
+                    if t is None or t.device.type == "cpu":
+                        continue
+                    host = self._host.get(id(t))
+                    if host is None:
+                        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                        self._host[id(t)] = host
+                    host.copy_(t, non_blocking=True)
+                    self._devices[id(t)] = t.device
+                    t.data = host
+        self.parked = True
+
+    def unpark(self) -> None:
+        if not self.parked:
+            return
+        if self.mode == "deepspeed":
+            self.engine.reload_states(non_blocking=False)
+        elif self.mode == "own":
+            for part in self.access.partitions():
+                for k in MOMENT_KEYS:
+                    t = part.state.get(k)
+                    if t is not None and id(t) in self._devices:
+                        t.data = t.data.to(self._devices.pop(id(t)), non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+        self.parked = False
+
+    def device_bytes(self) -> int:
+        """Bytes of Adam moments on an accelerator right now (0 while parked or on the host)."""
+        return sum(part.state[k].numel() * part.state[k].element_size() for part in self.access.partitions()
+                   for k in MOMENT_KEYS if k in part.state and part.state[k].device.type != "cpu")

@@ -30,7 +30,13 @@ NAN_STEP = 5       # a real step whose loss is NaN: skipped
 REJECT_STEP = 12   # a Predict verification forced to reject: rolls back steps 11-12
 SAVE_AT = (5, 8, 11)
 SETUPS = {"z0": dict(stage=0), "z1-gas2": dict(stage=1, gas=2), "z2-bf16": dict(stage=2, bf16=True),
-          "z2-offload": dict(stage=2, offload_opt="cpu"), "z3": dict(stage=3)}
+          "z2-offload": dict(stage=2, offload_opt="cpu"), "z3": dict(stage=3),
+          # The drift velocity is per-rank state too (int8: its stochastic rounding must replay),
+          # and a save in the middle of a run with the moments parked must find them.
+          "z1-drift-int8-parked": dict(stage=1, hybrid=dict(HYBRID, predictor={"direction": "drift"},
+                                                            memory={"velocity_dtype": "int8",
+                                                                    "park_optimizer_states": True})),
+          "z3-drift": dict(stage=3, hybrid=dict(HYBRID, predictor={"direction": "drift"}))}
 
 
 def noisy_loss(engine, batch):
@@ -68,7 +74,7 @@ def seed_everything(seed: int = 0) -> None:
 def test_resume_is_bit_exact(name, tmp_path):
     setup = dict(SETUPS[name])
     gas = setup.get("gas", 1)
-    cfg = ds_config(hybrid=HYBRID, **setup)
+    cfg = ds_config(**{"hybrid": HYBRID, **setup})
     seed_everything()
     engine = make_engine(cfg)
     batches = Batches()

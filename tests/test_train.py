@@ -40,10 +40,24 @@ def test_baseline_flag_disables_prediction(corpus, tmp_path):
     assert summary["statistics"]["backward_skipped"] == 0
 
 
+def test_set_overrides_hybrid_keys(corpus, tmp_path):
+    summary = train.main(["--data", str(corpus), "--steps", "30", "--seq-len", "32", "--eval-every", "30",
+                          "--val-batches", "1", "--model", "gpt2-test", "--out", str(tmp_path / "d"),
+                          "--no-progress", "--no-plot", "--set", "predictor.direction=drift",
+                          "--set", "memory.velocity_dtype=\"int8\"", "--set", "warmup_steps=5"])
+    section = summary["ds_config"]["hybrid_predict"]
+    assert section["predictor"]["direction"] == "drift" and section["memory"]["velocity_dtype"] == "int8"
+    assert section["warmup_steps"] == 5
+    assert summary["statistics"]["direction"] == "drift" and summary["statistics"]["velocity_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
     (["--config", "no-such-preset"], "--config: 'no-such-preset'"),
     (["--steps", "0"], "--steps"),
+    (["--set", "predictor.direction=sideways"], "--set: hybrid_predict.predictor.direction"),
+    (["--set", "warmup_steps"], "--set: expected KEY=VALUE"),
+    (["--set", "memory.park_optimizer_states=true"], "memory.park_optimizer_states needs predictor.direction"),
 ])
 def test_bad_input_fails_before_training(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

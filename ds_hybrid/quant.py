@@ -1,0 +1,106 @@
+"""Compact storage for the predictor's per-parameter buffers: fp32, bf16 or int8.
+
+The drift velocity (and the Adam direction cached for a Predict run) is one value per
+parameter of the rank's master partition: 4 bytes in fp32, the same as the fp32
+masters themselves. ``CompactBuffer`` stores it as
+
+* ``fp32``: exact;
+* ``bf16``: 2 bytes per value, round to nearest even (8 bits of mantissa: the
+  velocity is an average whose own noise is far larger than that);
+* ``int8``: 1 byte per value plus one fp32 scale per block of ``BLOCK`` values
+  (absmax / 127), with *stochastic* rounding. An exponential average stored with
+  round-to-nearest gets stuck: once an element's change per step is under half a
+  quantization step it never moves again (a value of 1 step decayed by 0.95 rounds
+  back to 1). Stochastic rounding is unbiased, so the stored average decays and
+  grows as the fp32 one does, with noise. The random numbers come from a generator
+  seeded by the caller with (seed, step, partition): the same on a rerun and after a
+  resume, with no generator state to checkpoint.
+
+Values are read and written in chunks (``load`` / ``store`` take a range), so the
+fp32 transient is one chunk, not one partition.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 256          # int8: values per absmax scale
+CHUNK = 1 << 22      # elements per fp32 transient (16 MiB); a multiple of BLOCK
+DTYPES = ("fp32", "bf16", "int8")
+
+
+class CompactBuffer:
+    """A flat fp32 vector of ``numel`` values on ``device``, stored as ``dtype``."""
+
+    def __init__(self, numel: int, dtype: str, device: torch.device | str, pin: bool = False):
+        if dtype not in DTYPES:
+            raise ValueError(f"CompactBuffer: dtype must be one of {DTYPES}, got {dtype!r}")
+        self.numel, self.dtype, self.device = int(numel), dtype, torch.device(device)
+        kw = dict(device=self.device, pin_memory=pin)
+        if dtype == "fp32":
+            self.data = torch.zeros(self.numel, dtype=torch.float32, **kw)
+        elif dtype == "bf16":
+            self.data = torch.zeros(self.numel, dtype=torch.bfloat16, **kw)
+        else:
+            nblocks = (self.numel + BLOCK - 1) // BLOCK
+            self.data = torch.zeros(nblocks * BLOCK, dtype=torch.int8, **kw)
+            self.scale = torch.zeros(nblocks, dtype=torch.float32, **kw)
+
+    def nbytes(self) -> int:
+        n = self.data.numel() * self.data.element_size()
+        if self.dtype == "int8":
+            n += self.scale.numel() * self.scale.element_size()
+        return n
+
+    def chunks(self):
+        """(start, end) ranges of at most ``CHUNK`` values that start on a block boundary."""
+        for start in range(0, self.numel, CHUNK):
+            yield start, min(start + CHUNK, self.numel)
+
+    def load(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Values ``[start, end)`` as a new fp32 tensor."""
+        end = self.numel if end is None else end
+        if self.dtype != "int8":
+            return self.data[start:end].to(torch.float32, copy=True)
+        b0, b1 = start // BLOCK, (end + BLOCK - 1) // BLOCK
+        q = self.data[b0 * BLOCK:b1 * BLOCK].view(b1 - b0, BLOCK).float()
+        vals = (q * self.scale[b0:b1].unsqueeze(1)).flatten()
+        return vals[start - b0 * BLOCK:end - b0 * BLOCK]
+
+    def store(self, values: torch.Tensor, start: int = 0, generator: torch.Generator | None = None) -> None:
+        """Write fp32 ``values`` at ``start``. int8 needs ``start`` on a block boundary and
+        ``generator`` (on this buffer's device) for its stochastic rounding."""
+        end = start + values.numel()
+        if self.dtype != "int8":
+            self.data[start:end].copy_(values)
+            return
+        if start % BLOCK:
+            raise ValueError(f"CompactBuffer.store: int8 writes start on a multiple of {BLOCK} (got {start})")
+        b0, nb = start // BLOCK, (values.numel() + BLOCK - 1) // BLOCK
+        padded = torch.zeros(nb * BLOCK, dtype=torch.float32, device=values.device)
+        padded[:values.numel()] = values
+        blocks = padded.view(nb, BLOCK)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        x = blocks / safe.unsqueeze(1)
+        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        q = torch.floor(x + noise).clamp_(-127, 127)
+        self.data[b0 * BLOCK:(b0 + nb) * BLOCK].copy_(q.flatten().to(torch.int8))
+        self.scale[b0:b0 + nb].copy_(scale)
+
+    def zero_(self) -> None:
+        self.data.zero_()
+        if self.dtype == "int8":
+            self.scale.zero_()
+
+    def state_dict(self) -> dict:
+        sd = {"dtype": self.dtype, "numel": self.numel, "data": self.data.detach().cpu().clone()}
+        if self.dtype == "int8":
+            sd["scale"] = self.scale.detach().cpu().clone()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["dtype"] != self.dtype or sd["numel"] != self.numel:
+            raise ValueError(f"saved buffer is {sd['dtype']} x {sd['numel']}, this one {self.dtype} x {self.numel}")
+        self.data.copy_(sd["data"])
+        if self.dtype == "int8":
+            self.scale.copy_(sd["scale"])

@@ -1,0 +1,224 @@
+"""The drift direction and the Predict phase's memory: the velocity is the running
+average of the real updates per unit LR, a Predict step adds exactly scale * lr *
+velocity, its storage can be bf16 or int8, the Adam moments can leave the device for
+a Predict run without changing a single result, and the Predict forwards run without
+autograd or activation checkpointing, in the configured precision."""
+import pytest
+import torch
+
+import ds_hybrid.zero_access as za
+from ds_hybrid import Phase
+from ds_hybrid.config import ConfigError, parse_hybrid_config
+from ds_hybrid.quant import BLOCK, CompactBuffer
+from engine_utils import EAGER, BackwardCounter, Batches, ds_config, make_engine, master_copies
+
+DRIFT = dict(EAGER, predictor={"direction": "drift", "drift_beta": 0.8})
+SETUPS = {"z0-fp32": dict(stage=0), "z1-fp32": dict(stage=1), "z2-bf16": dict(stage=2, bf16=True),
+          "z2-offload-cpu": dict(stage=2, offload_opt="cpu"), "z3-fp32": dict(stage=3)}
+
+
+# ------------------------------------------------------------------ compact storage
+def test_compact_buffer_fp32_is_exact_and_bf16_rounds():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    f = CompactBuffer(1000, "fp32", "cpu")
+    f.store(x)
+    assert torch.equal(f.load(), x) and f.nbytes() == 4000
+    loaded = f.load()
+    loaded.mul_(2)  # load returns a copy: the stored values must not change
+    assert torch.equal(f.load(), x)
+    b = CompactBuffer(1000, "bf16", "cpu")
+    b.store(x)
+    assert b.nbytes() == 2000 and torch.equal(b.load(), x.bfloat16().float())
+
+
+def test_int8_is_blockwise_unbiased_and_does_not_get_stuck():
+    g = torch.Generator().manual_seed(0)
+    n = 3 * BLOCK + 17  # a partial last block
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 0, n)
+    q = CompactBuffer(n, "int8", "cpu")
+    q.store(x, generator=g)
+    scale = x[:3 * BLOCK].view(3, BLOCK).abs().amax(1) / 127
+    err = (q.load() - x)[:3 * BLOCK].view(3, BLOCK).abs()
+    assert bool((err <= scale.unsqueeze(1) * 1.0001).all()), "stochastic rounding moves at most one step"
+    assert q.nbytes() == 4 * BLOCK + 4 * 4
+    # Unbiased: the mean over many roundings is the value.
+    mean = torch.stack([(q.store(x, generator=g), q.load())[1] for _ in range(400)]).mean(0)
+    assert (mean - x).abs().max() < 0.2 * scale.max()
+    # An exponential average stored in int8 decays like the fp32 one (round-to-nearest
+    # would freeze every element at one quantization step).
+    ema = CompactBuffer(BLOCK, "int8", "cpu")
+    big = torch.zeros(BLOCK)
+    big[0] = 1.0          # keeps the block's scale at 1/127
+    big[1:] = 2.0 / 127   # two steps
+    ema.store(big, generator=g)
+    for _ in range(60):
+        v = ema.load()
+        v[1:] *= 0.9
+        ema.store(v, generator=g)
+    assert ema.load()[1:].abs().mean() < 0.1 * (2.0 / 127)
+    with pytest.raises(ValueError, match="multiple of"):
+        q.store(x[:10], start=5, generator=g)
+
+
+# ------------------------------------------------------------------ velocity
+def _lrs(engine):
+    return [float(g["lr"]) for g in engine._masters.base.param_groups]
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_velocity_averages_real_updates_and_predict_adds_it(name, monkeypatch):
+    engine = make_engine(ds_config(hybrid=DRIFT, **SETUPS[name]))
+    batches = Batches()
+    beta = 0.8
+    expected = None
+    while engine.phase is not Phase.PREDICT:
+        before, lrs = master_copies(engine), _lrs(engine)
+        groups = [p.group_index for p in engine._masters.partitions()]
+        engine.train_step(batches.step())
+        after = master_copies(engine)
+        if lrs[0] == 0:  # the first warmup step: nothing moves, nothing is folded in
+            continue
+        deltas = [(a - b) / lrs[gi] for a, b, gi in zip(after, before, groups)]
+        expected = deltas if expected is None else [beta * e + (1 - beta) * d for e, d in zip(expected, deltas)]
+    for i, exp in enumerate(expected):
+        if exp.numel():
+            torch.testing.assert_close(engine._velocity.buffers[i].load().view_as(exp), exp, rtol=1e-4, atol=1e-6)
+    assert engine.statistics()["velocity_bytes"] == 4 * sum(e.numel() for e in expected)
+
+    before = master_copies(engine)
+    scale = engine.predictor.step_scale()
+    lrs = _lrs(engine)
+    counter = BackwardCounter(monkeypatch)
+    result = engine.train_step(batches.step())
+    assert result.phase == "predict" and not result.backward_ran and counter.calls == 0
+    assert scale > 0 and result.accepted
+    for i, (b, a, part) in enumerate(zip(before, master_copies(engine), engine._masters.partitions())):
+        if b.numel():
+            want = b + scale * lrs[part.group_index] * engine._velocity.buffers[i].load().view_as(b)
+            torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-7)
+
+
+def test_drift_rollback_is_exact():
+    engine = make_engine(ds_config(stage=1, hybrid=DRIFT))
+    batches = Batches()
+    while engine.phase is not Phase.PREDICT:
+        engine.train_step(batches.step())
+    start = master_copies(engine)
+    engine.predictor.accept = lambda observed, step, div, *more: (False, observed)
+    result = engine.train_step(batches.step())
+    assert result.accepted is False and result.rolled_back_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(start, master_copies(engine)))
+
+
+@pytest.mark.parametrize("dtype, per_value", [("bf16", 2.0), ("int8", 1.0 + 4.0 / BLOCK)])
+def test_low_precision_velocity_trains_and_costs_less(dtype, per_value):
+    cfg = ds_config(stage=1, hybrid=dict(DRIFT, memory={"velocity_dtype": dtype}))
+    engine = make_engine(cfg)
+    batches = Batches()
+    results = [engine.train_step(batches.step()) for _ in range(14)]
+    assert any(r.phase == "predict" and r.accepted for r in results)
+    numel = sum(p.master.numel() for p in engine._masters.partitions())
+    assert engine.statistics()["velocity_bytes"] <= per_value * numel + 4 * 4 + BLOCK
+
+
+# ------------------------------------------------------------------ parking the moments
+def _run(engine, batches, steps):
+    return [(r.phase, r.loss, r.accepted) for r in (engine.train_step(batches.step()) for _ in range(steps))]
+
+
+@pytest.mark.parametrize("stage, mode", [(1, "deepspeed"), (2, "deepspeed"), (0, "own")])
+def test_parking_changes_nothing_but_where_the_moments_are(stage, mode):
+    hybrid = dict(DRIFT, memory={"park_optimizer_states": True})
+    plain = make_engine(ds_config(stage=stage, hybrid=DRIFT))
+    rows_plain = _run(plain, Batches(), 16)
+
+    parked = make_engine(ds_config(stage=stage, hybrid=hybrid))
+    parked._parking.mode = mode  # on a CPU-only machine 'auto' picks 'host' (nothing to move)
+    batches = Batches()
+    rows, seen_parked = [], False
+    for _ in range(16):
+        if parked.phase is Phase.PREDICT and parked.controller.predict_index > 0:
+            seen_parked = True
+            assert parked._parking.parked
+            if mode == "deepspeed":
+                from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+                assert OffloadStateTypeEnum.optim_states in parked.optimizer.offloaded_states
+        r = parked.train_step(batches.step())
+        rows.append((r.phase, r.loss, r.accepted))
+        if parked.phase is not Phase.PREDICT:
+            assert not parked._parking.parked, "the moments must be back before a real step"
+    assert seen_parked
+    assert rows == rows_plain
+    assert all(torch.equal(a, b) for a, b in zip(master_copies(plain), master_copies(parked)))
+    assert parked.statistics()["moment_parking"] == mode
+
+
+def test_parking_needs_the_drift_direction():
+    with pytest.raises(ConfigError, match="memory.park_optimizer_states needs predictor.direction"):
+        parse_hybrid_config({"hybrid_predict": {"memory": {"park_optimizer_states": True}}})
+    with pytest.raises(ConfigError, match="hybrid_predict.memory.velocity_dtype"):
+        parse_hybrid_config({"hybrid_predict": {"memory": {"velocity_dtype": "int4"}}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_parking_frees_device_memory_on_gpu():
+    engine = make_engine(ds_config(stage=1, hybrid=dict(DRIFT, memory={"park_optimizer_states": True})))
+    batches = Batches()
+    while not (engine.phase is Phase.PREDICT and engine.controller.predict_index > 0):
+        engine.train_step(batches.step())
+    assert engine._parking.mode == "deepspeed" and engine._parking.device_bytes() == 0
+    while engine.phase is Phase.PREDICT:
+        engine.train_step(batches.step())
+    assert engine._parking.device_bytes() > 0
+
+
+# ------------------------------------------------------------------ Predict forwards
+def test_predict_forwards_skip_autograd_and_checkpointing_and_use_autocast():
+    hybrid = dict(DRIFT, memory={"predict_autocast": "bf16"})
+    engine = make_engine(ds_config(stage=1, hybrid=hybrid))
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = []
+
+    def loss_fn(eng, batch):
+        layers = [m for m in eng.module.modules() if hasattr(m, "gradient_checkpointing")]
+        seen.append((eng.phase.value, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                     any(m.gradient_checkpointing for m in layers)))
+        return eng(**batch).loss
+
+    batches = Batches()
+    for _ in range(12):
+        engine.train_step(batches.step(), loss_fn=loss_fn)
+    predict = [s for s in seen if s[0] == "predict"]
+    real = [s for s in seen if s[0] != "predict"]
+    assert predict and all(s[1:] == (False, True, False) for s in predict)
+    assert real and all(s[1:] == (True, False, True) for s in real)
+
+
+def test_save_in_a_parked_run_and_resume_is_exact(tmp_path):
+    hybrid = dict(DRIFT, memory={"park_optimizer_states": True, "velocity_dtype": "int8"})
+    cfg = ds_config(stage=2, hybrid=hybrid)
+    engine = make_engine(cfg)
+    engine._parking.mode = "deepspeed"
+    batches = Batches()
+    saved_at = None
+    rows = []
+    for step in range(1, 19):
+        r = engine.train_step(batches.step())
+        rows.append((r.phase, r.loss, r.accepted))
+        if saved_at is None and engine.phase is Phase.PREDICT and engine.controller.predict_index == 1:
+            assert engine._parking.parked
+            engine.save_checkpoint(tmp_path, "mid")
+            assert engine._parking.parked, "saving must leave the run as it was"
+            saved_at, stream_state = step, batches.gen.get_state()
+    assert saved_at is not None
+    resumed = make_engine(cfg, seed=5)
+    resumed._parking.mode = "deepspeed"
+    resumed.load_checkpoint(tmp_path, "mid")
+    batches.gen.set_state(stream_state)
+    tail = []
+    for _ in range(saved_at + 1, 19):
+        r = resumed.train_step(batches.step())
+        tail.append((r.phase, r.loss, r.accepted))
+    assert tail == rows[saved_at:]
+    assert all(torch.equal(a, b) for a, b in zip(master_copies(engine), master_copies(resumed)))
