@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 3's measurements, end to end (2-core CPU: about 40 minutes on a quiet machine).
-#   1. record trajectories: both predictors, seeds 1-3, stdlib corpus, tiny-cpu preset, 600 steps;
+#   1. record trajectories: both predictors, seeds 1-3, stdlib corpus, 600 steps, on
+#      benchmarks/tiny-cpu-adam.json (the tiny-cpu preset as it was when these were measured:
+#      Adam-direction Predict steps, progress measured on every verification, no LR gate);
 #      one run on another text (torch's C++ headers) and one at peak lr 3e-4
 #   2. plain DeepSpeed baselines for the same seeds
 #   3. the held-out forecast evaluation and the engine table
@@ -11,19 +13,20 @@ PY=${PY:-.venv/bin}
 OUT=runs/dyn
 T=$OUT/traj
 mkdir -p "$T"
+CFG=benchmarks/tiny-cpu-adam.json
 OTHER=$($PY/python -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
 run() {  # name predictor seed [extra args...]
   local name=$1 pred=$2 seed=$3; shift 3
   [ -f "$OUT/$name/summary.json" ] && return 0
-  $PY/ds-hybrid train --predictor "$pred" --seed "$seed" --trajectory "$T/$name.jsonl" --out "$OUT/$name" \
+  $PY/ds-hybrid train --config $CFG --predictor "$pred" --seed "$seed" --trajectory "$T/$name.jsonl" --out "$OUT/$name" \
     --no-progress "$@" > "$OUT/$name.log" 2>&1
 }
 for seed in 1 2 3; do
   run stdlib_adam_direction_s$seed adam_direction $seed
   run stdlib_rssm_s$seed rssm $seed
   [ -f "$OUT/baseline_s$seed/summary.json" ] || \
-    $PY/ds-hybrid train --baseline --seed $seed --out "$OUT/baseline_s$seed" --no-progress > "$OUT/baseline_s$seed.log" 2>&1
+    $PY/ds-hybrid train --config $CFG --baseline --seed $seed --out "$OUT/baseline_s$seed" --no-progress > "$OUT/baseline_s$seed.log" 2>&1
 done
 run cpp_adam_direction_s1 adam_direction 1 --data "$OTHER"
 run lowlr_rssm_s1 rssm 1 --lr 3e-4

@@ -82,7 +82,7 @@ SUITES: dict[str, Suite] = {
 QUICK = dict(model="gpt2-test", steps=40, seq_len=32, seeds=(1, 2), lr_multipliers=(1.0, 2.0), eval_every=10,
              val_batches=2)
 # A quick run is too short for the presets' warmup: predict early so every path runs.
-QUICK_HYBRID = {"hybrid_predict": {"warmup_steps": 8, "full_steps": 4}}
+QUICK_HYBRID = {"hybrid_predict": {"warmup_steps": 8, "full_steps": 4, "predict_lr_fraction": 1.0}}
 
 
 # --------------------------------------------------------------------------- running
@@ -351,7 +351,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None) -> dic
     cfg = deep_merge(preset, suite.overrides)
     apply_lr(cfg, lr)
     cfg["hybrid_predict"] = dict(cfg.get("hybrid_predict", {}), enabled=True, warmup_steps=5, full_steps=1,
-                                 confidence_threshold=0.0)
+                                 confidence_threshold=0.0, predict_lr_fraction=1.0)
     torch.manual_seed(0)
     model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
     engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)

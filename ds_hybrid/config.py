@@ -220,6 +220,12 @@ class HybridPredictConfig(_Section):
     confidence_threshold: float = Field(0.5, ge=0.0, le=1.0)
     """Predict only when the predictor's confidence is at least this."""
 
+    predict_lr_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Predict only while the learning rate is at most this fraction of the highest LR of
+    the run so far (1.0: at any LR). Predicted steps act much like a larger LR: against a
+    tuned LR they were measured to help only once the schedule had decayed it (README,
+    "What a predicted step is worth"). The predictor is not consulted above it."""
+
     correction_steps: int = Field(2, ge=0)
     """Real steps after a completed Predict run that record predicted against observed
     loss and predicted against actual update, for the predictor to learn from."""

@@ -180,6 +180,7 @@ class PredictiveEngine(DeepSpeedEngine):
         dyn = self.hybrid_config.dynamics
         self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
         self._verifications = 0
+        self._max_lr = 0.0  # highest LR of the run so far (predict_lr_fraction)
         # Progress of measured Predict steps: (step, lr, scale, progress), for the regime analysis.
         self.progress_log: list[tuple[int, float, float, float]] = []
         sched = getattr(self._config, "scheduler_params", None) or {}
@@ -215,6 +216,8 @@ class PredictiveEngine(DeepSpeedEngine):
         else:
             result = self._full_step(batches, loss_fn, self.controller.phase)
         self._sync()
+        if self.hybrid_config.enabled:
+            self._max_lr = max(self._max_lr, result.lr)
         result.step_time_s = time.perf_counter() - t0
         self._account(result)
         return result
@@ -426,6 +429,10 @@ class PredictiveEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------ predictor plumbing
     def _decide(self) -> tuple[bool, int]:
+        # The LR gate: the LR is the same on every rank, so this needs no agreement.
+        frac = self.hybrid_config.predict_lr_fraction
+        if frac < 1.0 and self._lr() > frac * self._max_lr:
+            return False, 0
         predict, horizon = self.predictor.decide()
         predict, horizon = self._agreed([float(predict), float(horizon)])
         return predict > 0.5, int(horizon)
@@ -584,7 +591,8 @@ class PredictiveEngine(DeepSpeedEngine):
               "stats": asdict(self._stats), "micro_steps": int(self.micro_steps)}
         if self.hybrid_config.enabled:
             sd.update(controller=self.controller.state_dict(), predictor=self.predictor.state_dict(),
-                      pending=self._pending, verifications=self._verifications, progress_log=list(self.progress_log),
+                      pending=self._pending, verifications=self._verifications, max_lr=self._max_lr,
+                      progress_log=list(self.progress_log),
                       difficulty=None if self._difficulty is None else self._difficulty.state_dict())
         return sd
 
@@ -605,6 +613,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self.predictor.load_state_dict(sd["predictor"])
         self._pending = sd["pending"]
         self._verifications = sd.get("verifications", 0)
+        self._max_lr = sd.get("max_lr", 0.0)
         self.progress_log = [tuple(x) for x in sd.get("progress_log", [])]
         if self._difficulty is not None and sd.get("difficulty") is not None:
             self._difficulty.load_state_dict(sd["difficulty"])

@@ -508,13 +508,21 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
         master, old_w = _flat(part.master), _flat(before.buffers[i])
         row = out[part.group_index]
         for s, e in buf.chunks():
-            delta = (master[s:e] - old_w[s:e].to(master.device, non_blocking=True)).div_(lr)
-            v_old = buf.load(s, e)
-            row[0] += float(torch.dot(delta.double(), v_old.double()))
-            row[1] += float(v_old.double().pow(2).sum())
-            row[2] += float(delta.double().pow(2).sum())
-            row[3] += float(master[s:e].double().pow(2).sum())
-            buf.store(delta if first else v_old.mul_(beta).add_(delta, alpha=1.0 - beta), s, gen)
+            w = master[s:e]
+            delta = torch.sub(w, old_w[s:e].to(w.device, non_blocking=True)).div_(lr)
+            # fp32 views of the stored velocity are updated in place; bf16 / int8 go through a copy.
+            v_old = buf.data[s:e] if buf.dtype == "fp32" else buf.load(s, e)
+            # Statistics in fp32 (torch's reductions accumulate pairwise): 4 passes, no fp64 copies.
+            sums = torch.stack([torch.dot(delta, v_old), torch.dot(v_old, v_old), torch.dot(delta, delta),
+                                torch.dot(w, w)]).tolist()
+            for col, val in enumerate(sums):
+                row[col] += val
+            if first:
+                v_old.copy_(delta)
+            else:
+                v_old.mul_(beta).add_(delta, alpha=1.0 - beta)
+            if buf.dtype != "fp32":
+                buf.store(v_old, s, gen)
         if "exp_avg" in part.state:
             row[4] += float(part.state["exp_avg"].double().abs().sum())
             row[5] += float(part.state["exp_avg_sq"].double().sqrt().sum())

@@ -60,7 +60,7 @@ def write_eager_preset(folder: Path) -> Path:
     cfg = json.loads((HERE.parent / "ds_configs" / "tiny-cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 4
     cfg["hybrid_predict"].update(warmup_steps=4, full_steps=2, confidence_threshold=0.0, min_predict_steps=3,
-                                 max_predict_steps=3, verify_every=2, correction_steps=1)
+                                 max_predict_steps=3, verify_every=2, correction_steps=1, predict_lr_fraction=1.0)
     path = folder / "eager.json"
     path.write_text(json.dumps(cfg))
     return path

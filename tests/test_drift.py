@@ -222,3 +222,18 @@ def test_save_in_a_parked_run_and_resume_is_exact(tmp_path):
         tail.append((r.phase, r.loss, r.accepted))
     assert tail == rows[saved_at:]
     assert all(torch.equal(a, b) for a, b in zip(master_copies(engine), master_copies(resumed)))
+
+
+def test_lr_gate_predicts_only_once_the_lr_has_decayed():
+    # WarmupDecayLR: up to 3e-3 in 4 steps, then linearly down to 0 at step 40.
+    cfg = ds_config(stage=1, hybrid=dict(DRIFT, predict_lr_fraction=0.5),
+                    scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                                  "warmup_num_steps": 4, "total_num_steps": 40}})
+    engine = make_engine(cfg)
+    batches = Batches()
+    rows = [engine.train_step(batches.step()) for _ in range(36)]
+    first = next(i for i, r in enumerate(rows) if r.phase == "predict")
+    peak = max(r.lr for r in rows)
+    assert rows[first - 1].lr <= 0.5 * peak + 1e-12, "the first Predict run starts once the LR is half its peak"
+    assert all(r.lr > 0.5 * peak for r in rows[5:first - 1])  # ... and not before
+    assert engine.hybrid_state_dict()["max_lr"] == peak

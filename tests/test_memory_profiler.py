@@ -142,7 +142,7 @@ def test_train_job_writes_memory_outputs(tmp_path):
     corpus.write_text("def add(a, b):\n    return a + b\n\n" * 400)
     cfg = json.loads((train.PRESET_DIR / "tiny-cpu.json").read_text())
     cfg["hybrid_predict"].update({"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0,
-                                  "min_predict_steps": 2, "max_predict_steps": 3})
+                                  "min_predict_steps": 2, "max_predict_steps": 3, "predict_lr_fraction": 1.0})
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     out = tmp_path / "run"
     t = time.perf_counter()
@@ -162,3 +162,19 @@ def test_train_job_writes_memory_outputs(tmp_path):
     assert summary["peak_rss_mb"] >= mem["process_peak_rss_mb"] - 1  # the reset did not lose the run's peak
     assert mem["overhead_s"] < 0.01 * wall
     assert json.loads((out / "summary.json").read_text())["memory"]["steps_recorded"] == 14
+
+
+# ------------------------------------------------------------ memory-bench
+def test_memory_bench_compares_variants(tmp_path):
+    from ds_hybrid.memory import bench as mbench
+    result = mbench.main(["--models", "gpt2-test", "--variants", "full", "drift-fp32", "drift-int8",
+                          "--steps", "10", "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "m.json")])
+    runs = {r["run"]: r for r in result["runs"]}
+    assert set(runs) == {"full", "drift-fp32", "drift-int8"}
+    assert runs["full"]["steps_per_phase"]["predict"] == 0 and not runs["full"]["velocity_bytes"]
+    for name in ("drift-fp32", "drift-int8"):
+        assert runs[name]["steps_per_phase"]["predict"] > 0
+    # int8: one byte per value and a scale per 256, against four bytes.
+    assert runs["drift-int8"]["velocity_bytes"] < 0.3 * runs["drift-fp32"]["velocity_bytes"]
+    assert {("drift-int8", "predict"), ("full", "full")} <= {(r["run"], r["phase"]) for r in result["rows"]}
+    assert json.loads((tmp_path / "m.json").read_text())["table_markdown"] == result["table_markdown"]

@@ -57,7 +57,8 @@ def test_set_overrides_hybrid_keys(corpus, tmp_path):
     (["--steps", "0"], "--steps"),
     (["--set", "predictor.direction=sideways"], "--set: hybrid_predict.predictor.direction"),
     (["--set", "warmup_steps"], "--set: expected KEY=VALUE"),
-    (["--set", "memory.park_optimizer_states=true"], "memory.park_optimizer_states needs predictor.direction"),
+    (["--set", "predictor.direction=adam", "--set", "memory.park_optimizer_states=true"],
+     "memory.park_optimizer_states needs predictor.direction"),
 ])
 def test_bad_input_fails_before_training(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

@@ -1,14 +1,15 @@
 """``ds-hybrid memory-bench``: host memory per phase on the CPU, plain DeepSpeed (Full) against Predict.
 
-For each model, two ``python -m ds_hybrid.train`` subprocesses on the ``tiny-cpu`` preset (ZeRO 1,
-fp32, DeepSpeed's CPU accelerator): ``full`` is plain DeepSpeed (``--baseline``: every step a Full
-step), ``hybrid`` runs the phase cycle with a short warmup and no confidence threshold, so a short
-run reaches Predict steps. The memory profiler (``ds_hybrid.memory.profiler``) records each step's
-peak RSS; the table gives, per run and phase, the peak and the mean per-step peak **above the
-RSS the process had before the model was built** (interpreter, libraries, corpus).
+For each model, one ``python -m ds_hybrid.train`` subprocess per variant on the ``tiny-cpu`` preset
+(ZeRO 1, fp32, DeepSpeed's CPU accelerator): ``full`` is plain DeepSpeed (``--baseline``: every step
+a Full step); the others run the phase cycle with a short warmup and no confidence threshold, so a
+short run reaches Predict steps, with the Predict direction and velocity storage of ``VARIANTS``.
+The memory profiler (``ds_hybrid.memory.profiler``) records each step's peak RSS; the table gives,
+per run and phase, the peak and the mean per-step peak **above the RSS the process had before the
+model was built** (interpreter, libraries, corpus).
 
-    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256), ~4 min
-    ds-hybrid memory-bench --models gpt2-tiny --json runs/memory-bench/result.json
+    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256)
+    ds-hybrid memory-bench --models gpt2-tiny --variants full drift-int8 --json runs/memory-bench/result.json
 """
 from __future__ import annotations
 
@@ -42,26 +43,40 @@ DEFAULT_MODELS = {
 }
 
 
-def run_config(micro_batch: int, steps: int) -> dict:
+# name -> hybrid_predict settings over the preset's (None: plain DeepSpeed, every step Full).
+VARIANTS: dict[str, dict | None] = {
+    "full": None,
+    "adam": {"predictor": {"direction": "adam"}},
+    "drift-fp32": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "fp32"}},
+    "drift-bf16": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "bf16"}},
+    "drift-int8": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "int8"}},
+}
+DEFAULT_VARIANTS = ("full", "adam", "drift-fp32", "drift-int8")
+
+
+def run_config(micro_batch: int, steps: int, variant: dict | None = None) -> dict:
     """tiny-cpu with the given micro batch and a phase cycle short enough for a few steps."""
+    from ..bench import deep_merge
     from ..train import resolve_config
     cfg, _ = resolve_config("tiny-cpu")
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
     cfg["hybrid_predict"].update({"warmup_steps": max(2, steps // 8), "full_steps": 2, "min_predict_steps": 2,
-                                  "max_predict_steps": 4, "correction_steps": 1, "confidence_threshold": 0.0})
+                                  "max_predict_steps": 4, "verify_every": 1, "correction_steps": 1,
+                                  "confidence_threshold": 0.0, "predict_lr_fraction": 1.0})
+    cfg["hybrid_predict"] = deep_merge(cfg["hybrid_predict"], variant or {})
     return cfg
 
 
 def run_one(model: BenchModel, kind: str, out: Path, live: bool = False) -> dict:
-    """One training subprocess; returns its summary.json."""
+    """One training subprocess for variant ``kind``; returns its summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
-    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps), indent=2))
+    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind]), indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", model.name,
            "--steps", str(model.steps), "--seq-len", str(model.seq_len), "--eval-every", str(model.steps),
            "--val-batches", "1", "--out", str(out), "--no-progress"]
-    if kind == "full":
+    if VARIANTS[kind] is None:
         cmd.append("--baseline")
     with open(out / "train.log", "w") as log:
         proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=_child_env())
@@ -93,13 +108,14 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
         ms = "-" if r["mean_step_ms"] is None else f"{r['mean_step_ms']:.0f}"
         lines.append(f"| {r['model']} | {r['run']} | {r['phase']} | {r['steps']} | {r['peak_above_baseline_mb']:.1f} | "
                      f"{r['mean_peak_above_baseline_mb']:.1f} | {r['mean_end_of_step_above_baseline_mb']:.1f} | {ms} |")
-    lines += ["", "| model | run | parameters | baseline RSS MB | set-up peak above baseline MB | profiler cost |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| model | run | parameters | baseline RSS MB | set-up peak above baseline MB | snapshot MB | "
+              "velocity MB | profiler cost |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         frac = r["profiler_overhead_fraction"]
+        mb = lambda b: "-" if not b else f"{b / 2**20:.1f}"  # noqa: E731
         lines.append(f"| {r['model']} | {r['run']} | {r['parameters'] / 1e6:.2f}M | {r['baseline_rss_mb']:.0f} | "
-                     f"{r['setup_peak_above_baseline_mb']:.1f} | "
-                     f"{'-' if frac is None else f'{frac:.4%} of step time'} |")
+                     f"{r['setup_peak_above_baseline_mb']:.1f} | {mb(r.get('snapshot_bytes'))} | "
+                     f"{mb(r.get('velocity_bytes'))} | {'-' if frac is None else f'{frac:.4%} of step time'} |")
     return "\n".join(lines)
 
 
@@ -107,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="ds-hybrid memory-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt2-tiny", "gpt2-124m"],
                    help=f"models to run (known step budgets: {', '.join(DEFAULT_MODELS)}; others get 20 steps)")
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=sorted(VARIANTS),
+                   help="runs per model: full (plain DeepSpeed), adam, drift-fp32, drift-bf16, drift-int8")
     p.add_argument("--steps", type=int, default=None, help="override every model's step budget")
     p.add_argument("--micro-batch", type=int, default=None, help="override every model's micro batch")
     p.add_argument("--out", default="runs/memory-bench", help="run folders go here")
@@ -124,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.models:
         spec = DEFAULT_MODELS.get(name, BenchModel(name, steps=20, micro_batch=4))
         spec = BenchModel(spec.name, args.steps or spec.steps, args.micro_batch or spec.micro_batch, spec.seq_len)
-        for kind in ("full", "hybrid"):
+        for kind in args.variants:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
             summary = run_one(spec, kind, out / f"{name}-{kind}", args.live)
@@ -139,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "profiler_us_per_step": mem["overhead_us_per_step"],
                          "steps_per_phase": summary["statistics"]["steps_per_phase"],
                          "snapshot_bytes": summary["statistics"].get("snapshot_bytes"),
+                         "velocity_bytes": summary["statistics"].get("velocity_bytes"),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}")})
     table = format_table(rows, runs)
     print(table)
@@ -154,8 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         jp.write_text(json.dumps(result, indent=2))
         for r in runs:
             png = Path(r["out"]) / "memory.png"
-            if r["run"] == "hybrid" and png.is_file():
-                shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}.png")
+            if r["run"] != "full" and png.is_file():
+                shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}-{r['run']}.png")
         print(f"wrote {jp} ({result['seconds']:.0f} s)")
     return result
 

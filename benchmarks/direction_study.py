@@ -1,0 +1,166 @@
+"""Do gradient-free predicted steps beat a tuned baseline at equal compute? (plain PyTorch)
+
+A controlled study behind the README's "what a predicted step is worth": the same model,
+data and schedule as the ``tiny-cpu`` preset (GPT-2 0.84M, 16 x 128 bytes of the Python
+standard library's source, AdamW, warmup + cosine to 0.1x, clipping 1.0), without DeepSpeed
+or verification, so that only the direction of the predicted step differs.
+
+A hybrid run takes ``F`` real AdamW steps, then ``H`` predicted steps with no gradient, and
+repeats; predicted steps advance the LR schedule, as in the engine. It is compared with plain
+AdamW given **as many real steps on its own full schedule** (equal compute: a predicted step
+costs nothing here), at each peak learning rate. Directions:
+
+* ``adam``: ``-s * lr * m_hat / (sqrt(v_hat) + eps)`` from the optimizer state, plus decay
+  (``predictor.direction: adam``);
+* ``drift``: ``s * lr * v``, ``v`` the running average (``beta``) of the real updates per unit
+  LR (``predictor.direction: drift``).
+
+    .venv/bin/python benchmarks/direction_study.py                       # ~50 min on 2 cores
+    .venv/bin/python benchmarks/direction_study.py --lrs 2e-3 --seeds 1 --starts 50 --json /tmp/d.json
+
+Prints a table and writes JSON (default ``docs/results/direction-study.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_hybrid.data import ByteDataset, train_batches, val_batches  # noqa: E402
+from ds_hybrid.models import build_model  # noqa: E402
+
+
+def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
+          beta: float = 0.95, warm: int = 50) -> dict:
+    """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
+    torch.manual_seed(seed)
+    train_data, val_data = ByteDataset.load(None).split(0.05, 128)
+    vb = val_batches(val_data, 128, 16, max_batches=16)
+    model = build_model("gpt2-tiny", vocab_size=256, seq_len=128)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    def lr_at(t: int) -> float:
+        if t < 30:
+            return lr * (t + 1) / 30
+        p = min((t - 30) / (steps - 30), 1.0)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+    stream = train_batches(train_data, 128, 16, seed)
+    flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
+    prev = vel = None
+    t = real = since = 0
+    t0 = time.perf_counter()
+    while t < steps:
+        if direction and t >= warm and since >= F:
+            with torch.no_grad():
+                for j in range(H):
+                    step_lr = lr_at(t + j)
+                    if direction == "drift":
+                        off = 0
+                        for p in params:
+                            n = p.numel()
+                            p.add_(vel[off:off + n].view_as(p), alpha=scale * step_lr)
+                            off += n
+                    else:
+                        for p in params:
+                            st = opt.state[p]
+                            k = float(st["step"])
+                            m = st["exp_avg"] / (1 - 0.9 ** k)
+                            v = st["exp_avg_sq"] / (1 - 0.999 ** k)
+                            p.mul_(1 - step_lr * 0.01).add_(m / (v.sqrt() + 1e-8), alpha=-scale * step_lr)
+            t, since, prev = t + H, 0, flat()
+            continue
+        for g in opt.param_groups:
+            g["lr"] = lr_at(t)
+        loss = model(**next(stream)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        w = flat()
+        if prev is not None and lr_at(t) > 0:
+            delta = (w - prev) / lr_at(t)
+            vel = delta if vel is None else vel.mul_(beta).add_(delta, alpha=1 - beta)
+        prev = w
+        t, real, since = t + 1, real + 1, since + 1
+    seconds = time.perf_counter() - t0
+    with torch.no_grad():
+        val = sum(float(model(**b).loss) for b in vb) / len(vb)
+    return {"seed": seed, "lr": lr, "steps": steps, "real_steps": real, "direction": direction, "F": F, "H": H,
+            "scale": scale, "val_loss": val, "train_seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lrs", type=float, nargs="+", default=[2e-3, 4e-3], help="peak learning rates")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--steps", type=int, default=600, help="schedule length of the hybrid runs")
+    p.add_argument("--F", type=int, default=4, help="real steps between predicted runs")
+    p.add_argument("--H", type=int, default=2, help="predicted steps per run")
+    p.add_argument("--starts", type=int, nargs="+", default=[50, 300],
+                   help="step from which predicted runs start (50: right after warmup; 300: the second half, "
+                        "as the LR decays)")
+    p.add_argument("--directions", nargs="+", default=["adam", "drift"], choices=["adam", "drift"])
+    p.add_argument("--adam-scale", type=float, default=0.5, help="scale of the adam direction")
+    p.add_argument("--json", default=str(ROOT / "docs" / "results" / "direction-study.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    start = time.time()
+    rows = []
+    for lr in args.lrs:
+        for seed in args.seeds:
+            full = train(seed, lr, args.steps, None, 0, 0, 0.0)
+            for start in args.starts:
+                hybrids = [train(seed, lr, args.steps, d, args.F, args.H, args.adam_scale if d == "adam" else 1.0,
+                                 warm=start) for d in args.directions]
+                real = hybrids[0]["real_steps"]
+                base = train(seed, lr, real, None, 0, 0, 0.0)
+                for h in hybrids:
+                    rows.append({**h, "start": start, "equal_compute_val": base["val_loss"],
+                                 "full_schedule_val": full["val_loss"], "gap": h["val_loss"] - base["val_loss"]})
+                    print(f"lr {lr:g} seed {seed} from step {start} {h['direction']:5s}: val {h['val_loss']:.4f} "
+                          f"({h['real_steps']} real of {h['steps']}) | plain, {real} steps: {base['val_loss']:.4f} | "
+                          f"plain, {args.steps} steps: {full['val_loss']:.4f}", flush=True)
+    lines = ["| peak lr | predicted from step | direction | predicted share | val loss | plain AdamW, same real "
+             "steps | gap (mean ± sd) | plain AdamW, all steps real |", "|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for lr in args.lrs:
+        for start in args.starts:
+            for d in args.directions:
+                rs = [r for r in rows if r["lr"] == lr and r["direction"] == d and r["start"] == start]
+                gaps = [r["gap"] for r in rs]
+                agg = {"lr": lr, "start": start, "direction": d, "runs": len(rs),
+                       "predicted_share": 1 - rs[0]["real_steps"] / rs[0]["steps"],
+                       "val": statistics.mean(r["val_loss"] for r in rs),
+                       "equal_compute_val": statistics.mean(r["equal_compute_val"] for r in rs),
+                       "full_schedule_val": statistics.mean(r["full_schedule_val"] for r in rs),
+                       "gap_mean": statistics.mean(gaps), "gap_sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0}
+                summary.append(agg)
+                lines.append(f"| {lr:g} | {start} | {d} | {agg['predicted_share']:.0%} | {agg['val']:.4f} | "
+                             f"{agg['equal_compute_val']:.4f} | {agg['gap_mean']:+.4f} ± {agg['gap_sd']:.4f} | "
+                             f"{agg['full_schedule_val']:.4f} |")
+    table = "\n".join(lines)
+    print(table)
+    result = {"command": "benchmarks/direction_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - start, 1),
+              "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
+                        "adam_scale": args.adam_scale, "drift_beta": 0.95, "starts": args.starts},
+              "rows": rows, "summary": summary, "table_markdown": table}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
