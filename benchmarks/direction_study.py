@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "as the LR decays)")
     p.add_argument("--directions", nargs="+", default=["adam", "drift"], choices=["adam", "drift"])
     p.add_argument("--adam-scale", type=float, default=0.5, help="scale of the adam direction")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--json", default=str(ROOT / "docs" / "results" / "direction-study.json"))
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
-    start = time.time()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
     rows = []
     for lr in args.lrs:
         for seed in args.seeds:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = "\n".join(lines)
     print(table)
     result = {"command": "benchmarks/direction_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - start, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - t0, 1), "threads": args.threads,
               "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
                         "adam_scale": args.adam_scale, "drift_beta": 0.95, "starts": args.starts},
               "rows": rows, "summary": summary, "table_markdown": table}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -99,15 +100,15 @@ def markdown(rows: list[dict]) -> str:
                      + " | ".join(_fmt(f, r[k]) for k, _, f in COLUMNS) + " |")
     groups = aggregate(rows)
     if groups:
-        lines += ["", "| hybrid | runs | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-                  "|" + "---|" * (2 + len(COLUMNS))]
+        lines += ["", "| configuration | hybrid | runs | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+                  "|" + "---|" * (3 + len(COLUMNS))]
         for g in groups:
             cells = []
             for k, _, f in COLUMNS:
                 m, sd = g[k]
                 cells.append("-" if m is None else f"{_fmt('{:.4f}' if k == 'final_val_loss' else '{:.1f}', m)}"
                              f" ± {_fmt('{:.4f}' if k == 'final_val_loss' else '{:.1f}', sd)}")
-            lines.append(f"| {'on' if g['hybrid'] else 'off'} | {g['runs']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {g['config']} | {'on' if g['hybrid'] else 'off'} | {g['runs']} | " + " | ".join(cells) + " |")
     pairs = paired(rows)
     if pairs:
         lines += ["", "| seed | hybrid val loss | baseline val loss (same steps) | baseline val loss at hybrid's "
@@ -118,14 +119,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def config_name(run: str) -> str:
+    """A run folder's name without its seed suffix (``int8-s2`` -> ``int8``): runs that differ
+    only in seed share it."""
+    return re.sub(r"[-_]s\d+$", "", Path(run).name)
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and standard deviation per hybrid on/off, over seeds."""
+    """Mean and standard deviation over seeds, per configuration (run name without its seed)."""
     out = []
-    for hybrid in (True, False):
-        group = [r for r in rows if r["hybrid"] == hybrid]
+    for name in dict.fromkeys(config_name(r["run"]) for r in rows):
+        group = [r for r in rows if config_name(r["run"]) == name]
         if len(group) < 2:
             continue
-        g = {"hybrid": hybrid, "runs": len(group)}
+        g = {"config": name, "hybrid": group[0]["hybrid"], "runs": len(group)}
         for k, _, _ in COLUMNS:
             vals = [r[k] for r in group if r[k] is not None]
             g[k] = (statistics.mean(vals), statistics.stdev(vals)) if len(vals) >= 2 else (None, None)

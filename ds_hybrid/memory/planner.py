@@ -185,6 +185,7 @@ class PresetSpec:
     hybrid_enabled: bool
     snapshot_device: str
     path: str = ""
+    velocity_bytes_per_value: float = 0.0  # direction drift: 4 / 2 / ~1 bytes per parameter of the partition
 
     @property
     def speed_rank(self) -> tuple:
@@ -200,6 +201,9 @@ class PresetSpec:
             off.append(f"param->{self.offload_param}")
         return (f"Z{self.stage} {'bf16' if self.lp_bytes == 2 else 'fp32'}"
                 f"{' ' + ','.join(off) if off else ''}{' AC' if self.activation_checkpointing else ''}")
+
+
+VELOCITY_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # per value, quant.CompactBuffer
 
 
 def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> PresetSpec:
@@ -230,7 +234,9 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         param_buffer_count=int(zero.offload_param.buffer_count) if zero.offload_param else 0,
         param_buffer_size=int(zero.offload_param.buffer_size) if zero.offload_param else 0,
         optimizer_buffer_count=int(zero.offload_optimizer.buffer_count) if zero.offload_optimizer else 0,
-        hybrid_enabled=bool(hybrid.enabled), snapshot_device=str(hybrid.snapshot_device), path=path)
+        hybrid_enabled=bool(hybrid.enabled), snapshot_device=str(hybrid.snapshot_device), path=path,
+        velocity_bytes_per_value=(VELOCITY_BYTES[hybrid.memory.velocity_dtype]
+                                  if hybrid.enabled and hybrid.predictor.direction == "drift" else 0.0))
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -472,6 +478,11 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
         snap_where = "cpu" if (accelerator == "cpu" or preset.snapshot_device == "cpu" or masters_on_cpu) else "gpu"
         snap = part * (gpus if snap_where == "cpu" and accelerator != "cpu" else 1)
         items.append(Item(snap_where, "rollback snapshot (fp32 master partition)", snap))
+        if preset.velocity_bytes_per_value:
+            # The drift velocity lives beside the masters (host memory under offload_optimizer).
+            vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
+            vel = preset.velocity_bytes_per_value * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
+            items.append(Item(vel_where, "drift velocity (hybrid_predict.memory.velocity_dtype)", vel))
         items.append(Item(dev, "predictor", PREDICTOR_BYTES))
 
     if accelerator == "cpu":
@@ -583,7 +594,7 @@ def validate_cpu(models: Iterable[str] = ("gpt2-tiny", "gpt2-124m"), steps: int 
     base["gradient_accumulation_steps"] = 1
     hp = base.setdefault("hybrid_predict", {})
     hp.update({"enabled": hybrid, "warmup_steps": 2, "full_steps": 2, "confidence_threshold": 0.0,
-               "min_predict_steps": 2, "max_predict_steps": 3})
+               "min_predict_steps": 2, "max_predict_steps": 3, "predict_lr_fraction": 1.0})
     if checkpointing:
         base["activation_checkpointing"] = {}
     else:
