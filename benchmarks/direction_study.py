@@ -13,9 +13,11 @@ costs nothing here), at each peak learning rate. Directions:
 * ``adam``: ``-s * lr * m_hat / (sqrt(v_hat) + eps)`` from the optimizer state, plus decay
   (``predictor.direction: adam``);
 * ``drift``: ``s * lr * v``, ``v`` the running average (``beta``) of the real updates per unit
-  LR (``predictor.direction: drift``).
+  LR (``predictor.direction: drift``);
+* ``skip``: nothing moves; the same run with its predicted steps skipped (they still advance the
+  schedule). The gap between a direction and ``skip`` is the progress its predicted steps made.
 
-    .venv/bin/python benchmarks/direction_study.py                       # ~50 min on 2 cores
+    .venv/bin/python benchmarks/direction_study.py --lrs 2e-3            # ~35 min on 2 cores
     .venv/bin/python benchmarks/direction_study.py --lrs 2e-3 --seeds 1 --starts 50 --json /tmp/d.json
 
 Prints a table and writes JSON (default ``docs/results/direction-study.json``).
@@ -70,7 +72,7 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
                             n = p.numel()
                             p.add_(vel[off:off + n].view_as(p), alpha=scale * step_lr)
                             off += n
-                    else:
+                    elif direction == "adam":
                         for p in params:
                             st = opt.state[p]
                             k = float(st["step"])
@@ -99,6 +101,49 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
             "scale": scale, "val_loss": val, "train_seconds": seconds}
 
 
+def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t0: float, complete: bool) -> dict:
+    """Summary table over the rows so far; written to ``args.json`` when set."""
+    lines = ["| peak lr | predicted from step | direction | predicted share | val loss | plain AdamW, same real "
+             "steps | gap (mean ± sd) | gap to skipping them (mean ± sd) | plain AdamW, all steps real |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    skipped = {(r["lr"], r["start"], r["seed"]): r["val_loss"] for r in rows if r["direction"] == "skip"}
+    summary = []
+    for lr in args.lrs:
+        for start in args.starts:
+            for d in args.directions:
+                rs = [r for r in rows if r["lr"] == lr and r["direction"] == d and r["start"] == start]
+                if not rs:
+                    continue
+                gaps = [r["gap"] for r in rs]
+                agg = {"lr": lr, "start": start, "direction": d, "runs": len(rs),
+                       "predicted_share": 1 - rs[0]["real_steps"] / rs[0]["steps"],
+                       "val": statistics.mean(r["val_loss"] for r in rs),
+                       "equal_compute_val": statistics.mean(r["equal_compute_val"] for r in rs),
+                       "full_schedule_val": statistics.mean(r["full_schedule_val"] for r in rs),
+                       "gap_mean": statistics.mean(gaps), "gap_sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0}
+                vs_skip = [r["val_loss"] - skipped[(lr, start, r["seed"])] for r in rs
+                           if (lr, start, r["seed"]) in skipped]
+                agg["vs_skip_mean"] = statistics.mean(vs_skip) if vs_skip else None
+                agg["vs_skip_sd"] = statistics.stdev(vs_skip) if len(vs_skip) > 1 else 0.0
+                summary.append(agg)
+                lines.append(f"| {lr:g} | {start} | {d} | {agg['predicted_share']:.0%} | {agg['val']:.4f} | "
+                             f"{agg['equal_compute_val']:.4f} | {agg['gap_mean']:+.4f} ± {agg['gap_sd']:.4f} | "
+                             + ("-" if agg["vs_skip_mean"] is None or d == "skip" else
+                                f"{agg['vs_skip_mean']:+.4f} ± {agg['vs_skip_sd']:.4f}")
+                             + f" | {agg['full_schedule_val']:.4f} |")
+    table = "\n".join(lines)
+    result = {"command": "benchmarks/direction_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "complete": complete, "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - t0, 1),
+              "threads": args.threads,
+              "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
+                        "adam_scale": args.adam_scale, "drift_beta": 0.95, "starts": args.starts},
+              "rows": rows, "summary": summary, "table_markdown": table}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lrs", type=float, nargs="+", default=[2e-3, 4e-3], help="peak learning rates")
@@ -109,14 +154,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--starts", type=int, nargs="+", default=[50, 300],
                    help="step from which predicted runs start (50: right after warmup; 300: the second half, "
                         "as the LR decays)")
-    p.add_argument("--directions", nargs="+", default=["adam", "drift"], choices=["adam", "drift"])
+    p.add_argument("--directions", nargs="+", default=["adam", "drift", "skip"], choices=["adam", "drift", "skip"],
+                   help="skip: the predicted steps move nothing (the same run with those steps skipped)")
     p.add_argument("--adam-scale", type=float, default=0.5, help="scale of the adam direction")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--json", default=str(ROOT / "docs" / "results" / "direction-study.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    rows = []
+    rows: list[dict] = []
     for lr in args.lrs:
         for seed in args.seeds:
             full = train(seed, lr, args.steps, None, 0, 0, 0.0)
@@ -131,34 +177,11 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"lr {lr:g} seed {seed} from step {start} {h['direction']:5s}: val {h['val_loss']:.4f} "
                           f"({h['real_steps']} real of {h['steps']}) | plain, {real} steps: {base['val_loss']:.4f} | "
                           f"plain, {args.steps} steps: {full['val_loss']:.4f}", flush=True)
-    lines = ["| peak lr | predicted from step | direction | predicted share | val loss | plain AdamW, same real "
-             "steps | gap (mean ± sd) | plain AdamW, all steps real |", "|---|---|---|---|---|---|---|---|"]
-    summary = []
-    for lr in args.lrs:
-        for start in args.starts:
-            for d in args.directions:
-                rs = [r for r in rows if r["lr"] == lr and r["direction"] == d and r["start"] == start]
-                gaps = [r["gap"] for r in rs]
-                agg = {"lr": lr, "start": start, "direction": d, "runs": len(rs),
-                       "predicted_share": 1 - rs[0]["real_steps"] / rs[0]["steps"],
-                       "val": statistics.mean(r["val_loss"] for r in rs),
-                       "equal_compute_val": statistics.mean(r["equal_compute_val"] for r in rs),
-                       "full_schedule_val": statistics.mean(r["full_schedule_val"] for r in rs),
-                       "gap_mean": statistics.mean(gaps), "gap_sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0}
-                summary.append(agg)
-                lines.append(f"| {lr:g} | {start} | {d} | {agg['predicted_share']:.0%} | {agg['val']:.4f} | "
-                             f"{agg['equal_compute_val']:.4f} | {agg['gap_mean']:+.4f} ± {agg['gap_sd']:.4f} | "
-                             f"{agg['full_schedule_val']:.4f} |")
-    table = "\n".join(lines)
-    print(table)
-    result = {"command": "benchmarks/direction_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - t0, 1), "threads": args.threads,
-              "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
-                        "adam_scale": args.adam_scale, "drift_beta": 0.95, "starts": args.starts},
-              "rows": rows, "summary": summary, "table_markdown": table}
+            # Written after every seed, so an interrupted study keeps what it measured.
+            _write(args, argv, rows, t0, complete=False)
+    result = _write(args, argv, rows, t0, complete=True)
+    print(result["table_markdown"])
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return result
 

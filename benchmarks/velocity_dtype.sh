@@ -15,4 +15,4 @@ for seed in 1 2 3; do
       --out "$OUT/$dtype-s$seed" --no-progress --no-plot > "$OUT/$dtype-s$seed.log" 2>&1
   done
 done
-$PY/ds-hybrid compare "$OUT"/fp32-s* "$OUT"/bf16-s* "$OUT"/int8-s* --json "${JSON:-docs/results/velocity-dtype.json}"
+$PY/ds-hybrid compare "$OUT"/fp32-s*/ "$OUT"/bf16-s*/ "$OUT"/int8-s*/ --json "${JSON:-docs/results/velocity-dtype.json}"

@@ -105,8 +105,26 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def run_train(run: Run, suite: Suite, data: str | None, live: bool) -> dict:
+def reusable(run: Run, suite: Suite, data: str | None) -> bool:
+    """``--reuse``: the run folder holds a finished run of exactly this run's config and arguments."""
+    try:
+        summary = json.loads((run.out / "summary.json").read_text())
+        config = json.loads((run.out / "ds_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    a = summary.get("args", {})
+    return (config == json.loads(json.dumps(run.config)) and not summary.get("interrupted")
+            and a.get("model") == suite.model and a.get("steps") == (run.steps or suite.steps)
+            and a.get("seq_len") == suite.seq_len and a.get("seed") == run.seed and a.get("lr") == run.lr
+            and a.get("eval_every") == suite.eval_every and a.get("val_batches") == suite.val_batches
+            and a.get("data") == data and bool(a.get("baseline")) == (run.kind != "hybrid"))
+
+
+def run_train(run: Run, suite: Suite, data: str | None, live: bool, reuse: bool = False) -> dict:
     """Run one training subprocess; return its row from ``compare.load_run``."""
+    if reuse and reusable(run, suite, data):
+        print(f"      reusing the finished run in {run.out}", flush=True)
+        return load_run(run.out)
     run.out.mkdir(parents=True, exist_ok=True)
     cfg_path = run.out / "ds_config.json"
     cfg_path.write_text(json.dumps(run.config, indent=2))
@@ -137,7 +155,7 @@ def _child_env() -> dict:
     return env
 
 
-def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
+def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: bool = False) -> dict:
     from .train import resolve_config
     preset, _ = resolve_config(suite.config)
     base_cfg = deep_merge(preset, suite.overrides)
@@ -145,14 +163,14 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
     rows: dict[str, dict] = {}
     runs_done = 0
     n_runs = (len(suite.lr_multipliers) + (len(suite.seeds) - 1)
-              + len(suite.seeds) * (2 + len(suite.hybrid_stretch) + len(suite.comparators)))
+              + len(suite.seeds) * (2 + 2 * len(suite.hybrid_stretch) + len(suite.comparators)))
     t_start = time.time()
 
     def execute(run: Run) -> dict:
         nonlocal runs_done
         runs_done += 1
         print(f"[{runs_done}/{n_runs}] {run.name}: seed {run.seed}, lr {run.lr:g}", flush=True)
-        row = run_train(run, suite, data, live)
+        row = run_train(run, suite, data, live, reuse)
         print(f"      val loss {row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
               f"{row['predicted_pct']:.0f}% predicted, {time.time() - t_start:.0f} s elapsed", flush=True)
         rows[run.name] = row
@@ -200,12 +218,16 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool) -> dict:
         n_real = max(int(round(row["statistics"]["backward_passes"] / row["gas"])), 2 * suite.eval_every)
         equal[seed] = execute(Run(f"baseline-eq-s{seed}", "baseline", seed, best_lr, base_cfg,
                                   out / f"baseline-eq-s{seed}", steps=n_real))
+    # The stretched hybrid runs, each with its control: plain DeepSpeed on the same stretched
+    # schedule. A longer schedule alone can reach the target sooner (it is still at a higher LR
+    # when the short one anneals); only the gap between the two is the predictor's.
     stretched = {}
     for k in suite.hybrid_stretch:
-        name = f"hybrid-x{k:g}"
-        stretched[name] = {seed: execute(Run(f"{name}-s{seed}", "hybrid", seed, best_lr, base_cfg,
-                                             out / f"{name}-s{seed}", steps=int(round(suite.steps * k))))
-                           for seed in suite.seeds}
+        for kind in ("hybrid", "baseline"):
+            name = f"{kind}-x{k:g}"
+            stretched[name] = {seed: execute(Run(f"{name}-s{seed}", kind, seed, best_lr, base_cfg,
+                                                 out / f"{name}-s{seed}", steps=int(round(suite.steps * k))))
+                               for seed in suite.seeds}
     comparators: dict[str, dict[int, dict]] = {}
     for name, extra in suite.comparators.items():
         comparators[name] = {}
@@ -446,7 +468,8 @@ def markdown(result: dict) -> str:
     lines = [f"Suite `{s['name']}`: {s['doc']}; {s['steps']} steps of {s['seq_len']}-byte sequences, seeds "
              f"{', '.join(map(str, s['seeds']))}. Baseline = plain DeepSpeed (`hybrid_predict.enabled: false`) at the best "
              f"of the LR sweep {result['sweep_table']} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); "
-             f"the hybrid run uses the same LR and schedule (`hybrid-xK`: its schedule stretched to K times the steps). "
+             f"the hybrid run uses the same LR and schedule (`hybrid-xK`: its schedule stretched to K times the steps; "
+             f"`baseline-xK`: plain DeepSpeed on that stretched schedule, its control). "
              f"Target = each seed's baseline final validation loss.",
              "",
              "| system | reached target | time to target / baseline | final val gap vs baseline | val loss at equal time "
@@ -475,6 +498,20 @@ def markdown(result: dict) -> str:
                          f"| {r['val_gap_pct']:+.2f}% | {_f(r['time_ratio'], '{:.2f}')} |")
         lines.append(f"| mean | | {_ms(a['hybrid_val'], '{:.4f}')} | {_ms(a['baseline_val'], '{:.4f}')} | "
                      f"{_ms(a['val_gap_pct'], '{:+.2f}')}% | {_ms(a['time_ratio'], '{:.2f}')} |")
+    for name in [n for n in result["analysis"] if n.startswith("hybrid-x")]:
+        control = result["analysis"].get("baseline-" + name[len("hybrid-"):])
+        if not control:
+            continue
+        lines += ["", f"`{name}` against its control on the same stretched schedule (time to each seed's target; a "
+                  "ratio under 1 is the predictor's own gain):", "",
+                  f"| seed | {name} time to target s | control time to target s | ratio | {name} final val | "
+                  "control final val |", "|---|---|---|---|---|---|"]
+        for seed, r in result["analysis"][name]["per_seed"].items():
+            c = control["per_seed"].get(seed, {})
+            t, tc = r["time_to_target_s"], c.get("time_to_target_s")
+            lines.append(f"| {seed} | {_f(t, '{:.1f}')} | {_f(tc, '{:.1f}')} | "
+                         f"{_f(t / tc if t is not None and tc else None, '{:.3f}')} | {r['final_val_loss']:.4f} | "
+                         f"{_f(c.get('final_val_loss'), '{:.4f}')} |")
     lines += ["", "Per seed (hybrid):", "",
               "| seed | target | baseline time to target s | hybrid time to target s | hybrid final val | "
               "tokens/s full / predict / correct (baseline) |", "|---|---|---|---|---|---|"]
@@ -519,7 +556,9 @@ def plot(raw: dict, analysis: dict, path: Path, title: str) -> None:
     for name, by_seed in groups.items():
         for i, (seed, row) in enumerate(sorted(by_seed.items(), key=lambda kv: str(kv[0]))):
             ts, vs = zip(*row["val_curve"])
-            ax.plot(ts, vs, color=colours.get(name, "tab:blue"), alpha=0.9 if i == 0 else 0.35, lw=1.5,
+            colour = colours.get(name) or ("tab:olive" if name.startswith("hybrid-x") else
+                                           "tab:brown" if name.startswith("baseline-x") else "tab:blue")
+            ax.plot(ts, vs, color=colour, alpha=0.9 if i == 0 else 0.35, lw=1.5,
                     label=f"{name}" if i == 0 else None)
     first = sorted(raw["hybrids"], key=str)[0]
     steps = [_json.loads(line) for line in (Path(raw["hybrids"][first]["run"]) / "steps.jsonl").read_text().splitlines()]
@@ -597,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readme", action="store_true", help="copy the result to docs/results/ and update README.md")
     p.add_argument("--from-json", default=None, help="regenerate table/README from a saved result.json, no runs")
     p.add_argument("--no-profile", action="store_true", help="skip the Predict-step profile")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep finished runs in the output directory whose config and arguments match (times "
+                        "then come from different sittings; run the bench alone on a quiet machine)")
     # internal: the profile runs in a child process
     p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
@@ -649,7 +691,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     out.mkdir(parents=True, exist_ok=True)
     live = sys.stderr.isatty()
     print(f"ds-hybrid bench {suite.name}: {suite.doc}", flush=True)
-    raw = plan_and_run(suite, out, args.data, live)
+    raw = plan_and_run(suite, out, args.data, live, args.reuse)
     analysis = analyse(raw)
     profile = None
     if not args.no_profile:

@@ -57,6 +57,10 @@ def test_quick_bench_end_to_end(tmp_path, monkeypatch):
     eq = hyb["equal_compute"]["per_seed"]
     assert len(eq) == 2 and all(0 < r["real_steps"] <= r["steps"] for r in eq.values())
     assert saved["analysis"]["hybrid-x1.5"]["aggregate"]["seeds"] == 2
+    # Its control: plain DeepSpeed on the same stretched schedule, no Predict steps.
+    control = saved["analysis"]["baseline-x1.5"]
+    assert control["aggregate"]["seeds"] == 2 and control["aggregate"]["backward_skipped_pct"]["mean"] == 0
+    assert "against its control" in (tmp_path / "b" / "result.md").read_text()
     assert "At equal compute" in (tmp_path / "b" / "result.md").read_text()
     assert hyb["aggregate"]["seeds"] == 2
     assert hyb["aggregate"]["backward_skipped_pct"]["mean"] > 0  # Predict steps happened
@@ -66,6 +70,11 @@ def test_quick_bench_end_to_end(tmp_path, monkeypatch):
     assert prof["full_step"] > 0 and prof["predict_step_verified"] > 0 and prof["forward_only"] > 0
     assert (tmp_path / "b" / "val_vs_time.png").read_bytes()[:4] == b"\x89PNG"
     assert "time to target" in (tmp_path / "b" / "result.md").read_text()
+    # --reuse keeps every finished run whose config and arguments match: nothing retrains.
+    again = bench.main(["--quick", "--out", str(tmp_path / "b"), "--reuse", "--no-profile"])
+    for name, a in saved["analysis"].items():
+        for seed, r in a["per_seed"].items():
+            assert again["analysis"][name]["per_seed"][seed]["train_seconds"] == r["train_seconds"]
     # README regeneration from the JSON, on a copy of the README.
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench:cpu-small:start -->\nold\n<!-- bench:cpu-small:end -->\noutro\n")
@@ -74,6 +83,24 @@ def test_quick_bench_end_to_end(tmp_path, monkeypatch):
     text = readme.read_text()
     assert "old" not in text and "docs/results/cpu-small.json" in text and text.endswith("outro\n")
     assert json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())["suite"]["name"] == "cpu-small"
+
+
+def test_reuse_needs_the_same_config_and_arguments(tmp_path):
+    suite = bench.SUITES["cpu-small"]
+    run = bench.Run("hybrid-s1", "hybrid", 1, 2e-3, {"a": 1}, tmp_path / "r")
+    assert not bench.reusable(run, suite, None)  # nothing there yet
+    run.out.mkdir()
+    (run.out / "ds_config.json").write_text(json.dumps({"a": 1}))
+    args = {"model": suite.model, "steps": suite.steps, "seq_len": suite.seq_len, "seed": 1, "lr": 2e-3,
+            "eval_every": suite.eval_every, "val_batches": suite.val_batches, "data": None, "baseline": False}
+    (run.out / "summary.json").write_text(json.dumps({"args": args, "interrupted": False}))
+    assert bench.reusable(run, suite, None)
+    assert not bench.reusable(bench.Run("b", "baseline", 1, 2e-3, {"a": 1}, run.out), suite, None)
+    assert not bench.reusable(bench.Run("h", "hybrid", 2, 2e-3, {"a": 1}, run.out), suite, None)
+    assert not bench.reusable(bench.Run("h", "hybrid", 1, 2e-3, {"a": 2}, run.out), suite, None)
+    assert not bench.reusable(run, suite, "other.txt")
+    (run.out / "summary.json").write_text(json.dumps({"args": args, "interrupted": True}))
+    assert not bench.reusable(run, suite, None)
 
 
 def test_gpu_peak_is_reported_only_where_measured():
