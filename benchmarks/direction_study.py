@@ -40,23 +40,32 @@ from ds_hybrid.data import ByteDataset, train_batches, val_batches  # noqa: E402
 from ds_hybrid.models import build_model  # noqa: E402
 
 
-def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
-          beta: float = 0.95, warm: int = 50) -> dict:
-    """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
-    torch.manual_seed(seed)
-    train_data, val_data = ByteDataset.load(None).split(0.05, 128)
-    vb = val_batches(val_data, 128, 16, max_batches=16)
-    model = build_model("gpt2-tiny", vocab_size=256, seq_len=128)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
+def schedule(lr: float, steps: int):
+    """The preset's schedule: 30 linear warmup steps, then cosine to 0.1x over ``steps``."""
     def lr_at(t: int) -> float:
         if t < 30:
             return lr * (t + 1) / 30
         p = min((t - 30) / (steps - 30), 1.0)
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    return lr_at
 
-    stream = train_batches(train_data, 128, 16, seed)
+
+def setup(seed: int, lr: float):
+    """The preset's model, AdamW and training stream (seeded), and the validation split."""
+    torch.manual_seed(seed)
+    train_data, val_data = ByteDataset.load(None).split(0.05, 128)
+    model = build_model("gpt2-tiny", vocab_size=256, seq_len=128)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    return model, params, opt, train_batches(train_data, 128, 16, seed), val_data
+
+
+def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
+          beta: float = 0.95, warm: int = 50) -> dict:
+    """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
+    model, params, opt, stream, val_data = setup(seed, lr)
+    vb = val_batches(val_data, 128, 16, max_batches=16)
+    lr_at = schedule(lr, steps)
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
     prev = vel = None
     t = real = since = 0

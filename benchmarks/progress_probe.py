@@ -19,33 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from ds_hybrid.data import ByteDataset, train_batches  # noqa: E402
-from ds_hybrid.models import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from direction_study import schedule, setup  # noqa: E402  (the same model, data and schedule)
 
 
 def probe(seed: int, lr: float, steps: int, start: int, cycles: int, beta: float = 0.95) -> dict:
-    torch.manual_seed(seed)
-    train_data, _ = ByteDataset.load(None).split(0.05, 128)
-    model = build_model("gpt2-tiny", vocab_size=256, seq_len=128)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
-    def lr_at(t: int) -> float:
-        if t < 30:
-            return lr * (t + 1) / 30
-        p = min((t - 30) / (steps - 30), 1.0)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
-
-    stream = train_batches(train_data, 128, 16, seed)
+    model, params, opt, stream, _ = setup(seed, lr)
+    lr_at = schedule(lr, steps)
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
     state = {"prev": None, "vel": None}
 
