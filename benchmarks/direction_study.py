@@ -60,6 +60,16 @@ def setup(seed: int, lr: float):
     return model, params, opt, train_batches(train_data, 128, 16, seed), val_data
 
 
+@torch.no_grad()
+def add_flat(params: list, vec: torch.Tensor, alpha: float) -> None:
+    """Add ``alpha * vec`` (one flat vector over all parameters, in order) to the parameters."""
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.add_(vec[off:off + n].view_as(p), alpha=alpha)
+        off += n
+
+
 def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
           beta: float = 0.95, warm: int = 50) -> dict:
     """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
@@ -76,11 +86,7 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
                 for j in range(H):
                     step_lr = lr_at(t + j)
                     if direction == "drift":
-                        off = 0
-                        for p in params:
-                            n = p.numel()
-                            p.add_(vel[off:off + n].view_as(p), alpha=scale * step_lr)
-                            off += n
+                        add_flat(params, vel, scale * step_lr)
                     elif direction == "adam":
                         for p in params:
                             st = opt.state[p]

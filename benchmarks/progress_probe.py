@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from direction_study import schedule, setup  # noqa: E402  (the same model, data and schedule)
+from direction_study import add_flat, schedule, setup  # noqa: E402  (the same model, data and schedule)
 
 
 def probe(seed: int, lr: float, steps: int, start: int, cycles: int, beta: float = 0.95) -> dict:
@@ -67,12 +67,7 @@ def probe(seed: int, lr: float, steps: int, start: int, cycles: int, beta: float
         for _ in range(2):
             batch = next(stream)
             before = batch_loss(batch)
-            with torch.no_grad():
-                off = 0
-                for p in params:
-                    n = p.numel()
-                    p.add_(state["vel"][off:off + n].view_as(p), alpha=lr_at(t))
-                    off += n
+            add_flat(params, state["vel"], lr_at(t))
             drift.append(before - batch_loss(batch))
             t += 1
         state["prev"] = flat()

@@ -402,7 +402,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None) -> dic
     lrs = [float(g["lr"]) for g in access.base.param_groups]
     if drift:  # what a real step adds: stash the masters, fold the update into the velocity
         out["direction_probe"] = timed(lambda: (za.capture_weights(access, snap),
-                                                za.fold_real_update(access, snap, engine._velocity, lrs, 0.95, 1)))
+                                                za.fold_real_update(access, snap, engine._velocity, lrs,
+                                                                    engine.hybrid_config.predictor.drift_beta, 1)))
     else:
         out["direction_probe"] = timed(lambda: (za.stash_direction(access, snap), za.compare_direction(access, snap)))
 
