@@ -24,7 +24,7 @@ COMMANDS = {
     "kernel-bench": "the CUDA kernels against their torch references (needs a GPU; --cpu-reference without)",
     "attn-bench": "fused (SDPA) against eager attention: step time and activation memory by sequence length",
     "plan": "memory each preset needs for a model on a machine (GPU, CPU, NVMe), which fit, which to use",
-    "memory-bench": "host memory per phase on the CPU: plain DeepSpeed (Full) against Predict",
+    "memory-bench": "memory per phase (host; GPU allocator and NVML on a GPU): plain DeepSpeed (Full) against Predict",
     "dynamics-eval": "loss-forecast error of the RSSM against naive predictors on recorded trajectories; "
                      "--runs: the engine's predictors side by side",
 }

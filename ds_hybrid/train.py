@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record memory every step (ds_hybrid.memory.MemoryProfiler; ~10 us per step): "
                         "memory.csv, memory_report.txt, memory.png, and per-phase peaks in summary.json")
+    p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
+                   help="cap this process's CUDA allocator at SIZE (16GB, 16GiB, ...) with "
+                        "torch.cuda.set_per_process_memory_fraction: train as if the GPU were that small; "
+                        "an allocation past it fails with CUDA out-of-memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     p.add_argument("--save-dir", default=None,
@@ -156,6 +160,46 @@ def apply_overrides(ds_config: dict, overrides: list[str]) -> None:
         parse_hybrid_config(ds_config)
     except ConfigError as err:
         raise SystemExit(f"--set: {err}") from None
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each transformer block in backward, non-reentrant. transformers renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (5.2x); take either."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def parse_gpu_cap(text: str | None) -> int | None:
+    """``--gpu-mem-cap`` in bytes (None: no cap), checked before anything is built."""
+    if text is None:
+        return None
+    from .memory.planner import PlanError, parse_size
+    try:
+        cap = parse_size(text, "--gpu-mem-cap")
+    except PlanError as err:
+        raise SystemExit(str(err)) from None
+    if cap <= 0:
+        raise SystemExit(f"--gpu-mem-cap: must be more than 0 (got {text!r})")
+    return cap
+
+
+def apply_gpu_cap(cap: int, local_rank: int) -> None:
+    """Limit the caching allocator on this rank's GPU to ``cap`` bytes: a 16 GB card simulated
+    on a bigger one. The CUDA context and the libraries' workspaces outside the allocator are
+    not counted; the profiler's allocated / peak figures are what the cap bounds."""
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu-mem-cap: needs a CUDA GPU (torch sees none)")
+    dev = local_rank % torch.cuda.device_count()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if cap > total:
+        raise SystemExit(f"--gpu-mem-cap: {cap / 2**30:.1f} GiB is more than GPU {dev} has ({total / 2**30:.1f} GiB)")
+    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    print(f"--gpu-mem-cap: allocator on GPU {dev} capped at {cap / 2**30:.2f} GiB of {total / 2**30:.1f} GiB",
+          flush=True)
 
 
 def peak_rss_mb() -> float:
@@ -312,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--predictor/--trajectory: {err}") from None
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
+    gpu_cap = parse_gpu_cap(args.gpu_mem_cap)
     from .data import ByteDataset, DataError, train_batches, val_batches
     try:
         train_data, val_data = ByteDataset.load(args.data, args.max_corpus_bytes).split(seq_len=args.seq_len)
@@ -326,6 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ensure_distributed_env()
     quiet_logs(args.verbose)
+    if gpu_cap is not None:
+        apply_gpu_cap(gpu_cap, args.local_rank)
     torch.manual_seed(args.seed)
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
@@ -333,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "activation_checkpointing" in ds_config:
         # DeepSpeed's section does nothing by itself; its presence means: recompute each layer
         # in backward (transformers' non-reentrant checkpointing; run here on ZeRO 1 and 3).
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     params = layer_groups(model, args.layer_groups) if args.layer_groups > 1 else model.parameters()
     engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
     rank, world = engine.global_rank, engine.world_size
@@ -451,6 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The profiler resets the kernel's high-water mark every step; it keeps the process peak.
         "peak_rss_mb": max(peak_rss_mb(), profiler.process_peak_rss_mb if profiler else 0.0),
         # The allocator's peak on this rank's GPU (None on CPU), for the bench's memory column.
+        "gpu_mem_cap_bytes": gpu_cap,
         "gpu_peak_allocated_mb": ((profiler.process_peak_gpu_allocated_mb if profiler else None)
                                   or ((torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None)),
         "memory": profiler.summary() if profiler else None,

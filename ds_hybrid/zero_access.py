@@ -423,8 +423,8 @@ def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Ten
         row[1] += float(old.double().pow(2).sum())
         row[2] += float(new.double().pow(2).sum())
         row[3] += float(part.master.double().pow(2).sum())
-        row[4] += float(part.state["exp_avg"].double().abs().sum())
-        row[5] += float(part.state["exp_avg_sq"].double().sqrt().sum())
+        row[4] += _abs_sum(part.state["exp_avg"])
+        row[5] += _sqrt_sum(part.state["exp_avg_sq"])
         row[6] += float(part.master.numel())
     bufs.holds = None
     return out
@@ -486,6 +486,26 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)  # masters are contiguous (flat partitions, or parameters on ZeRO 0)
 
 
+def _chunked_sum(t: torch.Tensor, fn) -> float:
+    """sum fn(t) with one CHUNK-sized fp32 transient at a time: an fp64 copy of 1B moments is
+    8 GB and seconds on a CPU. torch.sum accumulates each chunk pairwise (accurate in fp32);
+    the chunks add up in Python floats. (torch.linalg.vector_norm(ord=1) accumulates
+    serially on the CPU: 5% low over 50M values.)"""
+    from .quant import CHUNK
+    flat, total = _flat(t), 0.0
+    for s in range(0, flat.numel(), CHUNK):
+        total += float(fn(flat[s:s + CHUNK].float()).sum())
+    return total
+
+
+def _abs_sum(t: torch.Tensor) -> float:
+    return _chunked_sum(t, torch.abs)
+
+
+def _sqrt_sum(t: torch.Tensor) -> float:
+    return _chunked_sum(t, torch.sqrt)
+
+
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int) -> torch.Tensor:
@@ -524,8 +544,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
             if buf.dtype != "fp32":
                 buf.store(v_old, s, gen)
         if "exp_avg" in part.state:
-            row[4] += float(part.state["exp_avg"].double().abs().sum())
-            row[5] += float(part.state["exp_avg_sq"].double().sqrt().sum())
+            row[4] += _abs_sum(part.state["exp_avg"])
+            row[5] += _sqrt_sum(part.state["exp_avg_sq"])
         row[6] += float(part.master.numel())
     vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
     before.holds = None

@@ -57,7 +57,8 @@ def make_engine(cfg: dict, seed: int = 0, plain: bool = False):
 class Batches:
     """A deterministic stream of micro-batches from a low-entropy byte sequence."""
 
-    def __init__(self, seed: int = 1, rank: int = 0):
+    def __init__(self, seed: int = 1, rank: int = 0, device: torch.device | str = "cpu"):
+        self.device = device   # the engine's (a CUDA engine's batches must be on its GPU)
         self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
         base = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, 48, (8192,), generator=base)
@@ -65,6 +66,7 @@ class Batches:
     def micro(self) -> dict:
         starts = torch.randint(0, self.data.numel() - SEQ, (MICRO,), generator=self.gen)
         x = torch.stack([self.data[s:s + SEQ] for s in starts])
+        x = x.to(self.device)
         return {"input_ids": x, "labels": x.clone()}
 
     def step(self, gas: int = 1) -> list[dict]:

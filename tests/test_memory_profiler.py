@@ -178,3 +178,35 @@ def test_memory_bench_compares_variants(tmp_path):
     assert runs["drift-int8"]["velocity_bytes"] < 0.3 * runs["drift-fp32"]["velocity_bytes"]
     assert {("drift-int8", "predict"), ("full", "full")} <= {(r["run"], r["phase"]) for r in result["rows"]}
     assert json.loads((tmp_path / "m.json").read_text())["table_markdown"] == result["table_markdown"]
+
+
+def test_memory_bench_gpu_tables_and_retable(tmp_path):
+    # The GPU columns of a result (as a CUDA run writes them), rendered and re-derived.
+    from ds_hybrid.memory import bench as mbench
+    phase = {"steps": 4, "rss_peak_mb": 1300.0, "rss_peak_mean_mb": 1290.0, "rss_mean_mb": 1280.0,
+             "step_time_mean_s": 0.1}
+    full = dict(phase, gpu_peak_allocated_max_mb=10000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=11000.0,
+                gpu_device_used_max_mb=12800.0)
+    pred = dict(phase, gpu_peak_allocated_max_mb=2000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=2400.0,
+                gpu_device_used_max_mb=4200.0)
+    summaries = {"full": {"full": full}, "drift-int8-park": {"full": full, "predict": pred}}
+    rows, runs = [], []
+    for kind, phases in summaries.items():
+        summary = {"memory": {"baseline_rss_mb": 800.0, "phases": phases}}
+        rows += mbench.rows_from_summary("m", kind, summary)
+        runs.append({"model": "m", "run": kind, "parameters": 1e6, "baseline_rss_mb": 800.0,
+                     "setup_peak_above_baseline_mb": 10.0, "profiler_overhead_fraction": 0.001,
+                     "gpu_peak_mb": 10000.0, "planner_gpu_mb": 14080.0, "full_tokens_per_second": 1e5,
+                     "final_val_loss": 3.0, "per_phase": phases})
+    table = mbench.format_table(rows, runs)
+    assert "| m | drift-int8-park | predict | 4 | 500.0 |" in table
+    assert "| 2000 | 0.20 | 1500 | 2400 |" in table          # Predict peak / plain DeepSpeed's Full peak
+    assert "| - | 10000 | - | 14080 | - | 100,000 | 3.000 |" in table   # device use not derived yet
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": rows, "runs": runs, "table_markdown": table}))
+    out = mbench.main(["--retable", str(path)])
+    assert [r["gpu_device_used_mb"] for r in out["runs"]] == [12800.0, 12800.0]
+    assert "| 10000 | 12800 | 14080 | 1.10 |" in out["table_markdown"]
+    assert json.loads(path.read_text())["table_markdown"] == out["table_markdown"]
+    with pytest.raises(SystemExit, match="--retable: no such file"):
+        mbench.main(["--retable", str(tmp_path / "missing.json")])

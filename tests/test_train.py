@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from ds_hybrid import train
 from ds_hybrid.cli import main as cli_main
@@ -59,6 +60,10 @@ def test_set_overrides_hybrid_keys(corpus, tmp_path):
     (["--set", "warmup_steps"], "--set: expected KEY=VALUE"),
     (["--set", "predictor.direction=adam", "--set", "memory.park_optimizer_states=true"],
      "memory.park_optimizer_states needs predictor.direction"),
+    (["--gpu-mem-cap", "lots"], "--gpu-mem-cap: cannot read 'lots'"),
+    (["--gpu-mem-cap", "0"], "--gpu-mem-cap: must be more than 0"),
+    pytest.param(["--gpu-mem-cap", "16GB"], "--gpu-mem-cap: needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_bad_input_fails_before_training(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

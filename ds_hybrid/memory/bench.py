@@ -1,15 +1,20 @@
-"""``ds-hybrid memory-bench``: host memory per phase on the CPU, plain DeepSpeed (Full) against Predict.
+"""``ds-hybrid memory-bench``: memory per phase, plain DeepSpeed (Full) against Predict.
 
-For each model, one ``python -m ds_hybrid.train`` subprocess per variant on the ``tiny-cpu`` preset
-(ZeRO 1, fp32, DeepSpeed's CPU accelerator): ``full`` is plain DeepSpeed (``--baseline``: every step
-a Full step); the others run the phase cycle with a short warmup and no confidence threshold, so a
-short run reaches Predict steps, with the Predict direction and velocity storage of ``VARIANTS``.
-The memory profiler (``ds_hybrid.memory.profiler``) records each step's peak RSS; the table gives,
-per run and phase, the peak and the mean per-step peak **above the RSS the process had before the
-model was built** (interpreter, libraries, corpus).
+For each model, one ``python -m ds_hybrid.train`` subprocess per variant on a preset (``tiny-cpu``
+by default: ZeRO 1, fp32, DeepSpeed's CPU accelerator; ``--preset gpt2-124m`` or ``1b-16gb`` on a
+GPU): ``full`` is plain DeepSpeed (``--baseline``: every step a Full step); the others run the
+phase cycle with a short warmup and no confidence threshold, so a short run reaches Predict
+steps, with the Predict direction and velocity storage of ``VARIANTS``. The memory profiler
+(``ds_hybrid.memory.profiler``) records each step's peak RSS and, on a GPU, the allocator's peak
+(reset every step); the tables give, per run and phase, the host peak **above the RSS the
+process had before the model was built** (interpreter, libraries, corpus) and the GPU peak.
+On a GPU each run is also set beside the planner's GPU estimate for it.
 
-    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256)
+    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256), CPU
     ds-hybrid memory-bench --models gpt2-tiny --variants full drift-int8 --json runs/memory-bench/result.json
+    ds-hybrid memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 \
+        --steps 30 --variants full adam drift-fp32 drift-int8 drift-int8-park --json docs/results/memory-gpu.json
+    ds-hybrid memory-bench --preset 1b-16gb --models llama-1b --gpu-mem-cap 16GB ...   # a 16 GB card
 """
 from __future__ import annotations
 
@@ -50,17 +55,24 @@ VARIANTS: dict[str, dict | None] = {
     "drift-fp32": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "fp32"}},
     "drift-bf16": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "bf16"}},
     "drift-int8": {"predictor": {"direction": "drift"}, "memory": {"velocity_dtype": "int8"}},
+    # Adam moments leave the accelerator for each drift Predict run (a no-op where they live in
+    # host memory already: the CPU accelerator, offload_optimizer).
+    "drift-int8-park": {"predictor": {"direction": "drift"},
+                        "memory": {"velocity_dtype": "int8", "park_optimizer_states": True}},
 }
 DEFAULT_VARIANTS = ("full", "adam", "drift-fp32", "drift-int8")
 
 
-def run_config(micro_batch: int, steps: int, variant: dict | None = None) -> dict:
-    """tiny-cpu with the given micro batch and a phase cycle short enough for a few steps."""
+def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset: str = "tiny-cpu",
+               grad_accum: int = 1) -> dict:
+    """``preset`` with the given micro batch and accumulation and a phase cycle short enough for a
+    few steps."""
     from ..bench import deep_merge
     from ..train import resolve_config
-    cfg, _ = resolve_config("tiny-cpu")
+    cfg, _ = resolve_config(preset)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
-    cfg["gradient_accumulation_steps"] = 1
+    cfg["gradient_accumulation_steps"] = grad_accum
+    cfg.pop("train_batch_size", None)   # follows from the two above
     cfg["hybrid_predict"].update({"warmup_steps": max(2, steps // 8), "full_steps": 2, "min_predict_steps": 2,
                                   "max_predict_steps": 4, "verify_every": 1, "correction_steps": 1,
                                   "confidence_threshold": 0.0, "predict_lr_fraction": 1.0})
@@ -68,14 +80,18 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None) -> dic
     return cfg
 
 
-def run_one(model: BenchModel, kind: str, out: Path, live: bool = False) -> dict:
+def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset: str = "tiny-cpu",
+            grad_accum: int = 1, gpu_mem_cap: str | None = None) -> dict:
     """One training subprocess for variant ``kind``; returns its summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
-    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind]), indent=2))
+    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum),
+                                   indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", model.name,
            "--steps", str(model.steps), "--seq-len", str(model.seq_len), "--eval-every", str(model.steps),
            "--val-batches", "1", "--out", str(out), "--no-progress"]
+    if gpu_mem_cap:
+        cmd += ["--gpu-mem-cap", gpu_mem_cap]
     if VARIANTS[kind] is None:
         cmd.append("--baseline")
     with open(out / "train.log", "w") as log:
@@ -96,18 +112,37 @@ def rows_from_summary(model: str, kind: str, summary: dict) -> list[dict]:
                      "peak_above_baseline_mb": r["rss_peak_mb"] - base,
                      "mean_peak_above_baseline_mb": r["rss_peak_mean_mb"] - base,
                      "mean_end_of_step_above_baseline_mb": r["rss_mean_mb"] - base,
-                     "mean_step_ms": None if r["step_time_mean_s"] is None else r["step_time_mean_s"] * 1e3})
+                     "mean_step_ms": None if r["step_time_mean_s"] is None else r["step_time_mean_s"] * 1e3,
+                     # the CUDA allocator's per-step peak and what it holds at the step's end (None on CPU)
+                     "gpu_peak_mb": r.get("gpu_peak_allocated_max_mb"),
+                     "gpu_end_of_step_mb": r.get("gpu_allocated_max_mb"),
+                     "gpu_reserved_mb": r.get("gpu_reserved_max_mb")})
     return rows
 
 
+def _mb(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def format_table(rows: list[dict], runs: list[dict]) -> str:
-    lines = ["| model | run | phase | steps | peak RSS above baseline MB | mean per-step peak MB | "
-             "mean end-of-step MB | ms/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    gpu = any(r.get("gpu_peak_mb") is not None for r in rows)
+    head = ("| model | run | phase | steps | peak RSS above baseline MB | mean per-step peak MB | "
+            "mean end-of-step MB | ms/step |")
+    if gpu:
+        head += " GPU peak MB | GPU peak / full's Full | GPU end-of-step MB | GPU reserved MB |"
+    lines = [head, "|" + "---|" * head.count(" |")]
+    full_peak = {r["model"]: r["gpu_peak_mb"] for r in rows
+                 if r["run"] == "full" and r["phase"] == "full" and r.get("gpu_peak_mb")}
     for r in rows:
         ms = "-" if r["mean_step_ms"] is None else f"{r['mean_step_ms']:.0f}"
-        lines.append(f"| {r['model']} | {r['run']} | {r['phase']} | {r['steps']} | {r['peak_above_baseline_mb']:.1f} | "
-                     f"{r['mean_peak_above_baseline_mb']:.1f} | {r['mean_end_of_step_above_baseline_mb']:.1f} | {ms} |")
+        line = (f"| {r['model']} | {r['run']} | {r['phase']} | {r['steps']} | {r['peak_above_baseline_mb']:.1f} | "
+                f"{r['mean_peak_above_baseline_mb']:.1f} | {r['mean_end_of_step_above_baseline_mb']:.1f} | {ms} |")
+        if gpu:
+            ref = full_peak.get(r["model"])
+            ratio = "-" if not ref or r.get("gpu_peak_mb") is None else f"{r['gpu_peak_mb'] / ref:.2f}"
+            line += (f" {_mb(r.get('gpu_peak_mb'))} | {ratio} | {_mb(r.get('gpu_end_of_step_mb'))} | "
+                     f"{_mb(r.get('gpu_reserved_mb'))} |")
+        lines.append(line)
     lines += ["", "| model | run | parameters | baseline RSS MB | set-up peak above baseline MB | snapshot MB | "
               "velocity MB | profiler cost |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -116,7 +151,55 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['run']} | {r['parameters'] / 1e6:.2f}M | {r['baseline_rss_mb']:.0f} | "
                      f"{r['setup_peak_above_baseline_mb']:.1f} | {mb(r.get('snapshot_bytes'))} | "
                      f"{mb(r.get('velocity_bytes'))} | {'-' if frac is None else f'{frac:.4%} of step time'} |")
+    if any(r.get("gpu_peak_mb") is not None for r in runs):
+        lines += ["", "| model | run | GPU cap | allocator peak MB | device used MB (NVML) | planner's GPU estimate MB "
+                  "| estimate / device used | tokens/s in Full steps | val loss |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in runs:
+            est, used = r.get("planner_gpu_mb"), r.get("gpu_device_used_mb")
+            ratio = "-" if not est or not used else f"{est / used:.2f}"
+            cap = "-" if not r.get("gpu_mem_cap_bytes") else f"{r['gpu_mem_cap_bytes'] / 1e9:.0f} GB"
+            tps, loss = r.get("full_tokens_per_second"), r.get("final_val_loss")
+            lines.append(f"| {r['model']} | {r['run']} | {cap} | {_mb(r.get('gpu_peak_mb'))} | {_mb(used)} | {_mb(est)} | "
+                         f"{ratio} | {'-' if tps is None else f'{tps:,.0f}'} | {'-' if loss is None else f'{loss:.3f}'} |")
     return "\n".join(lines)
+
+
+def device_used_mb(per_phase: dict) -> float | None:
+    """NVML's used memory on the device, highest over the phases: the allocator's reserve plus
+    the CUDA context and library workspaces, i.e. what the planner estimates (one process on
+    the GPU)."""
+    used = [p.get("gpu_device_used_max_mb") for p in per_phase.values()]
+    used = [u for u in used if u is not None]
+    return max(used) if used else None
+
+
+def retable(path: Path) -> dict:
+    """``--retable``: re-derive the per-run GPU figures of a saved result from its per-phase
+    records (results written before a column existed) and rewrite its tables."""
+    result = json.loads(path.read_text())
+    for r in result["runs"]:
+        if r.get("gpu_peak_mb") is not None and r.get("gpu_device_used_mb") is None:
+            r["gpu_device_used_mb"] = device_used_mb(r["per_phase"])
+    result["table_markdown"] = format_table(result["rows"], result["runs"])
+    result["retabled"] = "per-run figures re-derived from the per-phase records by ds-hybrid memory-bench --retable"
+    path.write_text(json.dumps(result, indent=2))
+    print(result["table_markdown"])
+    return result
+
+
+def planner_gpu_mb(cfg: dict, model: str, seq_len: int, micro_batch: int) -> tuple[float | None, dict | None]:
+    """The planner's GPU estimate (MB) for one bench run's config, and its items."""
+    from .planner import estimate, model_shape, preset_spec
+    try:
+        est = estimate(model_shape(model, vocab_size=256), preset_spec(cfg, "bench run"), 1, 1, seq_len, micro_batch)
+    except Exception as err:  # noqa: BLE001 - a model the planner cannot count: report, do not fail the bench
+        return None, {"error": f"{type(err).__name__}: {err}"}
+    return est.gpu_bytes / 2**20, {i.what: i.bytes / 2**20 for i in est.items if i.where == "gpu"}
+
+
+def _gpu_name() -> str | None:
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,27 +210,56 @@ def main(argv: list[str] | None = None) -> dict:
                    help="runs per model: full (plain DeepSpeed), adam, drift-fp32, drift-bf16, drift-int8")
     p.add_argument("--steps", type=int, default=None, help="override every model's step budget")
     p.add_argument("--micro-batch", type=int, default=None, help="override every model's micro batch")
+    p.add_argument("--seq-len", type=int, default=None, help="override every model's sequence length (128)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--preset", default="tiny-cpu",
+                   help="the ds_config preset the runs start from (gpt2-124m, 1b-16gb on a GPU)")
+    p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
+                   help="cap each run's CUDA allocator (ds-hybrid train --gpu-mem-cap), e.g. 16GB")
     p.add_argument("--out", default="runs/memory-bench", help="run folders go here")
     p.add_argument("--json", default=str(REPO_ROOT / "docs" / "results" / "memory-cpu.json"),
                    help="write the result here (the hybrid runs' memory.png are copied next to it)")
     p.add_argument("--live", action="store_true", help="show the runs' output")
+    p.add_argument("--retable", type=Path, default=None, metavar="JSON",
+                   help="run nothing: re-derive a saved result's per-run figures and rewrite its tables")
     args = p.parse_args(argv)
+    if args.retable is not None:
+        if not args.retable.is_file():
+            raise SystemExit(f"--retable: no such file {args.retable}")
+        return retable(args.retable)
     if args.steps is not None and args.steps < 4:
         raise SystemExit(f"--steps: must be at least 4, for a warmup and a Predict run (got {args.steps})")
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise SystemExit(f"--micro-batch: must be at least 1 (got {args.micro_batch})")
+    for flag in ("micro_batch", "seq_len", "grad_accum"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')}: must be at least 1 (got {v})")
+    from ..train import resolve_config
+    resolve_config(args.preset)   # a bad --preset fails before any run
     start = time.time()
     out = Path(args.out)
     rows, runs = [], []
     for name in args.models:
         spec = DEFAULT_MODELS.get(name, BenchModel(name, steps=20, micro_batch=4))
-        spec = BenchModel(spec.name, args.steps or spec.steps, args.micro_batch or spec.micro_batch, spec.seq_len)
+        spec = BenchModel(spec.name, args.steps or spec.steps, args.micro_batch or spec.micro_batch,
+                          args.seq_len or spec.seq_len)
         for kind in args.variants:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
-            summary = run_one(spec, kind, out / f"{name}-{kind}", args.live)
+            summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
+                              args.gpu_mem_cap)
             mem = summary["memory"]
             rows += rows_from_summary(name, kind, summary)
+            gpu = {}
+            if mem.get("process_peak_gpu_allocated_mb"):
+                est, items = planner_gpu_mb(summary["ds_config"], name, spec.seq_len, spec.micro_batch)
+                full = mem["phases"].get("full") or {}
+                tokens = spec.micro_batch * args.grad_accum * spec.seq_len
+                gpu = {"gpu_peak_mb": mem["process_peak_gpu_allocated_mb"],
+                       "gpu_device_used_mb": device_used_mb(mem["phases"]), "gpu_mem_cap_bytes":
+                       summary.get("gpu_mem_cap_bytes"), "planner_gpu_mb": est, "planner_gpu_items_mb": items,
+                       "full_tokens_per_second": tokens / full["step_time_mean_s"]
+                       if full.get("step_time_mean_s") else None,
+                       "final_val_loss": summary["final_val_loss"]}
             runs.append({"model": name, "run": kind, "parameters": summary["parameters"], "steps": spec.steps,
                          "micro_batch": spec.micro_batch, "seq_len": spec.seq_len,
                          "baseline_rss_mb": mem["baseline_rss_mb"],
@@ -158,14 +270,17 @@ def main(argv: list[str] | None = None) -> dict:
                          "steps_per_phase": summary["statistics"]["steps_per_phase"],
                          "snapshot_bytes": summary["statistics"].get("snapshot_bytes"),
                          "velocity_bytes": summary["statistics"].get("velocity_bytes"),
-                         "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}")})
+                         "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
+                         "accelerator": summary["host"]["accelerator"], **gpu})
     table = format_table(rows, runs)
     print(table)
     result = {"command": "ds-hybrid memory-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "preset": "tiny-cpu (ZeRO 1, fp32, CPU accelerator)", "date": time.strftime("%Y-%m-%d %H:%M"),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "preset": args.preset, "grad_accum": args.grad_accum, "gpu_mem_cap": args.gpu_mem_cap,
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "gpu": _gpu_name()},
               "seconds": round(time.time() - start, 1),
-              "measure": "per-step peak RSS (VmHWM reset every step) minus the RSS before the model was built",
+              "measure": "per-step peak RSS (VmHWM reset every step) minus the RSS before the model was built; "
+                         "on a GPU also torch.cuda.max_memory_allocated, reset every step",
               "rows": rows, "runs": runs, "table_markdown": table}
     if args.json:
         jp = Path(args.json)

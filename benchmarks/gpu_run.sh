@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# GPU validation of issues 5 (memory) and 6 (kernels), on one CUDA GPU with DeepSpeed importable.
+# Every number in the README's GPU tables comes from one of these stages; each writes its JSON
+# (and log) into OUT.
+#
+#   bash benchmarks/gpu_run.sh OUT STAGE...
+#
+# (The memory stages keep their runs and timelines under /tmp and copy the JSON and one PNG: the
+# lent machine returns at most 8 files.)
+#
+# stages:
+#   env      nvidia-smi, versions, `ds-hybrid report`
+#   ops      build DeepSpeed's FusedAdam and CPU Adam now (they JIT-compile at first use)
+#   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA)
+#   kernels  ds-hybrid kernel-bench                          -> OUT/kernels.json
+#   attn     ds-hybrid attn-bench on CUDA                    -> OUT/attention-cuda.json
+#   mem124   GPT-2 124M (86M at vocabulary 256), gpt2-124m preset, micro batch 16 x 1024:
+#            GPU peak per phase, plain DeepSpeed against each Predict variant -> OUT/memory-gpu-124m.json
+#   mem1b    llama-1b on the 1b-16gb preset under a 16 GB allocator cap, plain and hybrid
+#                                                            -> OUT/memory-gpu-1b.json
+#
+# On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
+# ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
+set -uo pipefail
+OUT=${1:?usage: gpu_run.sh OUT STAGE...}
+shift
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+# DeepSpeed 0.19.8 cannot parse "9.0a" (which some CUDA images set): build for plain sm_90 unless told
+case ${TORCH_CUDA_ARCH_LIST:-} in ""|*a*) export TORCH_CUDA_ARCH_LIST=9.0 ;; esac
+export MAX_JOBS=${MAX_JOBS:-16}
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+  CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); export CUDA_HOME
+fi
+PY=${PYTHON:-python3}
+DSH="$PY -m ds_hybrid.cli"
+status=0
+stage_rc() { echo "=== stage $1: rc $2 ($(( $(date +%s) - $3 )) s)"; [ "$2" = 0 ] || status=1; }
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "=== stage $stage ($(date -u +%H:%M:%S))"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'deepspeed', deepspeed.__version__, torch.cuda.get_device_name(0))"
+      $DSH report
+      stage_rc env $? "$t0" ;;
+    ops)
+      $PY -c "
+from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder
+FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Adam built')" > "$OUT/ops.log" 2>&1
+      rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
+    tests)
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py -rs 2>&1 | tail -25
+      stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
+    kernels)
+      $DSH kernel-bench --json "$OUT/kernels.json"
+      stage_rc kernels $? "$t0" ;;
+    attn)
+      $DSH attn-bench --device cuda --models gpt2-tiny,gpt2-124m --seq-lens 128,256,512,1024 --batch 8 \
+        --json "$OUT/attention-cuda.json"
+      stage_rc attn $? "$t0" ;;
+    mem124)
+      $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 --steps 24 \
+        --variants full adam drift-fp32 drift-int8 drift-int8-park --out /tmp/mb124 --json /tmp/res/memory-gpu-124m.json
+      rc=$?; cp /tmp/res/memory-gpu-124m.json /tmp/res/memory-gpu-124m-gpt2-124m-drift-int8-park.png "$OUT/"
+      stage_rc mem124 $rc "$t0" ;;
+    mem1b)
+      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 20 \
+        --gpu-mem-cap 16GB --variants full drift-int8 --out /tmp/mb1b --json /tmp/res/memory-gpu-1b.json
+      rc=$?; cp /tmp/res/memory-gpu-1b.json /tmp/res/memory-gpu-1b-llama-1b-drift-int8.png "$OUT/"
+      stage_rc mem1b $rc "$t0" ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 mem1b)"; status=2 ;;
+  esac
+done
+exit $status
