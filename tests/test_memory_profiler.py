@@ -4,6 +4,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from ds_hybrid.memory import MemoryProfiler, MemorySample, detect_spikes
 
@@ -84,6 +85,12 @@ def test_record_costs_well_under_one_percent_of_a_step():
     assert per_step < 1e-3, per_step
     assert prof.overhead_fraction() < 0.01
     assert prof.summary()["overhead_us_per_step"] == pytest.approx(per_step * 1e6)
+    parts = prof.summary()["overhead_parts_s"]
+    # Every record's cost is split into host / CUDA allocator / NVML reads; without CUDA it is all host.
+    assert parts["host"] > 0 and sum(parts.values()) == pytest.approx(prof.overhead_s, rel=0.05)
+    if not torch.cuda.is_available():
+        assert parts["cuda"] == parts["nvml"] == 0.0 and prof.summary()["nvml_init_s"] is None
+    assert "profiler cost:" in prof.report() and "host " in prof.report()
 
 
 def test_phase_summary_is_per_phase_in_cycle_order():

@@ -16,7 +16,10 @@
   other processes and the CUDA context included.
 
 No call synchronises the GPU. What a record costs is timed and reported
-(``overhead_s``, ``overhead_fraction()``): about 10 microseconds on an idle CPU core.
+(``overhead_s``, ``overhead_fraction()``, and split into host / CUDA allocator / NVML reads in
+``overhead_parts_s``): about 10 microseconds on an idle CPU core. Starting NVML is a one-off
+(tens of milliseconds in a VM): it happens in ``begin()``, with set-up, and is reported as
+``nvml_init_s``, not charged to the steps.
 
 Resetting the high-water marks changes what ``resource.getrusage().ru_maxrss`` and
 ``torch.cuda.max_memory_allocated()`` report afterwards (the peak since the last reset):
@@ -171,6 +174,8 @@ class MemoryProfiler:
         self._process_peak_gpu = 0.0
         self.peak_resettable = _reset_host_peak()
         self.setup_peak_rss_mb: float | None = None
+        self.overhead_parts_s = {"host": 0.0, "cuda": 0.0, "nvml": 0.0}
+        self.nvml_init_s: float | None = None
 
     # ------------------------------------------------------------ recording
     def _cuda_on(self) -> bool:
@@ -206,10 +211,18 @@ class MemoryProfiler:
         self.overhead_s += time.perf_counter() - t
 
     def begin(self) -> None:
-        """End of set-up (model built, engine initialised): note the setup peak, open step 1's window."""
+        """End of set-up (model built, engine initialised): note the setup peak, start NVML on a
+        CUDA run, open step 1's window."""
         _, hwm = _read_host()
         self.setup_peak_rss_mb = hwm / MB
+        self._start_nvml()
         self.reset_peak()
+
+    def _start_nvml(self) -> None:
+        if self._nvml is None and self.use_nvml and self._cuda_on():
+            t = time.perf_counter()
+            self._nvml = _Nvml(self._cuda_index())
+            self.nvml_init_s = time.perf_counter() - t
 
     def record(self, step: int, phase: str, step_time_s: float | None = None) -> MemorySample:
         """Read every figure for the step just finished and open the next step's window."""
@@ -222,6 +235,9 @@ class MemoryProfiler:
         sample = MemorySample(step=int(step), phase=str(phase), time_s=t - self._t0,
                               step_time_s=None if step_time_s is None else float(step_time_s),
                               rss_mb=rss / MB, rss_peak_mb=max(peak, rss) / MB, pinned_host_mb=0.0)
+        t_host = time.perf_counter()
+        self.overhead_parts_s["host"] += t_host - t
+        t_nvml = 0.0
         if self._cuda_on():
             import torch
             idx = self._cuda_index()
@@ -236,12 +252,20 @@ class MemoryProfiler:
             except Exception:
                 sample.pinned_host_mb = 0.0
             if self.use_nvml:
-                if self._nvml is None:
-                    self._nvml = _Nvml(idx)
-                used = self._nvml.used_bytes()
+                if self._nvml is None:   # begin() was not called: start it now, outside the step's cost
+                    t_init = time.perf_counter()
+                    self._start_nvml()
+                    init_s = time.perf_counter() - t_init
+                    t, t_host = t + init_s, t_host + init_s
+                t0_nvml = time.perf_counter()
+                used = self._nvml.used_bytes() if self._nvml is not None else None
                 sample.gpu_device_used_mb = None if used is None else used / MB
+                t_nvml = time.perf_counter() - t0_nvml
         self.samples.append(sample)
-        self.overhead_s += time.perf_counter() - t
+        end = time.perf_counter()
+        self.overhead_parts_s["nvml"] += t_nvml
+        self.overhead_parts_s["cuda"] += max(0.0, end - t_host - t_nvml) if self._cuda_on() else 0.0
+        self.overhead_s += end - t
         return sample
 
     # ------------------------------------------------------------ results
@@ -321,6 +345,8 @@ class MemoryProfiler:
             "overhead_s": self.overhead_s,
             "overhead_us_per_step": self.overhead_s / n * 1e6 if n else None,
             "overhead_fraction": self.overhead_fraction(),
+            "overhead_parts_s": dict(self.overhead_parts_s),
+            "nvml_init_s": self.nvml_init_s,
             "nvml_error": None if self._nvml is None else self._nvml.error,
         }
 
@@ -381,7 +407,10 @@ class MemoryProfiler:
         per = s["overhead_us_per_step"]
         lines.append(f"profiler cost: {self.overhead_s * 1e3:.2f} ms in total"
                      + ("" if per is None else f", {per:.1f} us per step")
-                     + ("" if frac is None else f", {frac:.4%} of step time"))
+                     + ("" if frac is None else f", {frac:.4%} of step time")
+                     + " (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.overhead_parts_s.items() if v) + ")"
+                     + ("" if self.nvml_init_s is None else f"; starting NVML took {self.nvml_init_s * 1e3:.1f} ms, "
+                                                           f"in set-up"))
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str], title: str = "Memory by step") -> Path:
