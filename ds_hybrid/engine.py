@@ -168,6 +168,13 @@ class PredictiveEngine(DeepSpeedEngine):
                              "Predict steps need Adam or AdamW (or set hybrid_predict.enabled to false)")
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
+        if self.global_rank == 0 and self._host_masters_beside_an_accelerator():
+            # Measured (README, "GPU memory per phase"): with the masters in host memory every
+            # Predict step and every real step's bookkeeping runs on the host copies.
+            logger.warning("hybrid_predict with zero_optimization.offload_optimizer: the snapshot, the velocity "
+                           "and every Predict step work on the fp32 masters in host memory; on llama-1b (H100, "
+                           "16 CPU cores) this ran slower than plain ZeRO-Offload. Measure before relying on it: "
+                           "ds-hybrid memory-bench --preset YOUR_CONFIG (see the README)")
         mem = self.hybrid_config.memory
         # direction: drift keeps the running average of the real updates (one buffer per
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
@@ -649,6 +656,12 @@ class PredictiveEngine(DeepSpeedEngine):
         logger.warning(f"{source}: saved in the middle of a Predict run, but this rank's rollback snapshot does "
                        f"not apply here; the loaded weights become the last good point ({self._pending} unverified "
                        "Predict steps can no longer be rolled back)")
+
+    def _host_masters_beside_an_accelerator(self) -> bool:
+        """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""
+        zo = self._config._param_dict.get("zero_optimization") or {}
+        device = (zo.get("offload_optimizer") or {}).get("device", "none")
+        return device in ("cpu", "nvme") and self.device.type != "cpu"
 
     def _snapshot_needed(self) -> bool:
         # Inside a Predict run the snapshot is the last good point a rejection returns to;

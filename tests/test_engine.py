@@ -261,3 +261,17 @@ def test_scalars_reach_deepspeeds_monitor(tmp_path):
         assert name in files, sorted(files)
     phase_rows = files["Hybrid_phase.csv"].read_text().strip().splitlines()[1:]
     assert [int(float(r.split(",")[1])) for r in phase_rows] == [Phase(r.phase).code for r in results]
+
+
+@pytest.mark.parametrize("zero, device, warns", [
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "cuda", True),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "cuda", True),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "cpu", False),   # CPU accelerator: all host memory
+    ({"stage": 1}, "cuda", False),
+])
+def test_offload_warning_applies_to_host_masters_beside_a_gpu(zero, device, warns):
+    from types import SimpleNamespace
+    from ds_hybrid.engine import PredictiveEngine
+    fake = SimpleNamespace(_config=SimpleNamespace(_param_dict={"zero_optimization": zero}),
+                           device=torch.device(device))
+    assert PredictiveEngine._host_masters_beside_an_accelerator(fake) is warns
