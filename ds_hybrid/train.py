@@ -187,8 +187,8 @@ def parse_gpu_cap(text: str | None) -> int | None:
 
 
 def apply_gpu_cap(cap: int, local_rank: int) -> None:
-    """Limit the caching allocator on this rank's GPU to ``cap`` bytes: a 16 GB card simulated
-    on a bigger one. The CUDA context and the libraries' workspaces outside the allocator are
+    """Limit the caching allocator on this rank's GPU to ``cap`` bytes, so a bigger card trains
+    within a 16 GB card's budget (a real limit: past it, allocation fails). The CUDA context and the libraries' workspaces outside the allocator are
     not counted; the profiler's allocated / peak figures are what the cap bounds."""
     import torch
     if not torch.cuda.is_available():

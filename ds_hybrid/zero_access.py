@@ -423,8 +423,8 @@ def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Ten
         row[1] += float(old.double().pow(2).sum())
         row[2] += float(new.double().pow(2).sum())
         row[3] += float(part.master.double().pow(2).sum())
-        row[4] += _abs_sum(part.state["exp_avg"])
-        row[5] += _sqrt_sum(part.state["exp_avg_sq"])
+        row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
+        row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
     bufs.holds = None
     return out
@@ -500,14 +500,6 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
     return float(total)
 
 
-def _abs_sum(t: torch.Tensor) -> float:
-    return _chunked_sum(t, torch.abs)
-
-
-def _sqrt_sum(t: torch.Tensor) -> float:
-    return _chunked_sum(t, torch.sqrt)
-
-
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int) -> torch.Tensor:
@@ -546,8 +538,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
             if buf.dtype != "fp32":
                 buf.store(v_old, s, gen)
         if "exp_avg" in part.state:
-            row[4] += _abs_sum(part.state["exp_avg"])
-            row[5] += _sqrt_sum(part.state["exp_avg_sq"])
+            row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
+            row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
     vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
     before.holds = None

@@ -226,6 +226,7 @@ class MemoryProfiler:
 
     def record(self, step: int, phase: str, step_time_s: float | None = None) -> MemorySample:
         """Read every figure for the step just finished and open the next step's window."""
+        self._start_nvml()   # a no-op after begin(); its one-off start is never charged to a step
         t = time.perf_counter()
         rss, hwm = _read_host()
         self._process_peak_rss = max(self._process_peak_rss, hwm)
@@ -252,11 +253,6 @@ class MemoryProfiler:
             except Exception:
                 sample.pinned_host_mb = 0.0
             if self.use_nvml:
-                if self._nvml is None:   # begin() was not called: start it now, outside the step's cost
-                    t_init = time.perf_counter()
-                    self._start_nvml()
-                    init_s = time.perf_counter() - t_init
-                    t, t_host = t + init_s, t_host + init_s
                 t0_nvml = time.perf_counter()
                 used = self._nvml.used_bytes() if self._nvml is not None else None
                 sample.gpu_device_used_mb = None if used is None else used / MB
