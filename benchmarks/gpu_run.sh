@@ -11,11 +11,17 @@
 # stages:
 #   env      nvidia-smi, versions, `ds-hybrid report`
 #   ops      build DeepSpeed's FusedAdam and CPU Adam now (they JIT-compile at first use)
-#   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA)
+#   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA,
+#            overlapped parking bit-identical, the RSSM predictor on the GPU against the CPU one)
 #   kernels  ds-hybrid kernel-bench                          -> OUT/kernels.json
 #   attn     ds-hybrid attn-bench on CUDA                    -> OUT/attention-cuda.json
 #   mem124   GPT-2 124M (86M at vocabulary 256), gpt2-124m preset, micro batch 16 x 1024:
-#            GPU peak per phase, plain DeepSpeed against each Predict variant -> OUT/memory-gpu-124m.json
+#            GPU peak per phase, plain DeepSpeed against each Predict variant, moment parking
+#            overlapped and DeepSpeed's                      -> OUT/memory-gpu-124m.json
+#   pred124  the RSSM predictor on the CPU against on the GPU with its kernels (dynamics.device),
+#            GPT-2 124M, micro batch 4 x 1024                -> OUT/memory-gpu-predictor.json
+#   prec124  precision: fp32 with and without bf16 Predict forwards (memory.predict_autocast),
+#            and fp16                                        -> OUT/memory-gpu-fp32.json, memory-gpu-fp16.json
 #   mem1b    llama-1b on the 1b-16gb preset under a 16 GB allocator cap, plain and hybrid
 #                                                            -> OUT/memory-gpu-1b.json
 #
@@ -53,7 +59,8 @@ from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder
 FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Adam built')" > "$OUT/ops.log" 2>&1
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
-      $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py -rs 2>&1 | tail -25
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
+        -rs 2>&1 | tail -25
       stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
     kernels)
       $DSH kernel-bench --json "$OUT/kernels.json"
@@ -64,15 +71,30 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
       stage_rc attn $? "$t0" ;;
     mem124)
       $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 --steps 24 \
-        --variants full adam drift-fp32 drift-int8 drift-int8-park --out /tmp/mb124 --json /tmp/res/memory-gpu-124m.json
+        --variants full adam drift-fp32 drift-int8 drift-int8-park drift-int8-park-ds --out /tmp/mb124 \
+        --json /tmp/res/memory-gpu-124m.json
       rc=$?; cp /tmp/res/memory-gpu-124m.json /tmp/res/memory-gpu-124m-gpt2-124m-drift-int8-park.png "$OUT/"
       stage_rc mem124 $rc "$t0" ;;
+    pred124)
+      $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 4 --steps 40 \
+        --variants rssm-cpu rssm-cuda --out /tmp/mbp --json /tmp/res/memory-gpu-predictor.json
+      rc=$?; cp /tmp/res/memory-gpu-predictor.json "$OUT/"
+      stage_rc pred124 $rc "$t0" ;;
+    prec124)
+      $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 8 --steps 24 \
+        --precision fp32 --variants full drift-int8 drift-int8-autocast --out /tmp/mbf32 \
+        --json /tmp/res/memory-gpu-fp32.json
+      rc1=$?
+      $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 --steps 24 \
+        --precision fp16 --variants full adam drift-int8 --out /tmp/mbf16 --json /tmp/res/memory-gpu-fp16.json
+      rc2=$?; cp /tmp/res/memory-gpu-fp32.json /tmp/res/memory-gpu-fp16.json "$OUT/"
+      stage_rc prec124 $(( rc1 || rc2 )) "$t0" ;;
     mem1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 20 \
         --gpu-mem-cap 16GB --variants full drift-int8 --out /tmp/mb1b --json /tmp/res/memory-gpu-1b.json
       rc=$?; cp /tmp/res/memory-gpu-1b.json /tmp/res/memory-gpu-1b-llama-1b-drift-int8.png "$OUT/"
       stage_rc mem1b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 mem1b)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 pred124 prec124 mem1b)"; status=2 ;;
   esac
 done
 exit $status

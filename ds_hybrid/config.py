@@ -174,6 +174,12 @@ class DynamicsConfig(_Section):
     seed: int = 0
     """Seed of the ensemble's initialisation and window sampling."""
 
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    """Where the dynamics model (RSSM, its training, the encoder's window features) runs:
+    ``cpu`` (its own thread, off the accelerator), ``cuda`` (the rank's current GPU, where the
+    ``kernels/rssm.cu`` and ``kernels/encoder.cu`` kernels apply under ``kernels`` auto or cupy),
+    ``auto`` (``cuda`` when a GPU is present). Decisions are broadcast from rank 0 either way."""
+
 
 class MemoryConfig(_Section):
     """Phase-aware memory: what the Predict phase keeps, where and in which precision."""
@@ -186,10 +192,19 @@ class MemoryConfig(_Section):
     park_optimizer_states: bool = False
     """Move the Adam moments (``exp_avg``, ``exp_avg_sq``: 8 bytes per parameter of the
     rank's partition) off the accelerator at the start of each Predict run and back when it
-    ends, before the next real step: DeepSpeed's ``offload_states`` on ZeRO 1-2 (and ZeRO 3
-    with FusedAdam), ds_hybrid's own move elsewhere; nothing to do when they already live
-    in CPU memory (``offload_optimizer``). Needs ``predictor.direction: drift``, whose
-    Predict steps do not read them."""
+    ends, before the next real step: on a CUDA device by ds_hybrid's overlapped copies
+    (``park_overlap``), else DeepSpeed's ``offload_states`` on ZeRO 1-2 (and ZeRO 3 with
+    FusedAdam) and ds_hybrid's own move elsewhere; nothing to do when they already live in
+    CPU memory (``offload_optimizer``). Needs ``predictor.direction: drift``, whose Predict
+    steps do not read them."""
+
+    park_overlap: bool = True
+    """With ``park_optimizer_states`` on a CUDA device: move the moments with ds_hybrid's own
+    copies on a side CUDA stream, overlapped with the Predict run's forwards (out) and with
+    its last verification and the next real step's forward/backward (back; only the optimizer
+    step waits for them). ``false``: DeepSpeed's ``offload_states`` / ``reload_states`` where
+    they apply: synchronous, and they empty the CUDA cache, which also lowers the device's
+    reserved memory during the run."""
 
     predict_autocast: Literal["none", "bf16", "fp16"] = "none"
     """Precision of the Predict phase's no-grad forwards (verification and progress):

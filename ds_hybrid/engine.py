@@ -38,6 +38,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import checkpoint as ckpt
+from . import kernels
 from . import zero_access as za
 from .config import HybridPredictConfig, parse_hybrid_config
 from .dynamics.batchstats import BatchDifficulty
@@ -94,6 +95,9 @@ class _Stats:
     verifications: int = 0
     skipped_steps: int = 0          # real steps whose optimizer update was skipped (non-finite)
     predictor_seconds: float = 0.0  # time spent in the predictor (encoding, training, decisions)
+    # time in the hybrid's own work on the masters, by part (capture, fold, stash, compare,
+    # predicted_update, snapshot, restore): what a real step costs beyond plain DeepSpeed's
+    bookkeeping_seconds: dict = field(default_factory=dict)
     progress_sum: float = 0.0       # sum of measured progress of Predict steps (loss units)
     progress_n: int = 0
     progress_positive: int = 0
@@ -168,6 +172,7 @@ class PredictiveEngine(DeepSpeedEngine):
                              "Predict steps need Adam or AdamW (or set hybrid_predict.enabled to false)")
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
+        self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
         if self.global_rank == 0 and self._host_masters_beside_an_accelerator():
             # Measured (README, "GPU memory per phase"): with the masters in host memory every
             # Predict step and every real step's bookkeeping runs on the host copies.
@@ -180,7 +185,8 @@ class PredictiveEngine(DeepSpeedEngine):
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
                           if self.hybrid_config.predictor.direction == "drift" else None)
-        self._parking = za.MomentParking(self, self._masters) if mem.park_optimizer_states else None
+        self._parking = (za.MomentParking(self, self._masters, overlap=mem.park_overlap)
+                         if mem.park_optimizer_states else None)
         self.controller = PhaseController(self.hybrid_config)
         self.predictor = make_predictor(self.hybrid_config)
         self._pending = 0  # Predict steps applied since the last good point
@@ -257,6 +263,7 @@ class PredictiveEngine(DeepSpeedEngine):
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type
             out["predictor_seconds"] = s.predictor_seconds
+            out["bookkeeping_seconds"] = dict(s.bookkeeping_seconds)
             real = sum(s.steps[p.value] for p in Phase if p is not Phase.PREDICT)
             real_s = sum(s.seconds[p.value] for p in Phase if p is not Phase.PREDICT)
             # Mean predictor time per step over the mean time of a real step (which includes it).
@@ -267,6 +274,9 @@ class PredictiveEngine(DeepSpeedEngine):
             out["progress_mean"] = s.progress_sum / s.progress_n if s.progress_n else None
             out["progress_positive_share"] = s.progress_positive / s.progress_n if s.progress_n else None
             out["predictor_details"] = self.predictor.statistics()
+            out["predictor_device"] = str(getattr(self.predictor, "device", "cpu"))
+            # CuPy kernel launches in this process (kernels/*.cu): empty when every path took torch.
+            out["kernel_launches"] = dict(kernels.LAUNCHES)
         return out
 
     # ------------------------------------------------------------ phases
@@ -290,16 +300,20 @@ class PredictiveEngine(DeepSpeedEngine):
             # The masters before the step (into the snapshot buffer, free outside Predict runs)
             # and the LR each group steps with: the update per unit LR feeds the velocity.
             lrs = [float(g["lr"]) for g in self._masters.base.param_groups]
-            za.capture_weights(self._masters, self._snapshot)
+            with self._timed("capture"):
+                za.capture_weights(self._masters, self._snapshot)
         elif probe:
-            za.stash_direction(self._masters, self._snapshot)
+            with self._timed("stash"):
+                za.stash_direction(self._masters, self._snapshot)
         self._real_step(batches, loss_fn)
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         if drift and self.was_step_applied():
-            groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
-                                         cfg.predictor.drift_beta, int(self.global_steps))
+            with self._timed("fold"):
+                groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
+                                             cfg.predictor.drift_beta, int(self.global_steps))
         elif probe and not drift:
-            groups = za.compare_direction(self._masters, self._snapshot)
+            with self._timed("compare"):
+                groups = za.compare_direction(self._masters, self._snapshot)
         else:
             groups = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
         # One collective for the per-group sums, the batch difficulty and the gradient norm;
@@ -334,10 +348,13 @@ class PredictiveEngine(DeepSpeedEngine):
     def _predict_step(self, batches: list, loss_fn: LossFn) -> StepResult:
         ctl, cfg = self.controller, self.hybrid_config
         if ctl.predict_index == 0:
-            za.capture_weights(self._masters, self._snapshot)
+            with self._timed("snapshot"):
+                za.capture_weights(self._masters, self._snapshot)
             self._pending = 0
             if self._parking is not None:
                 self._parking.park()  # back when the run ends, before the next real step
+        if self._parking is not None and ctl.predict_index + 1 >= ctl.horizon:
+            self._parking.prefetch()  # the run's last planned step: start the copies back now
         with self._timed_predictor():
             scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
         scale = sum(scales) / len(scales) if scales else 0.0
@@ -356,11 +373,13 @@ class PredictiveEngine(DeepSpeedEngine):
 
         @torch.no_grad()
         def predicted_update() -> None:
-            if self._velocity is not None:
-                za.apply_velocity_update(self._masters, self._velocity, scales)
-            else:
-                za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
-            self._masters.propagate()
+            with self._timed("predicted_update"):
+                if self._velocity is not None:
+                    za.apply_velocity_update(self._masters, self._velocity, scales)
+                else:
+                    za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
+            with self._timed("propagate"):
+                self._masters.propagate()
 
         # DeepSpeed's step() reaches _take_model_step only at an accumulation boundary:
         # account for the micro-batches this step stands for, then take the boundary.
@@ -393,9 +412,11 @@ class PredictiveEngine(DeepSpeedEngine):
             if accepted:
                 self._stats.predict_accepted += self._pending
                 if ctl.predict_index + 1 < ctl.horizon:
-                    za.capture_weights(self._masters, self._snapshot)  # the new last good point
+                    with self._timed("snapshot"):
+                        za.capture_weights(self._masters, self._snapshot)  # the new last good point
             else:
-                za.restore_weights(self._masters, self._snapshot)
+                with self._timed("restore"):
+                    za.restore_weights(self._masters, self._snapshot)
                 undone = self._pending
                 self._stats.predict_rolled_back += undone
             self._pending = 0
@@ -458,6 +479,22 @@ class PredictiveEngine(DeepSpeedEngine):
         return t.cpu().tolist()
 
     @contextlib.contextmanager
+    def _timed(self, part: str):
+        """Time one part of the hybrid's work on the masters. Masters on a GPU: the current
+        stream is synchronised at both ends, so the GPU work is what is counted."""
+        sync = self._masters_on_cuda
+        if sync:
+            torch.cuda.current_stream().synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync:
+                torch.cuda.current_stream().synchronize()
+            b = self._stats.bookkeeping_seconds
+            b[part] = b.get(part, 0.0) + time.perf_counter() - t0
+
+    @contextlib.contextmanager
     def _timed_predictor(self):
         t0 = time.perf_counter()
         try:
@@ -508,6 +545,8 @@ class PredictiveEngine(DeepSpeedEngine):
         ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
         (DeepSpeed's fp16-overflow semantics)."""
         if self._predicted_update is None:
+            if self._parking is not None:
+                self._parking.wait()  # moments copied back during the forward/backward: the optimizer reads them
             if self._nonfinite_on_any_rank():
                 with self._optimizer_reports_overflow():
                     return super()._take_model_step(lr_kwargs)
@@ -568,7 +607,7 @@ class PredictiveEngine(DeepSpeedEngine):
         and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
         parked = self._parking is not None and self._parking.parked
         if parked:  # DeepSpeed saves the optimizer state from where it normally lives
-            self._parking.unpark()
+            self._parking.unpark(wait=True)
         try:
             ckpt.save_atomic(self, super().save_checkpoint, save_dir, tag, dict(client_state or {}), save_latest,
                              exclude_frozen_parameters)
@@ -587,7 +626,7 @@ class PredictiveEngine(DeepSpeedEngine):
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
         if self._parking is not None:
-            self._parking.unpark()  # the loaded moments replace these; they stay on the device until the next run
+            self._parking.unpark(wait=True)  # the loaded moments replace these; on the device until the next run
         return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs)
 
     def hybrid_state_dict(self) -> dict:

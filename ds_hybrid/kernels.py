@@ -26,6 +26,7 @@ errors point at the ``.cu`` file, builds a ``cupy.RawModule`` (NVRTC) and caches
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import importlib.metadata
@@ -49,6 +50,11 @@ KERNEL_DIR = Path(os.environ.get("DS_HYBRID_KERNEL_DIR",
                                  Path(__file__).resolve().parent.parent / "kernels"))
 NVRTC_OPTIONS = ("-std=c++14",)
 CUPY_PACKAGES = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")
+
+
+# Kernel launches in this process, by kernel name: what a training run's summary reports as
+# ``kernel_launches`` (the evidence that ``auto`` took the kernels, not the references).
+LAUNCHES: collections.Counter = collections.Counter()
 
 
 class KernelUnavailable(RuntimeError):
@@ -323,6 +329,7 @@ def _fused_update_cupy(master, exp_avg, exp_avg_sq, *, lr, scale, beta1, beta2, 
                 cp.int64(n), cp.float32(-scale * lr), cp.float32(bc1), cp.float32(bc2), cp.float32(eps),
                 cp.float32(-lr * weight_decay if decoupled and weight_decay else 0.0))
         fn((blocks,), (FUSED_UPDATE_THREADS,), args)
+    LAUNCHES["fused_update"] += 1
     return sq
 
 
@@ -452,6 +459,7 @@ def rssm_step(model, h: torch.Tensor, z: torch.Tensor, a: torch.Tensor, *,
                 cp.int32(B), cp.int32(s.deter), cp.int32(s.stoch), cp.int32(s.hidden), cp.int32(s.action),
                 cp.int32(s.head_out), cp.float32(s.min_std))
         fn((B, E), (threads,), args, shared_mem=_rssm_smem_bytes(s, threads))
+    LAUNCHES["rssm_step"] += 1
     return h_out, pm, ps
 
 
@@ -483,6 +491,7 @@ def rssm_rollout(model, h: torch.Tensor, z: torch.Tensor, actions: torch.Tensor,
                         _cp(zs), _cp(heads), cp.int32(B), cp.int32(s.deter), cp.int32(s.stoch),
                         cp.int32(s.hidden), cp.int32(s.action), cp.int32(s.head_out), cp.int32(K))
                 fn((B, E), (threads,), args, shared_mem=_rssm_smem_bytes(s, threads))
+            LAUNCHES["rssm_rollout"] += 1
         KH = s.horizon
         return {"loss_mean": heads[..., :KH], "loss_std": heads[..., KH:2 * KH],
                 "scale_mean": heads[..., 2 * KH], "scale_std": heads[..., 2 * KH + 1], "h": hs, "z": zs}
@@ -522,6 +531,7 @@ def window_features(hist: torch.Tensor, counts: torch.Tensor, *, backend: str = 
         with _on_torch_stream(hist.device):
             fn = mod.get_function("window_features")
             fn((h.shape[0],), (256,), (_cp(h), _cp(c), _cp(out)))
+        LAUNCHES["window_features"] += 1
     return out if batched else out[0]
 
 

@@ -37,6 +37,7 @@ class MasterPartition:
     group: dict  # its param group: lr, betas, eps, weight_decay
     step: float  # real optimizer steps behind the moments (for bias correction)
     group_index: int = 0  # index of ``group`` in the optimizer's param_groups (a layer group)
+    lp: torch.Tensor | None = None  # the bf16/fp16 shard the forward reads, when an update may write it
 
 
 class MasterAccess(abc.ABC):
@@ -48,6 +49,9 @@ class MasterAccess(abc.ABC):
 
     kind = "base"
     partitioned = False  # whether each rank holds a different shard of the masters
+    # Set by apply_predicted_update when it wrote the low-precision shard of every partition it
+    # moved (the fused kernel's lp output): the next propagate only gathers. Cleared there.
+    lp_current = False
 
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
@@ -80,7 +84,12 @@ class MasterAccess(abc.ABC):
                 master, key, gi = self._entry(i)
                 group = self.base.param_groups[gi]
                 state = self.base.state.get(key, {})
-                yield MasterPartition(master, state, group, self._step_count(state, group), gi)
+                yield MasterPartition(master, state, group, self._step_count(state, group), gi, self._lp(i))
+
+    def _lp(self, i: int) -> torch.Tensor | None:
+        """Entry ``i``'s low-precision shard, when the predicted update can write it in the same
+        pass (bf16/fp16, same device and length as the master); None: propagate copies."""
+        return None
 
     def _step_count(self, state: dict, group: dict) -> float:
         # torch keeps the count in the state; FusedAdam in the param group too.
@@ -138,8 +147,21 @@ class _FP16OptimizerAccess(MasterAccess):
         flat = self.optimizer.fp32_groups_flat[i]
         return flat, flat, i
 
+    def _lp(self, i):
+        # The parameters are views of fp16_groups_flat[i] (DeepSpeed's FP16_Optimizer steps
+        # into it): writing it is the copy below, as long as no parameter was rebound.
+        opt = self.optimizer
+        flat, master = opt.fp16_groups_flat[i], opt.fp32_groups_flat[i]
+        if flat.device != master.device or flat.numel() != master.numel():
+            return None
+        ptr = flat.untyped_storage().data_ptr()
+        return flat if all(p.data.untyped_storage().data_ptr() == ptr for p in opt.fp16_groups[i]) else None
+
     def propagate(self):
         from torch._utils import _unflatten_dense_tensors
+        if self.lp_current:   # the update wrote the parameters' flat buffer: nothing to gather on ZeRO 0
+            self.lp_current = False
+            return
         for flat, lp_group in zip(self.optimizer.fp32_groups_flat, self.optimizer.fp16_groups):
             for p, q in zip(lp_group, _unflatten_dense_tensors(flat, lp_group)):
                 p.data.copy_(q)
@@ -180,8 +202,13 @@ class _BF16OptimizerAccess(MasterAccess):
         flat = self.optimizer.fp32_groups_flat_partition[i]
         return flat, flat, i
 
+    def _lp(self, i):
+        opt = self.optimizer
+        return _lp_shard(opt.bf16_partitioned_groups[i], opt.real_dp_process_group[i],
+                         opt.fp32_groups_flat_partition[i])
+
     def propagate(self):
-        self.optimizer.update_lp_params()
+        _propagate_lp(self, self.optimizer.bf16_groups_flat, self.optimizer.bf16_partitioned_groups)
 
 
 class _Zero12Access(MasterAccess):
@@ -197,8 +224,38 @@ class _Zero12Access(MasterAccess):
         flat = self.optimizer.single_partition_of_fp32_groups[i]
         return flat, flat, i
 
+    def _lp(self, i):
+        opt = self.optimizer
+        return _lp_shard(opt.parallel_partitioned_bit16_groups[i], opt.real_dp_process_group[i],
+                         opt.single_partition_of_fp32_groups[i])
+
     def propagate(self):
-        self.optimizer.update_lp_params()
+        _propagate_lp(self, self.optimizer.bit16_groups_flat, self.optimizer.parallel_partitioned_bit16_groups)
+
+
+def _lp_shard(partitions: list, group: Any, master: torch.Tensor) -> torch.Tensor | None:
+    """This rank's low-precision partition (DeepSpeed's update_lp_params copies the master into
+    it), when the fused update can write it instead: 16-bit, same device and length. With
+    offload_optimizer the masters are on the host and it is on the GPU: propagate copies."""
+    import deepspeed.comm as dist
+    lp = partitions[dist.get_rank(group=group)]
+    ok = lp.dtype in (torch.bfloat16, torch.float16) and lp.device == master.device and lp.numel() == master.numel()
+    return lp if ok else None
+
+
+def _propagate_lp(access: MasterAccess, groups_flat: list, partitioned: list) -> None:
+    """DeepSpeed's ``update_lp_params`` (copy each master into its 16-bit partition, then
+    all-gather the partitions), without the copy when the update already wrote them."""
+    opt = access.optimizer
+    if not access.lp_current:
+        opt.update_lp_params()
+        return
+    access.lp_current = False
+    from deepspeed.runtime.utils import all_gather_dp_groups
+    all_gather_dp_groups(groups_flat=groups_flat, partitioned_param_groups=partitioned,
+                         dp_process_group=opt.real_dp_process_group,
+                         start_alignment_factor=opt.nccl_start_alignment_factor,
+                         allgather_bucket_size=opt.allgather_bucket_size)
 
 
 class _Zero3Access(MasterAccess):
@@ -346,6 +403,7 @@ def restore_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
     assert bufs.holds == "weights", "restore_weights needs a weight snapshot"
     for i, part in enumerate(access.partitions()):
         part.master.copy_(bufs.buffers[i])
+    access.lp_current = False   # the 16-bit copies hold the update: propagate must copy
     access.propagate()  # a collective on ZeRO 1-3: every rank rolls back together
 
 
@@ -366,6 +424,7 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
     """
     from . import kernels
     sq = []
+    wrote_lp = True
     for part in access.partitions():
         if part.master.numel() == 0 or "exp_avg" not in part.state:
             continue
@@ -381,7 +440,10 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
             part.master, part.state["exp_avg"], part.state["exp_avg_sq"], lr=float(g["lr"]), scale=s,
             beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
             weight_decay=float(g.get("weight_decay", 0.0)), decoupled=access.decoupled_decay,
-            bias_correction=g.get("bias_correction", True), compute_sq=True, backend=backend))
+            bias_correction=g.get("bias_correction", True), compute_sq=True, backend=backend,
+            lp_out=part.lp))   # the model's 16-bit copy in the same pass, where it can be written
+        wrote_lp = wrote_lp and part.lp is not None
+    access.lp_current = wrote_lp  # propagate then only gathers
     return sum(float(x) for x in sq)  # one host sync per step, after every partition is queued
 
 
@@ -551,6 +613,7 @@ def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "fl
     """Add ``scale * lr * velocity`` to the masters (per layer group; the velocity already
     holds the weight decay and clipping of the real steps it averages). Returns the
     squared norm of the update on this rank. The caller propagates."""
+    access.lp_current = False
     sq = []
     for i, part in enumerate(access.partitions()):
         s = _scale_of(scale, part.group_index)
@@ -574,30 +637,43 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 class MomentParking:
     """Moves the Adam moments to host memory for a Predict run and back before the next
-    real step (a drift Predict step does not read them).
+    real step (a drift Predict step does not read them). Modes:
 
-    * ZeRO 1/2 (``DeepSpeedZeroOptimizer``), and ZeRO 3 with FusedAdam: DeepSpeed's own
-      ``engine.offload_states(include=[optim_states])`` / ``reload_states()``, which keep
-      a pinned host copy and know their optimizer's buffers.
-    * Elsewhere (ZeRO 0 wrappers, ZeRO 3 with another Adam): ds_hybrid moves the state
-      tensors itself, the same way (``tensor.data`` swapped to a pinned host copy kept
-      here, so ``optimizer.state`` and checkpoints never see it).
-    * Moments already in CPU memory (``offload_optimizer``, or a CPU accelerator): nothing
-      moves; ``mode`` says ``host``.
+    * ``stream`` (a CUDA device, ``memory.park_overlap``): ds_hybrid's own copies on a side
+      CUDA stream. The copy out is queued after the last real step's work and runs under the
+      Predict run's forwards; its device memory returns to the allocator when the copy is
+      done (``record_stream``). The copy back is queued at the start of the run's last
+      planned step (``prefetch``) and only the next optimizer step waits for it (``wait``),
+      so it overlaps that step's verification and the next real step's forward/backward.
+    * ``deepspeed`` (``park_overlap: false``; ZeRO 1/2, and ZeRO 3 with FusedAdam): DeepSpeed's
+      own ``engine.offload_states(include=[optim_states])`` / ``reload_states()``, which keep
+      a pinned host copy and know their optimizer's buffers. Synchronous; it also empties the
+      CUDA cache (so the device's reserved memory drops too).
+    * ``own`` (elsewhere: ZeRO 0 wrappers, ZeRO 3 with another Adam): ds_hybrid moves the
+      state tensors itself on the current stream (``tensor.data`` swapped to a pinned host
+      copy kept here, so ``optimizer.state`` and checkpoints never see it).
+    * ``host``: the moments are already in CPU memory (``offload_optimizer``, or a CPU
+      accelerator): nothing moves.
     """
 
-    def __init__(self, engine: Any, access: MasterAccess, mode: str | None = None):
-        self.engine, self.access = engine, access
+    def __init__(self, engine: Any, access: MasterAccess, mode: str | None = None, overlap: bool = True):
+        self.engine, self.access, self.overlap = engine, access, overlap
         self.parked = False
-        self._host: dict[int, torch.Tensor] = {}     # own mode: pinned host copy per moment tensor
+        self._host: dict[int, torch.Tensor] = {}     # own/stream: pinned host copy per moment tensor
         self._devices: dict[int, torch.device] = {}  # ... and the device it came from
         self.mode = mode  # chosen at the first park: the moments exist only after a real step
+        self._side: Any = None                        # stream mode: the side CUDA stream
+        self._incoming: dict[int, torch.Tensor] = {}  # stream mode: device copies being filled
+        self._back: Any = None                        # ... the event that marks them complete
+        self._pending: Any = None                     # the event the next optimizer step waits for
 
     def _choose_mode(self) -> str:
         devices = {part.state[k].device.type for part in self.access.partitions() for k in MOMENT_KEYS
                    if k in part.state}
         if getattr(self.engine, "zero_cpu_offload", lambda: False)() or devices <= {"cpu"}:
             return "host"  # already in CPU memory (or no accelerator): moving them would only cost
+        if self.overlap and devices == {"cuda"}:
+            return "stream"
         opt = self.engine.optimizer
         name = type(opt).__name__
         offload = self.engine.zero_offload_param()
@@ -610,8 +686,26 @@ class MomentParking:
                 return "deepspeed"
         return "own"
 
+    def _moments(self) -> Iterator[torch.Tensor]:
+        for part in self.access.partitions():
+            for k in MOMENT_KEYS:
+                t = part.state.get(k)
+                if t is not None:
+                    yield t
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        host = self._host.get(id(t))
+        if host is None:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            self._host[id(t)] = host
+        return host
+
     def park(self) -> None:
         if self.parked:
+            # A new Predict run straight after the last one: device copies fetched for its end
+            # are not needed yet (the host copies still hold the moments).
+            self._incoming.clear()
+            self._back = None
             return
         if self.mode is None:
             self.mode = self._choose_mode()
@@ -619,35 +713,77 @@ class MomentParking:
             from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
             self.engine.offload_states(include=[OffloadStateTypeEnum.optim_states], pin_memory=True,
                                        non_blocking=True)
-        elif self.mode == "own":
-            for part in self.access.partitions():
-                for k in MOMENT_KEYS:
-                    t = part.state.get(k)
-                    if t is None or t.device.type == "cpu":
+        elif self.mode == "stream":
+            self.wait()   # (a reload still in flight is ordered before the copy out)
+            if self._side is None:
+                self._side = torch.cuda.Stream()
+            self._side.wait_stream(torch.cuda.current_stream())   # the moments are final
+            with torch.cuda.stream(self._side):
+                for t in self._moments():
+                    if t.device.type == "cpu":
                         continue
-                    host = self._host.get(id(t))
-                    if host is None:
-                        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                        self._host[id(t)] = host
+                    host = self._pinned(t)
                     host.copy_(t, non_blocking=True)
+                    # Freed when t.data moves below, the device memory must not be reused
+                    # before the copy on the side stream has read it.
+                    t.data.record_stream(self._side)
                     self._devices[id(t)] = t.device
                     t.data = host
+        elif self.mode == "own":
+            for t in self._moments():
+                if t.device.type == "cpu":
+                    continue
+                host = self._pinned(t)
+                host.copy_(t, non_blocking=True)
+                self._devices[id(t)] = t.device
+                t.data = host
         self.parked = True
 
-    def unpark(self) -> None:
+    def prefetch(self) -> None:
+        """Stream mode: queue the copies back now (the run's last planned step); ``unpark``
+        then only swaps the tensors in. A no-op in the other modes."""
+        if not self.parked or self.mode != "stream" or self._incoming:
+            return
+        with torch.cuda.stream(self._side):
+            for t in self._moments():
+                if id(t) in self._devices:
+                    dev = torch.empty(t.shape, dtype=t.dtype, device=self._devices[id(t)])
+                    dev.copy_(t.data, non_blocking=True)
+                    self._incoming[id(t)] = dev
+            self._back = self._side.record_event()
+
+    def unpark(self, wait: bool = False) -> None:
+        """Moments back on their device. In stream mode the next optimizer step waits for the
+        copies (``wait``); ``wait=True`` makes the current stream wait now (a checkpoint)."""
         if not self.parked:
             return
         if self.mode == "deepspeed":
             self.engine.reload_states(non_blocking=False)
+        elif self.mode == "stream":
+            self.prefetch()
+            for t in self._moments():
+                dev = self._incoming.pop(id(t), None)
+                if dev is not None:
+                    self._devices.pop(id(t))
+                    dev.record_stream(torch.cuda.current_stream())  # used on the main stream from now
+                    t.data = dev
+            self._pending, self._back = self._back, None
+            if wait:
+                self.wait()
         elif self.mode == "own":
-            for part in self.access.partitions():
-                for k in MOMENT_KEYS:
-                    t = part.state.get(k)
-                    if t is not None and id(t) in self._devices:
-                        t.data = t.data.to(self._devices.pop(id(t)), non_blocking=True)
+            for t in self._moments():
+                if id(t) in self._devices:
+                    t.data = t.data.to(self._devices.pop(id(t)), non_blocking=True)
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()
         self.parked = False
+
+    def wait(self) -> None:
+        """Make the current stream wait for the copies back (before the optimizer reads the
+        moments). A GPU-side wait: the host does not block."""
+        if self._pending is not None:
+            torch.cuda.current_stream().wait_event(self._pending)
+            self._pending = None
 
     def device_bytes(self) -> int:
         """Bytes of Adam moments on an accelerator right now (0 while parked or on the host)."""

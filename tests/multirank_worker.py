@@ -36,6 +36,9 @@ parser.add_argument("--faults", action="store_true")
 parser.add_argument("--save-dir", default=None)
 parser.add_argument("--out", required=True)
 parser.add_argument("--predictor", default="adam_direction")
+parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--copy-lp", action="store_true",
+                    help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,7 +47,19 @@ if args.predictor == "rssm":
     # Decide early and often, so a short run exercises training, exploration and the bandit.
     hybrid.update(predictor={"type": "rssm"}, min_predict_steps=1,
                   dynamics={"min_observations": 4, "train_every": 2, "explore_every": 1, "window": 4})
-engine = make_engine(ds_config(stage=args.stage, gas=args.gas, hybrid=hybrid))
+engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid))
+lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
+if args.copy_lp:
+    engine._masters._lp = lambda i: None
+_propagate = engine._masters.propagate
+
+
+def counted_propagate():
+    lp_written["propagations"] += engine._masters.lp_current
+    _propagate()
+
+
+engine._masters.propagate = counted_propagate
 corpus = torch.randint(0, 48, (8192,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
 stream = train_batches(corpus, SEQ, MICRO, seed=7, rank=rank, world_size=world)
 predict_verifications = {"seen": 0}
@@ -98,6 +113,7 @@ digest = hashlib.sha256(b"".join(p.float().numpy().tobytes() for p in full_param
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"record": record, "weights_sha256": digest, "global_steps": engine.global_steps,
                "micro_steps": engine.micro_steps, "deepspeed_skipped_steps": engine.skipped_steps,
+               "lp_written_propagations": lp_written["propagations"],
                "statistics": {k: v for k, v in engine.statistics().items() if k != "predictor_details"},
                # (JSON: the RSSM's state and the difficulty counts hold tensors; compared elsewhere)
                "hybrid_state": json_state(engine.hybrid_state_dict())}, f)

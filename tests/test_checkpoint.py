@@ -58,7 +58,8 @@ def step_row(r) -> tuple:
 
 
 def without_seconds(stats: dict) -> dict:
-    timings = ("seconds_per_phase", "mean_step_seconds", "predictor_seconds", "predictor_cost_fraction")
+    timings = ("seconds_per_phase", "mean_step_seconds", "predictor_seconds", "predictor_cost_fraction",
+               "bookkeeping_seconds")
     out = {k: v for k, v in stats.items() if k not in timings}
     if isinstance(out.get("predictor_details"), dict):
         out["predictor_details"] = {k: v for k, v in out["predictor_details"].items() if k != "seconds"}

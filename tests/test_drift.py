@@ -10,7 +10,7 @@ import ds_hybrid.zero_access as za
 from ds_hybrid import Phase
 from ds_hybrid.config import ConfigError, parse_hybrid_config
 from ds_hybrid.quant import BLOCK, CompactBuffer
-from engine_utils import EAGER, BackwardCounter, Batches, ds_config, make_engine, master_copies
+from engine_utils import EAGER, BackwardCounter, Batches, ds_config, full_params, make_engine, master_copies
 
 DRIFT = dict(EAGER, predictor={"direction": "drift", "drift_beta": 0.8})
 SETUPS = {"z0-fp32": dict(stage=0), "z1-fp32": dict(stage=1), "z2-bf16": dict(stage=2, bf16=True),
@@ -162,15 +162,37 @@ def test_parking_needs_the_drift_direction():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_parking_frees_device_memory_on_gpu():
-    engine = make_engine(ds_config(stage=1, hybrid=dict(DRIFT, memory={"park_optimizer_states": True})))
+@pytest.mark.parametrize("overlap, mode", [(True, "stream"), (False, "deepspeed")])
+def test_parking_frees_device_memory_on_gpu(overlap, mode):
+    hybrid = dict(DRIFT, memory={"park_optimizer_states": True, "park_overlap": overlap})
+    engine = make_engine(ds_config(stage=1, hybrid=hybrid))
     batches = Batches(device=engine.device)
     while not (engine.phase is Phase.PREDICT and engine.controller.predict_index > 0):
         engine.train_step(batches.step())
-    assert engine._parking.mode == "deepspeed" and engine._parking.device_bytes() == 0
+    torch.cuda.synchronize()
+    assert engine._parking.mode == mode and engine._parking.device_bytes() == 0
     while engine.phase is Phase.PREDICT:
         engine.train_step(batches.step())
     assert engine._parking.device_bytes() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overlapped_parking_trains_bit_identically_on_gpu(stage):
+    # The side-stream copies (out under the Predict forwards, back under the next real
+    # step's forward/backward) must not change a single number: same phases, losses, masters.
+    plain = make_engine(ds_config(stage=stage, hybrid=DRIFT))
+    rows_plain = _run(plain, Batches(device=plain.device), 24)
+    hybrid = dict(DRIFT, memory={"park_optimizer_states": True, "park_overlap": True})
+    parked = make_engine(ds_config(stage=stage, hybrid=hybrid))
+    rows = _run(parked, Batches(device=parked.device), 24)
+    assert parked._parking.mode == "stream"
+    assert sum(r[0] == "predict" for r in rows) >= 4
+    assert rows == rows_plain
+    assert all(torch.equal(a, b) for a, b in zip(master_copies(plain), master_copies(parked)))
+    m = [t for t in parked._parking._moments()]
+    assert m and all(t.is_cuda for t in m) and not parked._parking._incoming
 
 
 @pytest.mark.parametrize("setup", ["z1-fp32", "z2-offload-cpu"])
@@ -252,3 +274,34 @@ def test_lr_gate_predicts_only_once_the_lr_has_decayed():
     assert rows[first - 1].lr <= 0.5 * peak + 1e-12, "the first Predict run starts once the LR is half its peak"
     assert all(r.lr > 0.5 * peak for r in rows[5:first - 1])  # ... and not before
     assert engine.hybrid_state_dict()["max_lr"] == peak
+
+
+# ------------------------------------------------------------------ fused lp copy
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_update_writes_the_16bit_copy_and_propagate_only_gathers(stage, monkeypatch):
+    # bf16 on ZeRO 0 (FP16_Optimizer's flat buffers) and ZeRO 1/2: the predicted update writes each rank's
+    # 16-bit partition in its pass, so propagate skips update_lp_params' copy. The weights the
+    # forward reads must be bit-identical to the copying path, step for step.
+    hybrid = dict(EAGER)
+    fused = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid))
+    copying = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid))
+    assert fused._masters.kind in ("zero0-flat", "bf16-optimizer", "zero1-2")
+    monkeypatch.setattr(copying._masters, "_lp", lambda i: None)   # this engine only
+    skipped_copies = {"fused": 0, "copying": 0}   # propagations that found the 16-bit copy written
+    for name, eng in (("fused", fused), ("copying", copying)):
+        orig = eng._masters.propagate
+
+        def counted(orig=orig, name=name, access=eng._masters):
+            skipped_copies[name] += access.lp_current
+            return orig()
+        monkeypatch.setattr(eng._masters, "propagate", counted)
+    b1, b2 = Batches(), Batches()
+    predicted = 0
+    for _ in range(14):
+        r1, r2 = fused.train_step(b1.step()), copying.train_step(b2.step())
+        assert (r1.phase, r1.loss) == (r2.phase, r2.loss)
+        predicted += r1.phase == "predict"
+        assert all(torch.equal(x, y) for x, y in zip(full_params(fused), full_params(copying)))
+    assert predicted >= 4
+    assert skipped_copies == {"fused": predicted, "copying": 0}
+    assert not fused._masters.lp_current

@@ -305,3 +305,40 @@ def test_batch_difficulty_tracks_predictability_and_saves_state():
     assert e.measure([x]) == d.measure([x])
     wide = BatchDifficulty()
     assert wide.measure([{"input_ids": torch.tensor([[5000, 7, 5000]])}]) is not None and not wide.bigram
+
+
+def test_dynamics_device_cpu_and_auto_resolve_here_and_cuda_names_the_key():
+    from ds_hybrid.dynamics.predictor import predictor_device
+    assert predictor_device("cpu").type == "cpu"
+    assert predictor_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="hybrid_predict.dynamics.device"):
+            RSSMPredictor(small_cfg(device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_predictor_on_gpu_runs_the_kernels_and_forecasts_as_on_cpu():
+    # The same observations into a CPU predictor (torch paths) and a GPU one (kernels: cupy):
+    # the RSSM step, rollout and window-feature kernels run in observe/decide, and the
+    # forecasts agree to float32 rounding (the models train on the same windows and noise).
+    from ds_hybrid import kernels
+    run = synthetic_run(90)
+    cpu = RSSMPredictor(small_cfg())
+    gpu = RSSMPredictor(small_cfg(device="cuda").model_copy(update={"kernels": "cupy"}))
+    assert gpu.device.type == "cuda" and next(gpu.model.parameters()).is_cuda
+    before = dict(kernels.LAUNCHES)
+    for o in run:
+        cpu.observe(o)
+        gpu.observe(o)
+    cpu_scales, gpu_scales = cpu._imagined_scales(4), gpu._imagined_scales(4)
+    launched = {k: kernels.LAUNCHES[k] - before.get(k, 0) for k in ("rssm_step", "rssm_rollout", "window_features")}
+    assert launched["rssm_step"] == len(run) and launched["window_features"] == len(run)
+    assert launched["rssm_rollout"] >= 1
+    assert gpu.trained_rounds == cpu.trained_rounds > 0
+    a, b = cpu.predict_loss(run[-1].step + 1, 4.5), gpu.predict_loss(run[-1].step + 1, 4.5)
+    assert a[0] == pytest.approx(b[0], rel=1e-3) and a[1] == pytest.approx(b[1], rel=1e-2)
+    assert gpu_scales == pytest.approx(cpu_scales, rel=1e-2, abs=1e-4)
+    sd = gpu.state_dict()   # a GPU predictor's checkpoint loads into a CPU one
+    assert not sd["h"].is_cuda
+    RSSMPredictor(small_cfg()).load_state_dict(sd)

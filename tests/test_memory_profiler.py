@@ -187,6 +187,22 @@ def test_memory_bench_compares_variants(tmp_path):
     assert json.loads((tmp_path / "m.json").read_text())["table_markdown"] == result["table_markdown"]
 
 
+def test_memory_bench_reports_the_predictor_and_replaces_the_precision(tmp_path):
+    from ds_hybrid.memory import bench as mbench
+    result = mbench.main(["--models", "gpt2-test", "--variants", "rssm-cpu", "--steps", "12", "--precision", "bf16",
+                          "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "m.json")])
+    (run,) = result["runs"]
+    cfg = json.loads((tmp_path / "runs" / "gpt2-test-rssm-cpu" / "ds_config.json").read_text())
+    assert cfg["bf16"] == {"enabled": True} and result["precision"] == "bf16"
+    assert cfg["hybrid_predict"]["dynamics"]["device"] == "cpu"
+    assert run["predictor_device"] == "cpu" and run["predictor_ms_per_step"] > 0
+    assert run["kernel_launches"] == {}            # the CPU predictor takes the torch paths
+    assert set(run["profiler_ms_per_record"]) == {"host", "cuda", "nvml"}
+    assert "| gpt2-test | rssm-cpu | - | cpu |" in result["table_markdown"]
+    with pytest.raises(SystemExit):
+        mbench.main(["--precision", "fp8"])
+
+
 def test_memory_bench_gpu_tables_and_retable(tmp_path):
     # The GPU columns of a result (as a CUDA run writes them), rendered and re-derived.
     from ds_hybrid.memory import bench as mbench

@@ -56,3 +56,20 @@ def test_ranks_agree_with_the_rssm_predictor(tmp_path):
         assert [s[col] for s in other["record"]] == [s[col] for s in first["record"]], f"ranks differ in '{col}'"
     assert other["weights_sha256"] == first["weights_sha256"]
     assert "predict" in [s["phase"] for s in first["record"]]
+
+
+@pytest.mark.slow
+def test_bf16_shards_written_by_the_update_are_gathered_like_deepspeeds_copy(tmp_path):
+    """ZeRO 2, bf16, 2 ranks: each rank's predicted update writes its own bf16 shard and
+    propagate only all-gathers. The weights must equal those of DeepSpeed's copy-then-gather."""
+    args = ["--stage", "2", "--steps", "14", "--bf16"]
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "copying").mkdir()
+    fused = run_ranks("multirank_worker.py", args, 2, tmp_path / "fused")
+    copying = run_ranks("multirank_worker.py", args + ["--copy-lp"], 2, tmp_path / "copying")
+    predicted = sum(s["phase"] == "predict" for s in fused[0]["record"])
+    assert predicted > 0
+    assert [r["lp_written_propagations"] for r in fused] == [predicted] * 2
+    assert [r["lp_written_propagations"] for r in copying] == [0, 0]
+    assert fused[0]["record"] == copying[0]["record"]
+    assert {r["weights_sha256"] for r in fused + copying} == {fused[0]["weights_sha256"]}

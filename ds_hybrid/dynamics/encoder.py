@@ -235,8 +235,9 @@ class _Scalars:
 class StateEncoder:
     """Keeps the histories and running statistics; ``encode()`` gives the normalised 64 features."""
 
-    def __init__(self, norm_horizon: int = 500, backend: str = "torch"):
+    def __init__(self, norm_horizon: int = 500, backend: str = "torch", device: torch.device | str = "cpu"):
         self.backend = backend  # hybrid_predict.kernels: the window features' kernel or torch
+        self.device = torch.device(device)  # where the window features are computed (dynamics.device)
         self.hist = {c: deque(maxlen=WINDOW) for c in range(NUM_CHANNELS)}
         self.s = _Scalars()
         self.last_obs: Observation | None = None
@@ -337,6 +338,8 @@ class StateEncoder:
         """The 64 unnormalised features (float64)."""
         from .. import kernels  # (lazy: kernels imports this module for its reference)
         hist, counts = self.histories()
+        if self.device.type != "cpu":
+            hist, counts = hist.to(self.device, non_blocking=True), counts.to(self.device, non_blocking=True)
         return torch.cat([kernels.window_features(hist, counts, backend=self.backend).double().cpu(),
                           self.scalar_features()])
 

@@ -115,6 +115,16 @@ def single_thread():
         torch.set_num_threads(n)
 
 
+def predictor_device(setting: str) -> torch.device:
+    """The device of ``hybrid_predict.dynamics.device`` on this rank (its current GPU for cuda)."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("hybrid_predict.dynamics.device is 'cuda' but torch sees no CUDA device here "
+                         "(set it to 'cpu' or 'auto')")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class RSSMPredictor:
     """Predict decisions, loss forecasts and step scales from the dynamics model."""
 
@@ -122,13 +132,18 @@ class RSSMPredictor:
         self.cfg, self.d = cfg, cfg.dynamics
         d = self.d
         self.shape = RSSMShape(deter=d.deter, stoch=d.stoch, members=d.ensemble_size, horizon=d.horizon)
-        self.model = RSSMEnsemble(self.shape, seed=d.seed)
+        self.device = predictor_device(d.device)
+        # Initialised on the CPU (the same numbers on every device), then moved.
+        self.model = RSSMEnsemble(self.shape, seed=d.seed).to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=d.lr)
+        # Window sampling and the training noise draw from this CPU generator on any device,
+        # so a GPU predictor sees the same windows and noise as a CPU one.
         self.gen = torch.Generator().manual_seed(d.seed + 17)
-        # The predictor's tensors live on the CPU (its own thread, off the accelerator), where
-        # the kernels do not apply: 'cupy' means "where they can", i.e. auto, here.
-        self._backend = "torch" if cfg.kernels == "torch" else "auto"
-        self.encoder = StateEncoder(backend=self._backend)
+        # On the CPU the kernels cannot apply, and 'cupy' means "where they can", i.e. auto;
+        # on a GPU (dynamics.device) 'cupy' insists on them.
+        self._backend = cfg.kernels if self.device.type == "cuda" else (
+            "torch" if cfg.kernels == "torch" else "auto")
+        self.encoder = StateEncoder(backend=self._backend, device=self.device)
         self.base = LossBase()
         self.corrector = ResidualCorrector(d.horizon, enabled=d.corrector)
         self.calib = ConfidenceCalibrator(d.calibration_bins)
@@ -176,6 +191,7 @@ class RSSMPredictor:
         x = self.encoder.observe(obs)
         lr_rel = obs.lr / self.encoder.s.lr_max if self.encoder.s.lr_max > 0 else 0.0
         a = torch.tensor([float(obs.phase == "predict"), obs.step_scale if obs.phase == "predict" else 0.0, lr_rel])
+        dev = self.device
         has_loss = obs.loss is not None and math.isfinite(obs.loss)
         if obs.batch_difficulty is not None:
             self._fold_difficulty(obs.batch_difficulty)
@@ -198,8 +214,11 @@ class RSSMPredictor:
                             "trend": self.base.trend, "scale": self.base.scale or float("nan"),
                             "proj": proj, "step": obs.step, "difficulty": obs.batch_difficulty})
         with torch.no_grad():
-            self.h = self.model.step(self.h, self.z, a.view(1, 1, -1).expand(self.shape.members, 1, -1))
-            qm, _ = self.model.posterior(self.h, self.model.embed(x.view(1, 1, -1).expand(self.shape.members, 1, -1)))
+            E = self.shape.members
+            # kernels.rssm_step: one launch for every member on a GPU (its prior is unused here).
+            self.h = kernels.rssm_step(self.model, self.h, self.z, a.to(dev).view(1, 1, -1).expand(E, 1, -1),
+                                       backend=self._backend)[0]
+            qm, _ = self.model.posterior(self.h, self.model.embed(x.to(dev).view(1, 1, -1).expand(E, 1, -1)))
             self.z = qm
         if real and has_loss:
             self.real_seen += 1
@@ -255,7 +274,8 @@ class RSSMPredictor:
     def _forecast(self, step: int) -> None:
         """Heads at the filtered state; queue the forecasts for the corrector to learn from."""
         with torch.no_grad():
-            self.heads = {k: v[:, 0] for k, v in self.model.heads(self.h, self.z).items()}  # [E, ...]
+            # [E, ...], on the CPU: read one number at a time below (one transfer, not many syncs)
+            self.heads = {k: v[:, 0].cpu() for k, v in self.model.heads(self.h, self.z).items()}
         if self.base.level is None:
             return
         for k in range(1, self.shape.horizon + 1):
@@ -421,9 +441,10 @@ class RSSMPredictor:
         s = self.encoder.s
         lr_rel = s.last_lr / s.lr_max if s.lr_max > 0 else 0.0
         base = self.cfg.predictor.step_scale
-        acts = torch.tensor([1.0, base, lr_rel]).view(1, 1, 1, ACTION_DIM).expand(self.shape.members, 1, horizon, -1)
+        acts = torch.tensor([1.0, base, lr_rel], device=self.device).view(1, 1, 1, ACTION_DIM)
+        acts = acts.expand(self.shape.members, 1, horizon, -1)
         out = kernels.rssm_rollout(self.model, self.h, self.z, acts.contiguous(), backend=self._backend)
-        raw = out["scale_mean"][:, 0].mean(0)  # [horizon]
+        raw = out["scale_mean"][:, 0].mean(0).cpu()  # [horizon]
         return [self.corrector.correct_scale(float(r)) for r in raw]
 
     def step_scales(self, num_groups: int, index: int) -> list[float]:
@@ -508,7 +529,9 @@ class RSSMPredictor:
         ys = proj[nxt]
         ms = (torch.isfinite(ys) & (idx + 1 < n)).double()
         ys = torch.nan_to_num(ys)
-        return x[idx], a[idx], y.float(), m.float(), ys.float(), ms.float(), ks
+        dev = self.device
+        return (x[idx].to(dev), a[idx].to(dev), y.float().to(dev), m.float().to(dev), ys.float().to(dev),
+                ms.float().to(dev), ks)
 
     def train(self, iters: int) -> dict:
         """Gradient steps on random windows of the replay; each member draws its own."""
@@ -537,7 +560,7 @@ class RSSMPredictor:
         rows = list(self.replay)[-self.d.window:]
         x = torch.stack([r["x"] for r in rows]).view(1, 1, len(rows), -1).expand(self.shape.members, 1, -1, -1)
         a = torch.stack([r["a"] for r in rows]).view(1, 1, len(rows), -1).expand(self.shape.members, 1, -1, -1)
-        out = self.model.filter(x.contiguous(), a.contiguous())
+        out = self.model.filter(x.contiguous().to(self.device), a.contiguous().to(self.device))
         self.h, self.z = out["h_last"], out["z_last"]
 
     # ================================================================ reporting, state
@@ -555,7 +578,7 @@ class RSSMPredictor:
                 "gen": self.gen.get_state(), "encoder": self.encoder.state_dict(), "base": self.base.state_dict(),
                 "corrector": self.corrector.state_dict(), "calib": self.calib.state_dict(),
                 "bandit": self.bandit.state_dict(), "monitor": self.monitor.state_dict(),
-                "replay": list(self.replay), "h": self.h.clone(), "z": self.z.clone(),
+                "replay": list(self.replay), "h": self.h.cpu().clone(), "z": self.z.cpu().clone(),
                 "heads": self.heads, "pending": list(self.pending), "errors": list(self.errors),
                 "group_proj": self.group_proj, "group_cos": self.group_cos, "kappa": self.kappa,
                 "progress": list(self.progress),
@@ -580,7 +603,8 @@ class RSSMPredictor:
         self.bandit.load_state_dict(sd["bandit"])
         self.monitor.load_state_dict(sd["monitor"])
         self.replay = deque(sd["replay"], maxlen=self.d.replay)
-        self.h, self.z, self.heads = sd["h"].clone(), sd["z"].clone(), sd["heads"]
+        self.h, self.z = sd["h"].to(self.device).clone(), sd["z"].to(self.device).clone()
+        self.heads = None if sd["heads"] is None else {k: v.cpu() for k, v in sd["heads"].items()}
         self.pending = deque(tuple(p) for p in sd["pending"])
         self.errors = deque(sd["errors"], maxlen=8)
         self.group_proj, self.group_cos, self.kappa = sd["group_proj"], sd["group_cos"], sd["kappa"]

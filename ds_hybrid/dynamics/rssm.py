@@ -117,7 +117,8 @@ class RSSMEnsemble(nn.Module):
     # -- sequences -------------------------------------------------------------
     def initial(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
-        return (torch.zeros(s.members, batch, s.deter), torch.zeros(s.members, batch, s.stoch))
+        dev = self.W_in.device
+        return (torch.zeros(s.members, batch, s.deter, device=dev), torch.zeros(s.members, batch, s.stoch, device=dev))
 
     def filter(self, x: torch.Tensor, a: torch.Tensor, sample: bool = False,
                gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -132,7 +133,8 @@ class RSSMEnsemble(nn.Module):
             pm, ps = self.prior(h)
             qm, qs = self.posterior(h, e_all[:, :, t])
             if sample:
-                noise = torch.randn(qm.shape, generator=gen) if gen is not None else torch.randn_like(qm)
+                # gen is a CPU generator (the same draws on every device)
+                noise = torch.randn(qm.shape, generator=gen).to(qm.device) if gen is not None else torch.randn_like(qm)
                 z = qm + qs * noise
             else:
                 z = qm

@@ -59,17 +59,33 @@ VARIANTS: dict[str, dict | None] = {
     # host memory already: the CPU accelerator, offload_optimizer).
     "drift-int8-park": {"predictor": {"direction": "drift"},
                         "memory": {"velocity_dtype": "int8", "park_optimizer_states": True}},
+    # ... with DeepSpeed's synchronous offload_states / reload_states instead of the overlapped copies.
+    "drift-int8-park-ds": {"predictor": {"direction": "drift"},
+                           "memory": {"velocity_dtype": "int8", "park_optimizer_states": True,
+                                      "park_overlap": False}},
+    # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
+    "drift-int8-autocast": {"predictor": {"direction": "drift"},
+                            "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},
+    # The RSSM predictor on the CPU, and on the GPU with its kernels (dynamics.device).
+    "rssm-cpu": {"predictor": {"type": "rssm", "direction": "drift"}, "memory": {"velocity_dtype": "int8"},
+                 "dynamics": {"device": "cpu", "min_observations": 8}},
+    "rssm-cuda": {"predictor": {"type": "rssm", "direction": "drift"}, "memory": {"velocity_dtype": "int8"},
+                  "dynamics": {"device": "cuda", "min_observations": 8}},
 }
+PRECISIONS = ("preset", "fp32", "bf16", "fp16")
 DEFAULT_VARIANTS = ("full", "adam", "drift-fp32", "drift-int8")
 
 
 def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset: str = "tiny-cpu",
-               grad_accum: int = 1) -> dict:
+               grad_accum: int = 1, precision: str = "preset") -> dict:
     """``preset`` with the given micro batch and accumulation and a phase cycle short enough for a
-    few steps."""
+    few steps; ``precision`` other than ``preset`` replaces its bf16 / fp16 sections."""
     from ..bench import deep_merge
     from ..train import resolve_config
     cfg, _ = resolve_config(preset)
+    if precision != "preset":
+        cfg["bf16"] = {"enabled": precision == "bf16"}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16} if precision == "fp16" else {"enabled": False}
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = grad_accum
     cfg.pop("train_batch_size", None)   # follows from the two above
@@ -81,12 +97,12 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
 
 
 def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset: str = "tiny-cpu",
-            grad_accum: int = 1, gpu_mem_cap: str | None = None) -> dict:
+            grad_accum: int = 1, gpu_mem_cap: str | None = None, precision: str = "preset") -> dict:
     """One training subprocess for variant ``kind``; returns its summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
-    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum),
-                                   indent=2))
+    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum,
+                                              precision), indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", model.name,
            "--steps", str(model.steps), "--seq-len", str(model.seq_len), "--eval-every", str(model.steps),
            "--val-batches", "1", "--out", str(out), "--no-progress"]
@@ -161,6 +177,18 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
             tps, loss = r.get("full_tokens_per_second"), r.get("final_val_loss")
             lines.append(f"| {r['model']} | {r['run']} | {cap} | {_mb(r.get('gpu_peak_mb'))} | {_mb(used)} | {_mb(est)} | "
                          f"{ratio} | {'-' if tps is None else f'{tps:,.0f}'} | {'-' if loss is None else f'{loss:.3f}'} |")
+    if any(r.get("predictor_ms_per_step") is not None for r in runs):
+        lines += ["", "| model | run | moment parking | predictor device | predictor ms per step | kernel launches | "
+                  "profiler ms per record (host / CUDA / NVML) | hybrid bookkeeping ms per step of its phase |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in runs:
+            pm = r.get("predictor_ms_per_step")
+            launches = ", ".join(f"{k} {v}" for k, v in sorted((r.get("kernel_launches") or {}).items())) or "-"
+            parts = r.get("profiler_ms_per_record") or {}
+            prof = " / ".join(f"{parts[k]:.2f}" for k in ("host", "cuda", "nvml") if k in parts) or "-"
+            lines.append(f"| {r['model']} | {r['run']} | {r.get('moment_parking') or '-'} | "
+                         f"{r.get('predictor_device') or '-'} | {'-' if pm is None else f'{pm:.2f}'} | {launches} | "
+                         f"{prof} | {', '.join(f'{k} {v:.1f}' for k, v in (r.get('bookkeeping_ms') or {}).items()) or '-'} |")
     return "\n".join(lines)
 
 
@@ -197,6 +225,32 @@ def planner_gpu_mb(cfg: dict, model: str, seq_len: int, micro_batch: int) -> tup
     return est.gpu_bytes / 2**20, {i.what: i.bytes / 2**20 for i in est.items if i.where == "gpu"}
 
 
+def predictor_figures(summary: dict) -> dict:
+    """A hybrid run's predictor cost per step, where it ran, the kernels it launched, how the
+    moments were parked, and the profiler's cost per record split host / CUDA / NVML (ms)."""
+    st = summary["statistics"]
+    if "predictor_seconds" not in st:
+        return {}
+    steps = sum(st["steps_per_phase"].values())
+    mem = summary["memory"]
+    records = max(mem.get("steps_recorded") or steps, 1)
+    parts = mem.get("overhead_parts_s") or {}
+    return {"predictor_ms_per_step": 1e3 * st["predictor_seconds"] / steps if steps else None,
+            "predictor_device": st.get("predictor_device"), "kernel_launches": st.get("kernel_launches"),
+            "moment_parking": st.get("moment_parking"),
+            "profiler_ms_per_record": {k: 1e3 * v / records for k, v in parts.items()},
+            # the hybrid's work on the masters, ms per step of the phase it runs in
+            "bookkeeping_ms": _bookkeeping_ms(st)}
+
+
+def _bookkeeping_ms(st: dict) -> dict:
+    """ms per real step (capture, fold, stash, compare) or per Predict step (the rest)."""
+    n = st["steps_per_phase"]
+    real = sum(v for k, v in n.items() if k != "predict")
+    per = {"capture": real, "fold": real, "stash": real, "compare": real}
+    return {k: 1e3 * v / max(per.get(k, n.get("predict", 0)), 1) for k, v in (st.get("bookkeeping_seconds") or {}).items()}
+
+
 def _gpu_name() -> str | None:
     import torch
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -214,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps per optimizer step")
     p.add_argument("--preset", default="tiny-cpu",
                    help="the ds_config preset the runs start from (gpt2-124m, 1b-16gb on a GPU)")
+    p.add_argument("--precision", default="preset", choices=PRECISIONS,
+                   help="replace the preset's bf16 / fp16 sections (fp16 on a GPU only)")
     p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
                    help="cap each run's CUDA allocator (ds-hybrid train --gpu-mem-cap), e.g. 16GB")
     p.add_argument("--out", default="runs/memory-bench", help="run folders go here")
@@ -246,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
             summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
-                              args.gpu_mem_cap)
+                              args.gpu_mem_cap, args.precision)
             mem = summary["memory"]
             rows += rows_from_summary(name, kind, summary)
             gpu = {}
@@ -270,12 +326,14 @@ def main(argv: list[str] | None = None) -> dict:
                          "steps_per_phase": summary["statistics"]["steps_per_phase"],
                          "snapshot_bytes": summary["statistics"].get("snapshot_bytes"),
                          "velocity_bytes": summary["statistics"].get("velocity_bytes"),
+                         **predictor_figures(summary),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
                          "accelerator": summary["host"]["accelerator"], **gpu})
     table = format_table(rows, runs)
     print(table)
     result = {"command": "ds-hybrid memory-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "preset": args.preset, "grad_accum": args.grad_accum, "gpu_mem_cap": args.gpu_mem_cap,
+              "preset": args.preset, "precision": args.precision, "grad_accum": args.grad_accum,
+              "gpu_mem_cap": args.gpu_mem_cap,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "gpu": _gpu_name()},
               "seconds": round(time.time() - start, 1),
