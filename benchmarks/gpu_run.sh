@@ -20,8 +20,10 @@
 #            overlapped and DeepSpeed's                      -> OUT/memory-gpu-124m.json
 #   pred124  the RSSM predictor on the CPU against on the GPU with its kernels (dynamics.device),
 #            GPT-2 124M, micro batch 4 x 1024                -> OUT/memory-gpu-predictor.json
-#   prec124  precision: fp32 with and without bf16 Predict forwards (memory.predict_autocast),
-#            and fp16                                        -> OUT/memory-gpu-fp32.json, memory-gpu-fp16.json
+#   prec32   fp32 training, with and without bf16 Predict forwards (memory.predict_autocast)
+#                                                            -> OUT/memory-gpu-fp32.json
+#   prec16   fp16 training (DeepSpeed's loss scaler), plain against adam and drift Predict steps
+#                                                            -> OUT/memory-gpu-fp16.json
 #   mem1b    llama-1b on the 1b-16gb preset under a 16 GB allocator cap, plain and hybrid
 #                                                            -> OUT/memory-gpu-1b.json
 #
@@ -80,21 +82,23 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
         --variants rssm-cpu rssm-cuda --out /tmp/mbp --json /tmp/res/memory-gpu-predictor.json
       rc=$?; cp /tmp/res/memory-gpu-predictor.json "$OUT/"
       stage_rc pred124 $rc "$t0" ;;
-    prec124)
+    prec32)
       $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 8 --steps 24 \
         --precision fp32 --variants full drift-int8 drift-int8-autocast --out /tmp/mbf32 \
         --json /tmp/res/memory-gpu-fp32.json
-      rc1=$?
+      rc=$?; cp /tmp/res/memory-gpu-fp32.json "$OUT/"
+      stage_rc prec32 $rc "$t0" ;;
+    prec16)
       $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 --steps 24 \
         --precision fp16 --variants full adam drift-int8 --out /tmp/mbf16 --json /tmp/res/memory-gpu-fp16.json
-      rc2=$?; cp /tmp/res/memory-gpu-fp32.json /tmp/res/memory-gpu-fp16.json "$OUT/"
-      stage_rc prec124 $(( rc1 || rc2 )) "$t0" ;;
+      rc=$?; cp /tmp/res/memory-gpu-fp16.json "$OUT/"
+      stage_rc prec16 $rc "$t0" ;;
     mem1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 20 \
         --gpu-mem-cap 16GB --variants full drift-int8 --out /tmp/mb1b --json /tmp/res/memory-gpu-1b.json
       rc=$?; cp /tmp/res/memory-gpu-1b.json /tmp/res/memory-gpu-1b-llama-1b-drift-int8.png "$OUT/"
       stage_rc mem1b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 pred124 prec124 mem1b)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 pred124 prec32 prec16 mem1b)"; status=2 ;;
   esac
 done
 exit $status

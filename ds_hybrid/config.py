@@ -201,8 +201,7 @@ class MemoryConfig(_Section):
     park_overlap: bool = True
     """With ``park_optimizer_states`` on a CUDA device: move the moments with ds_hybrid's own
     copies on a side CUDA stream, overlapped with the Predict run's forwards (out) and with
-    its last verification and the next real step's forward/backward (back; only the optimizer
-    step waits for them). ``false``: DeepSpeed's ``offload_states`` / ``reload_states`` where
+    the next real step's forward/backward (back; only its optimizer step waits for them). ``false``: DeepSpeed's ``offload_states`` / ``reload_states`` where
     they apply: synchronous, and they empty the CUDA cache, which also lowers the device's
     reserved memory during the run."""
 

@@ -353,8 +353,6 @@ class PredictiveEngine(DeepSpeedEngine):
             self._pending = 0
             if self._parking is not None:
                 self._parking.park()  # back when the run ends, before the next real step
-        if self._parking is not None and ctl.predict_index + 1 >= ctl.horizon:
-            self._parking.prefetch()  # the run's last planned step: start the copies back now
         with self._timed_predictor():
             scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
         scale = sum(scales) / len(scales) if scales else 0.0
@@ -440,20 +438,30 @@ class PredictiveEngine(DeepSpeedEngine):
         """The Predict phase's forwards: no autograd (no activations or gradients kept), no
         activation checkpointing (it only pays off when a backward follows; under no_grad it
         would just run each layer through the checkpoint wrapper), and the precision of
-        ``memory.predict_autocast``."""
+        ``memory.predict_autocast``.
+
+        DeepSpeed's forward turns an outer ``torch.autocast`` off unless its own
+        ``torch_autocast`` section is on (``autocast_if_enabled``), so for these forwards the
+        engine reports that section as on, with the Predict dtype (found on the GPU: an outer
+        autocast alone left the Predict forwards in fp32)."""
         layers = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False) is True]
         for m in layers:
             m.gradient_checkpointing = False
         prec = self.hybrid_config.memory.predict_autocast
-        autocast = (torch.autocast(device_type=self.device.type,
-                                   dtype=torch.bfloat16 if prec == "bf16" else torch.float16)
+        dtype = torch.bfloat16 if prec == "bf16" else torch.float16
+        autocast = (torch.autocast(device_type=self.device.type, dtype=dtype)
                     if prec != "none" else contextlib.nullcontext())
+        if prec != "none":
+            self.torch_autocast_enabled = lambda: True
+            self.torch_autocast_dtype = lambda: dtype
         try:
             with torch.no_grad(), autocast:
                 yield
         finally:
             for m in layers:
                 m.gradient_checkpointing = True
+            if prec != "none":
+                del self.torch_autocast_enabled, self.torch_autocast_dtype
 
     # ------------------------------------------------------------ predictor plumbing
     def _decide(self) -> tuple[bool, int]:

@@ -22,7 +22,9 @@ masters themselves. ``CompactBuffer`` stores it as
   is all unbiasedness needs.
 
 Values are read and written in chunks (``load`` / ``store`` take a range), so the
-fp32 transient is one chunk, not one partition.
+fp32 transient is one chunk, not one partition. Callers on the hot path pass a reusable
+work buffer (``scratch``): a fresh 16 MiB tensor per chunk costs page faults and zeroing on
+the CPU, where the masters of an ``offload_optimizer`` run live.
 """
 from __future__ import annotations
 
@@ -33,6 +35,22 @@ CHUNK = 1 << 22      # elements per fp32 transient (16 MiB); a multiple of BLOCK
 DTYPES = ("fp32", "bf16", "int8")
 NOISE_TABLE_SEED = 0x5EED
 _noise_table: torch.Tensor | None = None
+_scratch: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def scratch(device: torch.device | str, slot: int = 0) -> torch.Tensor:
+    """A CHUNK-sized fp32 work buffer on ``device``. On the CPU one per ``slot``, kept and reused
+    across calls (the caller must not hold two uses of one slot at once); on an accelerator a
+    fresh tensor: its caching allocator already reuses the block, and nothing stays allocated
+    between steps."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return torch.empty(CHUNK, dtype=torch.float32, device=dev)
+    key = (dev.type, dev.index, slot)
+    buf = _scratch.get(key)
+    if buf is None:
+        buf = _scratch[key] = torch.empty(CHUNK, dtype=torch.float32, device=dev)
+    return buf
 
 
 def _cpu_noise(n: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -74,19 +92,31 @@ class CompactBuffer:
         for start in range(0, self.numel, CHUNK):
             yield start, min(start + CHUNK, self.numel)
 
-    def load(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Values ``[start, end)`` as a new fp32 tensor."""
+    def load(self, start: int = 0, end: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values ``[start, end)`` as fp32: a new tensor, or a view of ``out`` (a flat fp32
+        work buffer, e.g. ``scratch``) when it is large enough."""
         end = self.numel if end is None else end
-        if self.dtype != "int8":
-            return self.data[start:end].to(torch.float32, copy=True)
         b0, b1 = start // BLOCK, (end + BLOCK - 1) // BLOCK
-        q = self.data[b0 * BLOCK:b1 * BLOCK].view(b1 - b0, BLOCK).float()
-        vals = (q * self.scale[b0:b1].unsqueeze(1)).flatten()
+        fits = out is not None and out.numel() >= (b1 - b0) * BLOCK
+        if self.dtype != "int8":
+            if not fits:
+                return self.data[start:end].to(torch.float32, copy=True)
+            dst = out[:end - start]
+            dst.copy_(self.data[start:end])
+            return dst
+        q = self.data[b0 * BLOCK:b1 * BLOCK].view(b1 - b0, BLOCK)
+        if fits:   # one pass: int8 x fp32 scale -> fp32, no int8 -> fp32 temporary
+            vals = out[:(b1 - b0) * BLOCK]
+            torch.mul(q, self.scale[b0:b1].unsqueeze(1), out=vals.view(b1 - b0, BLOCK))
+        else:
+            vals = (q.float() * self.scale[b0:b1].unsqueeze(1)).flatten()
         return vals[start - b0 * BLOCK:end - b0 * BLOCK]
 
-    def store(self, values: torch.Tensor, start: int = 0, generator: torch.Generator | None = None) -> None:
+    def store(self, values: torch.Tensor, start: int = 0, generator: torch.Generator | None = None,
+              clobber: bool = False) -> None:
         """Write fp32 ``values`` at ``start``. int8 needs ``start`` on a block boundary and
-        ``generator`` (on this buffer's device) for its stochastic rounding."""
+        ``generator`` (on this buffer's device) for its stochastic rounding; ``clobber``
+        lets it quantize in ``values``' memory (the caller's work buffer) instead of a copy."""
         end = start + values.numel()
         if self.dtype != "int8":
             self.data[start:end].copy_(values)
@@ -100,15 +130,19 @@ class CompactBuffer:
             padded = torch.zeros(nb * BLOCK, dtype=torch.float32, device=values.device)
             padded[:values.numel()] = values
             blocks = padded.view(nb, BLOCK)
-        scale = blocks.abs().amax(dim=1).div_(127.0)
+            clobber = True
+        # absmax per block without an |x| copy: max(max x, -min x) (on the CPU 3x faster than
+        # abs().amax(), 20x faster than vector_norm(inf))
+        scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        x = blocks / safe.unsqueeze(1)
+        x = blocks.div_(safe.unsqueeze(1)) if clobber and blocks.is_contiguous() else blocks / safe.unsqueeze(1)
         if x.device.type == "cpu" and x.numel() <= CHUNK:
             x.add_(_cpu_noise(x.numel(), generator).view_as(x))
         else:
             x.add_(torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32))
         q = x.floor_().clamp_(-127, 127)
-        self.data[b0 * BLOCK:(b0 + nb) * BLOCK].copy_(q.flatten().to(torch.int8))
+        # integral values: the float -> int8 cast in copy_ is exact (no int8 temporary)
+        self.data[b0 * BLOCK:(b0 + nb) * BLOCK].view(nb, BLOCK).copy_(q)
         self.scale[b0:b0 + nb].copy_(scale)
 
     def zero_(self) -> None:

@@ -554,11 +554,15 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
     the chunks add up in an fp64 scalar on the tensor's device, read once at the end.
     (torch.linalg.vector_norm(ord=1) accumulates serially on the CPU: 5% low over 50M values;
     sum(dtype=float64) is 4-8x slower there.)"""
-    from .quant import CHUNK
+    from .quant import CHUNK, scratch
     flat = _flat(t)
+    work = scratch(flat.device, 0)   # fn writes here: no 16 MiB allocation (page faults on a CPU) per chunk
     total = torch.zeros((), dtype=torch.float64, device=flat.device)   # one host sync at the end, not per chunk
     for s in range(0, flat.numel(), CHUNK):
-        total += fn(flat[s:s + CHUNK].float()).sum()
+        x, w = flat[s:s + CHUNK], work[:min(CHUNK, flat.numel() - s)]
+        if x.dtype != torch.float32:   # 16-bit moments: to fp32 in the work buffer first
+            x = w.copy_(x)
+        total += fn(x, out=w).sum()
     return float(total)
 
 
@@ -573,6 +577,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     if before.holds != "weights":
         return out
+    from .quant import scratch
     first, folded = vel.updates == 0, False
     for i, part in enumerate(access.partitions()):
         lr = float(lrs[part.group_index])
@@ -583,22 +588,29 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
         gen = vel.generator(part.master.device, step, i)
         master, old_w = _flat(part.master), _flat(before.buffers[i])
         row = out[part.group_index]
+        # Reused work buffers (no 16 MiB allocation per chunk) and the sums kept on the
+        # masters' device, read once per partition (not one sync per chunk on a GPU).
+        d_work, v_work = scratch(master.device, 0), scratch(master.device, 1)
+        sums = torch.zeros(4, dtype=torch.float64, device=master.device)
         for s, e in buf.chunks():
             w = master[s:e]
-            delta = torch.sub(w, old_w[s:e].to(w.device, non_blocking=True)).div_(lr)
+            # d = lr * delta (the update itself); the 1/lr goes into the sums and the fold below,
+            # which saves a pass over the chunk.
+            d = d_work[:e - s]
+            torch.sub(w, old_w[s:e].to(w.device, non_blocking=True), out=d)
             # fp32 views of the stored velocity are updated in place; bf16 / int8 go through a copy.
-            v_old = buf.data[s:e] if buf.dtype == "fp32" else buf.load(s, e)
+            v_old = buf.data[s:e] if buf.dtype == "fp32" else buf.load(s, e, out=v_work)
             # Statistics in fp32 (torch's reductions accumulate pairwise): 4 passes, no fp64 copies.
-            sums = torch.stack([torch.dot(delta, v_old), torch.dot(v_old, v_old), torch.dot(delta, delta),
-                                torch.dot(w, w)]).tolist()
-            for col, val in enumerate(sums):
-                row[col] += val
+            sums += torch.stack([torch.dot(d, v_old), torch.dot(v_old, v_old), torch.dot(d, d), torch.dot(w, w)])
             if first:
-                v_old.copy_(delta)
+                torch.mul(d, 1.0 / lr, out=v_old)
             else:
-                v_old.mul_(beta).add_(delta, alpha=1.0 - beta)
+                v_old.mul_(beta).add_(d, alpha=(1.0 - beta) / lr)
             if buf.dtype != "fp32":
-                buf.store(v_old, s, gen)
+                buf.store(v_old, s, gen, clobber=True)
+        sums *= torch.tensor([1.0 / lr, 1.0, 1.0 / lr ** 2, 1.0], dtype=torch.float64, device=sums.device)
+        for col, val in enumerate(sums.tolist()):
+            row[col] += val
         if "exp_avg" in part.state:
             row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
             row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
@@ -613,6 +625,7 @@ def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "fl
     """Add ``scale * lr * velocity`` to the masters (per layer group; the velocity already
     holds the weight decay and clipping of the real steps it averages). Returns the
     squared norm of the update on this rank. The caller propagates."""
+    from .quant import scratch
     access.lp_current = False
     sq = []
     for i, part in enumerate(access.partitions()):
@@ -621,10 +634,13 @@ def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "fl
             continue
         coef = s * float(part.group["lr"])
         master, buf = _flat(part.master), vel.buffers[i]
+        work = scratch(master.device, 0)
+        vv = torch.zeros((), dtype=torch.float64, device=master.device)
         for a, b in buf.chunks():
-            u = buf.load(a, b).mul_(coef)
-            sq.append(u.double().pow(2).sum())
-            master[a:b].add_(u)
+            v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
+            vv += torch.dot(v, v)                 # |coef v|^2 = coef^2 |v|^2: no scaled copy
+            master[a:b].add_(v, alpha=coef)       # one pass over the master chunk
+        sq.append(vv * coef * coef)
     return sum(float(x) for x in sq)
 
 
@@ -642,9 +658,11 @@ class MomentParking:
     * ``stream`` (a CUDA device, ``memory.park_overlap``): ds_hybrid's own copies on a side
       CUDA stream. The copy out is queued after the last real step's work and runs under the
       Predict run's forwards; its device memory returns to the allocator when the copy is
-      done (``record_stream``). The copy back is queued at the start of the run's last
-      planned step (``prefetch``) and only the next optimizer step waits for it (``wait``),
-      so it overlaps that step's verification and the next real step's forward/backward.
+      done (``record_stream``). The copy back is queued when the run ends and only the next
+      optimizer step waits for it (``wait``): it overlaps the next real step's forward and
+      backward, and no Predict step holds the moments while they come back. (Queuing it
+      during the run's last verification was measured too: the same speed, but that step's
+      peak held the moments again.)
     * ``deepspeed`` (``park_overlap: false``; ZeRO 1/2, and ZeRO 3 with FusedAdam): DeepSpeed's
       own ``engine.offload_states(include=[optim_states])`` / ``reload_states()``, which keep
       a pinned host copy and know their optimizer's buffers. Synchronous; it also empties the
@@ -740,8 +758,8 @@ class MomentParking:
         self.parked = True
 
     def prefetch(self) -> None:
-        """Stream mode: queue the copies back now (the run's last planned step); ``unpark``
-        then only swaps the tensors in. A no-op in the other modes."""
+        """Stream mode: queue the copies back on the side stream (``unpark`` calls it; then it
+        only swaps the tensors in). A no-op in the other modes."""
         if not self.parked or self.mode != "stream" or self._incoming:
             return
         with torch.cuda.stream(self._side):

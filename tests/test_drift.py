@@ -186,11 +186,14 @@ def test_overlapped_parking_trains_bit_identically_on_gpu(stage):
     rows_plain = _run(plain, Batches(device=plain.device), 24)
     hybrid = dict(DRIFT, memory={"park_optimizer_states": True, "park_overlap": True})
     parked = make_engine(ds_config(stage=stage, hybrid=hybrid))
-    rows = _run(parked, Batches(device=parked.device), 24)
+    batches = Batches(device=parked.device)
+    rows = _run(parked, batches, 24)
     assert parked._parking.mode == "stream"
     assert sum(r[0] == "predict" for r in rows) >= 4
     assert rows == rows_plain
     assert all(torch.equal(a, b) for a, b in zip(master_copies(plain), master_copies(parked)))
+    while parked.phase is Phase.PREDICT:   # end the run: the moments come back to the GPU
+        parked.train_step(batches.step())
     m = [t for t in parked._parking._moments()]
     assert m and all(t.is_cuda for t in m) and not parked._parking._incoming
 
@@ -211,25 +214,35 @@ def test_folding_real_updates_builds_no_autograd_graph(setup):
 
 
 # ------------------------------------------------------------------ Predict forwards
-def test_predict_forwards_skip_autograd_and_checkpointing_and_use_autocast():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_predict_forwards_skip_autograd_and_checkpointing_and_use_autocast(device):
+    # On CUDA DeepSpeed's forward switches an outer autocast off (its autocast_if_enabled):
+    # the dtype inside the model is what counts. (On the CPU accelerator it leaves it on.)
     hybrid = dict(DRIFT, memory={"predict_autocast": "bf16"})
     engine = make_engine(ds_config(stage=1, hybrid=hybrid))
+    assert engine.device.type == device
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     seen = []
+    inside = []   # the dtype a Linear in the model computes in: DeepSpeed's forward could turn autocast off
+    engine.module.lm_head.register_forward_hook(lambda m, i, out: inside.append(out.dtype))
 
     def loss_fn(eng, batch):
         layers = [m for m in eng.module.modules() if hasattr(m, "gradient_checkpointing")]
-        seen.append((eng.phase.value, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+        seen.append((eng.phase.value, torch.is_grad_enabled(), torch.is_autocast_enabled(device),
                      any(m.gradient_checkpointing for m in layers)))
-        return eng(**batch).loss
+        loss = eng(**batch).loss
+        seen[-1] += (inside[-1],)
+        return loss
 
-    batches = Batches()
+    batches = Batches(device=engine.device)
     for _ in range(12):
         engine.train_step(batches.step(), loss_fn=loss_fn)
     predict = [s for s in seen if s[0] == "predict"]
     real = [s for s in seen if s[0] != "predict"]
-    assert predict and all(s[1:] == (False, True, False) for s in predict)
-    assert real and all(s[1:] == (True, False, True) for s in real)
+    assert predict and all(s[1:] == (False, True, False, torch.bfloat16) for s in predict)
+    assert real and all(s[1:] == (True, False, True, torch.float32) for s in real)
+    assert not engine.torch_autocast_enabled()   # the engine's own setting is back
 
 
 def test_save_in_a_parked_run_and_resume_is_exact(tmp_path):
@@ -305,3 +318,21 @@ def test_fused_update_writes_the_16bit_copy_and_propagate_only_gathers(stage, mo
     assert predicted >= 4
     assert skipped_copies == {"fused": predicted, "copying": 0}
     assert not fused._masters.lp_current
+
+
+def test_compact_buffer_work_buffers_give_the_same_bits():
+    # The host path's reused work buffers (quant.scratch) and in-place quantization must
+    # store and load exactly what the allocating path does.
+    from ds_hybrid.quant import CHUNK, scratch
+    n = 2 * BLOCK * 40 + 100          # a partial last block
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    for dtype in ("fp32", "bf16", "int8"):
+        a, b = CompactBuffer(n, dtype, "cpu"), CompactBuffer(n, dtype, "cpu")
+        a.store(x, 0, torch.Generator().manual_seed(1))
+        b.store(x.clone(), 0, torch.Generator().manual_seed(1), clobber=True)
+        assert torch.equal(a.data, b.data)
+        work = scratch("cpu", 1)
+        got = b.load(0, n, out=work)
+        assert torch.equal(got, a.load()) and got.data_ptr() == work.data_ptr()
+        assert torch.equal(b.load(BLOCK, 3 * BLOCK, out=work), a.load(BLOCK, 3 * BLOCK))
+    assert scratch("cpu", 1) is scratch("cpu", 1) and scratch("cpu", 1).numel() == CHUNK

@@ -1,0 +1,94 @@
+"""The hybrid's work on fp32 masters in host memory (the ``offload_optimizer`` case), timed.
+
+With ZeRO-Offload the snapshot, the velocity fold after each real step and each drift Predict
+step's update run on the host copies of the masters; on llama-1b (970M values, 16 cores) the GPU
+run measured fold ~1.0 s and the Predict update ~1.5 s per step
+(``docs/results/memory-gpu-1b.json``, ``bookkeeping_ms``). This times the same functions
+(``zero_access.capture_weights`` / ``fold_real_update`` / ``apply_velocity_update``, plus the
+Adam-direction ``apply_predicted_update``) on one CPU partition of ``--values`` values, best of
+``--repeat``, and prints ns per value.
+
+    python benchmarks/host_path.py --values 67108864 --json docs/results/host-path.json
+
+To compare two versions of the code, run it from each checkout back to back on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import ds_hybrid.zero_access as za
+
+
+def _best(fn, repeat: int, setup=None) -> float:
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure(n: int, velocity_dtype: str, repeat: int) -> dict:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n) * 0.02)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+    p.grad = torch.randn(n) * 1e-3
+    opt.step()   # Adam moments exist
+    p.grad = None
+    access = za._PlainAccess(opt)
+    snap = za.PartitionBuffers("same")
+    vel = za.VelocityBuffers(velocity_dtype, seed=0)
+    za.capture_weights(access, snap)
+    za.fold_real_update(access, snap, vel, [1e-3], 0.9, 1)   # the velocity exists (first fold)
+    out = {"capture": _best(lambda: za.capture_weights(access, snap), repeat)}
+    out["fold"] = _best(lambda: za.fold_real_update(access, snap, vel, [1e-3], 0.9, 2), repeat,
+                        setup=lambda: za.capture_weights(access, snap))
+    out["velocity_update"] = _best(lambda: za.apply_velocity_update(access, vel, [0.5]), repeat)
+    out["adam_update"] = _best(lambda: za.apply_predicted_update(access, [0.5], backend="torch"), repeat)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--values", type=int, default=1 << 26, help="values in the partition (default 2^26)")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "int8"], choices=["fp32", "bf16", "int8"],
+                    help="velocity storage (memory.velocity_dtype)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    if args.values < 1 or args.repeat < 1:
+        raise SystemExit("--values and --repeat: must be at least 1")
+    rows = []
+    for dt in args.dtypes:
+        t = measure(args.values, dt, args.repeat)
+        rows += [{"velocity_dtype": dt, "part": k, "ms": v * 1e3, "ns_per_value": v / args.values * 1e9}
+                 for k, v in t.items()]
+    head = "| velocity | part | ms | ns per value |"
+    table = "\n".join([head, "|---|---|---|---|"] + [
+        f"| {r['velocity_dtype']} | {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} |" for r in rows])
+    print(table)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    result = {"command": "python benchmarks/host_path.py " + " ".join(argv or []), "values": args.values,
+              "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit,
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
