@@ -18,6 +18,7 @@
 #   mem124   GPT-2 124M (86M at vocabulary 256), gpt2-124m preset, micro batch 16 x 1024:
 #            GPU peak per phase, plain DeepSpeed against each Predict variant, moment parking
 #            overlapped and DeepSpeed's                      -> OUT/memory-gpu-124m.json
+#   prof     the memory profiler's cost per record on CUDA  -> OUT/profiler-cost-cuda.json
 #   pred124  the RSSM predictor on the CPU against on the GPU with its kernels (dynamics.device),
 #            GPT-2 124M, micro batch 4 x 1024                -> OUT/memory-gpu-predictor.json
 #   prec32   fp32 training, with and without bf16 Predict forwards (memory.predict_autocast)
@@ -62,6 +63,7 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
+        tests/test_memory_profiler.py \
         -rs 2>&1 | tail -25
       stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
     kernels)
@@ -77,6 +79,10 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
         --json /tmp/res/memory-gpu-124m.json
       rc=$?; cp /tmp/res/memory-gpu-124m.json /tmp/res/memory-gpu-124m-gpt2-124m-drift-int8-park.png "$OUT/"
       stage_rc mem124 $rc "$t0" ;;
+    prof)
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_memory_profiler.py -rs 2>&1 | tail -5
+      $PY benchmarks/profiler_cost.py --records 500 --json "$OUT/profiler-cost-cuda.json"
+      stage_rc prof $? "$t0" ;;
     pred124)
       $DSH memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 4 --steps 40 \
         --variants rssm-cpu rssm-cuda --out /tmp/mbp --json /tmp/res/memory-gpu-predictor.json
@@ -98,7 +104,7 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
         --gpu-mem-cap 16GB --variants full drift-int8 --out /tmp/mb1b --json /tmp/res/memory-gpu-1b.json
       rc=$?; cp /tmp/res/memory-gpu-1b.json /tmp/res/memory-gpu-1b-llama-1b-drift-int8.png "$OUT/"
       stage_rc mem1b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 pred124 prec32 prec16 mem1b)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b)"; status=2 ;;
   esac
 done
 exit $status

@@ -77,6 +77,24 @@ def test_without_a_gpu_only_host_figures_are_recorded():
     assert prof.summary()["nvml_error"] is None  # NVML is never touched without CUDA
 
 
+@pytest.mark.gpu
+def test_gpu_figures_are_the_allocators_own():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    prof = MemoryProfiler(device=torch.device("cuda", 0))
+    keep = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    prof.begin()
+    tmp = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del tmp
+    want = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0), torch.cuda.max_memory_allocated(0))
+    s = prof.record(1, "full")
+    assert (s.gpu_allocated_mb, s.gpu_reserved_mb, s.gpu_peak_allocated_mb) == tuple(v / 2**20 for v in want)
+    assert s.gpu_peak_allocated_mb - s.gpu_allocated_mb >= 64   # the freed block is in this step's peak
+    s2 = prof.record(2, "predict")                               # ... and not in the next one's
+    assert s2.gpu_peak_allocated_mb == s2.gpu_allocated_mb == s.gpu_allocated_mb
+    assert s.gpu_allocated_mb >= keep.numel() / 2**20
+
+
 def test_record_costs_well_under_one_percent_of_a_step():
     prof = MemoryProfiler()
     for i in range(200):
@@ -233,3 +251,24 @@ def test_memory_bench_gpu_tables_and_retable(tmp_path):
     assert json.loads(path.read_text())["table_markdown"] == out["table_markdown"]
     with pytest.raises(SystemExit, match="--retable: no such file"):
         mbench.main(["--retable", str(tmp_path / "missing.json")])
+
+
+def test_benchmark_scripts_print_tables_and_write_json(tmp_path):
+    # benchmarks/host_path.py and benchmarks/profiler_cost.py, small (the README's figures use larger sizes).
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    for script, args in (("host_path.py", ["--values", "70000", "--repeat", "1", "--dtypes", "int8"]),
+                         ("profiler_cost.py", ["--records", "20"])):
+        out = tmp_path / f"{script}.json"
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args, "--json", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert result["table_markdown"] in proc.stdout
+    rows = json.loads((tmp_path / "host_path.py.json").read_text())["rows"]
+    assert {r["part"] for r in rows} == {"capture", "fold", "velocity_update", "adam_update"}
+    assert all(r["ms"] > 0 for r in rows)
+    cost = json.loads((tmp_path / "profiler_cost.py.json").read_text())
+    assert cost["records"] == 20 and cost["record_ms"] > 0

@@ -242,10 +242,13 @@ class MemoryProfiler:
         if self._cuda_on():
             import torch
             idx = self._cuda_index()
-            peak_gpu = float(torch.cuda.max_memory_allocated(idx))
+            # One read of the allocator's statistics: memory_allocated / memory_reserved /
+            # max_memory_allocated each rebuild and flatten the whole dict (~0.15 ms apiece).
+            st = torch.cuda.memory_stats_as_nested_dict(idx)
+            peak_gpu = float(st["allocated_bytes"]["all"]["peak"])
             self._process_peak_gpu = max(self._process_peak_gpu, peak_gpu)
-            sample.gpu_allocated_mb = torch.cuda.memory_allocated(idx) / MB
-            sample.gpu_reserved_mb = torch.cuda.memory_reserved(idx) / MB
+            sample.gpu_allocated_mb = st["allocated_bytes"]["all"]["current"] / MB
+            sample.gpu_reserved_mb = st["reserved_bytes"]["all"]["current"] / MB
             sample.gpu_peak_allocated_mb = peak_gpu / MB
             torch.cuda.reset_peak_memory_stats(idx)
             try:
