@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -58,12 +59,12 @@ def main(argv: list[str] | None = None) -> dict:
         del keep
     result["table_markdown"] = "\n".join(lines)
     print(result["table_markdown"])
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    out = Path(args.json) if args.json else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
     return result
 
 
 if __name__ == "__main__":
-    import sys
     main(sys.argv[1:])
