@@ -245,25 +245,35 @@ def test_predict_forwards_skip_autograd_and_checkpointing_and_use_autocast(devic
     assert not engine.torch_autocast_enabled()   # the engine's own setting is back
 
 
-def test_save_in_a_parked_run_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_save_in_a_parked_run_and_resume_is_exact(tmp_path, device):
+    # CPU: DeepSpeed's offload_states path (forced: on the CPU nothing would move). CUDA: the
+    # overlapped side-stream path, saved mid-run (torch's AdamW: no JIT-built FusedAdam needed).
     hybrid = dict(DRIFT, memory={"park_optimizer_states": True, "velocity_dtype": "int8"})
     cfg = ds_config(stage=2, hybrid=hybrid)
+    if device == "cuda":
+        cfg["optimizer"]["params"]["torch_adam"] = True
+    mode = "deepspeed" if device == "cpu" else "stream"
     engine = make_engine(cfg)
-    engine._parking.mode = "deepspeed"
-    batches = Batches()
+    assert engine.device.type == device
+    if device == "cpu":
+        engine._parking.mode = mode
+    batches = Batches(device=engine.device)
     saved_at = None
     rows = []
     for step in range(1, 19):
         r = engine.train_step(batches.step())
         rows.append((r.phase, r.loss, r.accepted))
         if saved_at is None and engine.phase is Phase.PREDICT and engine.controller.predict_index == 1:
-            assert engine._parking.parked
+            assert engine._parking.parked and engine._parking.mode == mode
             engine.save_checkpoint(tmp_path, "mid")
             assert engine._parking.parked, "saving must leave the run as it was"
             saved_at, stream_state = step, batches.gen.get_state()
     assert saved_at is not None
     resumed = make_engine(cfg, seed=5)
-    resumed._parking.mode = "deepspeed"
+    if device == "cpu":
+        resumed._parking.mode = mode
     resumed.load_checkpoint(tmp_path, "mid")
     batches.gen.set_state(stream_state)
     tail = []
