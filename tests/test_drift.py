@@ -300,14 +300,15 @@ def test_lr_gate_predicts_only_once_the_lr_has_decayed():
 
 
 # ------------------------------------------------------------------ fused lp copy
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_fused_update_writes_the_16bit_copy_and_propagate_only_gathers(stage, monkeypatch):
-    # bf16 on ZeRO 0 (FP16_Optimizer's flat buffers) and ZeRO 1/2: the predicted update writes each rank's
+@pytest.mark.parametrize("stage, extra", [(0, {}), (1, {}), (2, {}), (1, {"data_types": {"grad_accum_dtype": "fp32"}})],
+                         ids=["zero0", "zero1", "zero2", "zero1-bf16-optimizer"])
+def test_fused_update_writes_the_16bit_copy_and_propagate_only_gathers(stage, extra, monkeypatch):
+    # bf16 on ZeRO 0 (FP16_Optimizer's flat buffers), ZeRO 1/2 and BF16_Optimizer: the predicted update writes each rank's
     # 16-bit partition in its pass, so propagate skips update_lp_params' copy. The weights the
     # forward reads must be bit-identical to the copying path, step for step.
     hybrid = dict(EAGER)
-    fused = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid))
-    copying = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid))
+    fused = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid, **extra))
+    copying = make_engine(ds_config(stage=stage, bf16=True, hybrid=hybrid, **extra))
     assert fused._masters.kind in ("zero0-flat", "bf16-optimizer", "zero1-2")
     monkeypatch.setattr(copying._masters, "_lp", lambda i: None)   # this engine only
     skipped_copies = {"fused": 0, "copying": 0}   # propagations that found the 16-bit copy written
