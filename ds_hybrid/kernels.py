@@ -308,7 +308,7 @@ def fused_update_reference(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_
     # Flat partitions: the same operations per element, a chunk at a time through two reused
     # work buffers (whole-partition temporaries cost GBs and page faults on a host partition).
     from .quant import CHUNK, scratch
-    w0, w1 = scratch(master.device, 0), scratch(master.device, 1)
+    w0, w1 = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
     m, ea, eas = master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     snap = snapshot_out.view(-1) if snapshot_out is not None else None
     lp = lp_out.view(-1) if lp_out is not None else None

@@ -19,7 +19,7 @@ masters themselves. ``CompactBuffer`` stores it as
   part of a store (torch's CPU generator is serial: ~4 ns a value, seconds per step at 1B
   parameters), so there the noise is a window of a fixed table of uniform numbers at an
   offset drawn from that generator: each value's noise is still uniform on [0, 1), which
-  is all unbiasedness needs.
+  is all unbiasedness needs (stores of up to ``SMALL_STORE`` values draw directly).
 
 Values are read and written in chunks (``load`` / ``store`` take a range), so the
 fp32 transient is one chunk, not one partition. Callers on the hot path pass a reusable
@@ -34,29 +34,34 @@ BLOCK = 256          # int8: values per absmax scale
 CHUNK = 1 << 22      # elements per fp32 transient (16 MiB); a multiple of BLOCK
 DTYPES = ("fp32", "bf16", "int8")
 NOISE_TABLE_SEED = 0x5EED
+SMALL_STORE = 1 << 16   # values; up to this a CPU store draws its noise from the generator
 _noise_table: torch.Tensor | None = None
 _scratch: dict[tuple[str, int | None, int], torch.Tensor] = {}
 
 
-def scratch(device: torch.device | str, slot: int = 0) -> torch.Tensor:
-    """A CHUNK-sized fp32 work buffer on ``device``. On the CPU one per ``slot``, kept and reused
-    across calls (the caller must not hold two uses of one slot at once); on an accelerator a
-    fresh tensor: its caching allocator already reuses the block, and nothing stays allocated
-    between steps."""
+def scratch(device: torch.device | str, slot: int = 0, numel: int = CHUNK) -> torch.Tensor:
+    """A flat fp32 work buffer on ``device`` of at least ``min(numel, CHUNK)`` values. On the CPU
+    one per ``slot``, kept and reused across calls (grown when a caller needs more; the caller
+    must not hold two uses of one slot at once); on an accelerator a fresh tensor: its caching
+    allocator already reuses the block, and nothing stays allocated between steps."""
     dev = torch.device(device)
+    n = max(1, min(int(numel), CHUNK))
     if dev.type != "cpu":
-        return torch.empty(CHUNK, dtype=torch.float32, device=dev)
+        return torch.empty(n, dtype=torch.float32, device=dev)
     key = (dev.type, dev.index, slot)
     buf = _scratch.get(key)
-    if buf is None:
-        buf = _scratch[key] = torch.empty(CHUNK, dtype=torch.float32, device=dev)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[key] = torch.empty(n, dtype=torch.float32, device=dev)
     return buf
 
 
 def _cpu_noise(n: int, generator: torch.Generator | None) -> torch.Tensor:
     """``n`` <= CHUNK uniform [0, 1) values for a CPU store: a window of a fixed table
-    (2 x CHUNK, built once) at a random offset, without copying."""
+    (2 x CHUNK, built once) at a random offset, without copying. Small stores draw directly:
+    they are cheap, and a small model then never builds the 32 MiB table."""
     global _noise_table
+    if n <= SMALL_STORE:
+        return torch.rand(n, generator=generator)
     if _noise_table is None:
         t = torch.rand(CHUNK, generator=torch.Generator().manual_seed(NOISE_TABLE_SEED))
         _noise_table = torch.cat([t, t])

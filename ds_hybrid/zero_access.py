@@ -361,6 +361,27 @@ def adam_direction(part: MasterPartition) -> torch.Tensor:
     return (st["exp_avg"] / bc1).div_(denom)
 
 
+def _adam_direction_chunks(part: MasterPartition):
+    """``adam_direction(part)`` a chunk at a time: yields ``(start, end, direction chunk)``, the
+    chunk in a reused work buffer (valid until the next one). The same operations per element,
+    so the same bits, without two partition-sized temporaries (seconds of allocation and page
+    faults on a host partition)."""
+    from .quant import CHUNK, scratch
+    st, g = part.state, part.group
+    beta1, beta2 = g.get("betas", (0.9, 0.999))
+    eps = g.get("eps", 1e-8)
+    if part.step < 1:
+        raise RuntimeError("ds_hybrid: the optimizer state has no step count; a Predict step needs at "
+                           "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
+    bc1, bc2 = (1.0 - beta1 ** part.step, 1.0 - beta2 ** part.step) if g.get("bias_correction", True) else (1.0, 1.0)
+    m, v = _flat(st["exp_avg"]), _flat(st["exp_avg_sq"])
+    w0, w1 = scratch(m.device, 0, m.numel()), scratch(m.device, 1, m.numel())
+    for s in range(0, m.numel(), CHUNK):
+        e = min(s + CHUNK, m.numel())
+        denom = torch.div(v[s:e], bc2, out=w0[:e - s]).sqrt_().add_(eps)
+        yield s, e, torch.div(m[s:e], bc1, out=w1[:e - s]).div_(denom)
+
+
 class PartitionBuffers:
     """One fp32 buffer per master partition: the rollback snapshot, and between
     Predict runs the previous Adam direction for the predicted-vs-actual comparison.
@@ -452,7 +473,9 @@ def stash_direction(access: MasterAccess, bufs: PartitionBuffers) -> None:
     """Keep the current Adam direction, to compare with the next real step's."""
     for i, part in enumerate(access.partitions()):
         if "exp_avg" in part.state:
-            bufs._buffer(i, part.master).copy_(adam_direction(part))
+            buf = _flat(bufs._buffer(i, part.master))
+            for s, e, d in _adam_direction_chunks(part):
+                buf[s:e].copy_(d)
     bufs.holds = "direction"
 
 
@@ -478,13 +501,16 @@ def compare_direction(access: MasterAccess, bufs: PartitionBuffers) -> torch.Ten
     for i, part in enumerate(access.partitions()):
         if "exp_avg" not in part.state or i >= len(bufs.buffers) or part.master.numel() == 0:
             continue
-        new = adam_direction(part)
-        old = bufs.buffers[i].to(new.device, non_blocking=True)
+        old_all, master = _flat(bufs.buffers[i]), _flat(part.master)
         row = out[part.group_index]
-        row[0] += float(torch.dot(new.flatten().double(), old.flatten().double()))
-        row[1] += float(old.double().pow(2).sum())
-        row[2] += float(new.double().pow(2).sum())
-        row[3] += float(part.master.double().pow(2).sum())
+        # fp32 dots per chunk (pairwise), summed in fp64 on the device: no fp64 copies of the partition
+        sums = torch.zeros(4, dtype=torch.float64, device=master.device)
+        for s, e, new in _adam_direction_chunks(part):
+            old = old_all[s:e].to(new.device, non_blocking=True)
+            w = master[s:e]
+            sums += torch.stack([torch.dot(new, old), torch.dot(old, old), torch.dot(new, new), torch.dot(w, w)])
+        for col, val in enumerate(sums.tolist()):
+            row[col] += val
         row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
         row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
@@ -556,7 +582,7 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
     sum(dtype=float64) is 4-8x slower there.)"""
     from .quant import CHUNK, scratch
     flat = _flat(t)
-    work = scratch(flat.device, 0)   # fn writes here: no 16 MiB allocation (page faults on a CPU) per chunk
+    work = scratch(flat.device, 0, flat.numel())   # fn writes here: no 16 MiB allocation (page faults on a CPU) per chunk
     total = torch.zeros((), dtype=torch.float64, device=flat.device)   # one host sync at the end, not per chunk
     for s in range(0, flat.numel(), CHUNK):
         x, w = flat[s:s + CHUNK], work[:min(CHUNK, flat.numel() - s)]
@@ -590,7 +616,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
         row = out[part.group_index]
         # Reused work buffers (no 16 MiB allocation per chunk) and the sums kept on the
         # masters' device, read once per partition (not one sync per chunk on a GPU).
-        d_work, v_work = scratch(master.device, 0), scratch(master.device, 1)
+        d_work, v_work = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
         sums = torch.zeros(4, dtype=torch.float64, device=master.device)
         for s, e in buf.chunks():
             w = master[s:e]
@@ -634,7 +660,7 @@ def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "fl
             continue
         coef = s * float(part.group["lr"])
         master, buf = _flat(part.master), vel.buffers[i]
-        work = scratch(master.device, 0)
+        work = scratch(master.device, 0, master.numel())
         vv = torch.zeros((), dtype=torch.float64, device=master.device)
         for a, b in buf.chunks():
             v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)

@@ -206,14 +206,18 @@ def test_direction_comparison_sums():
     engine.train_step(b.step())
     za.stash_direction(engine._masters, engine._snapshot)
     old = [za.adam_direction(p).clone() for p in engine._masters.partitions()]
+    # the stash is built a chunk at a time with the same operations: the same bits
+    assert all(torch.equal(buf.view_as(o), o) for buf, o in zip(engine._snapshot.buffers, old))
     engine.train_step(b.step())  # (probes again internally; stash ours again for the check)
     za.stash_direction(engine._masters, engine._snapshot)
     engine._snapshot.buffers = [o.clone() for o in old]
     new = [za.adam_direction(p) for p in engine._masters.partitions()]
     sums = za.compare_direction(engine._masters, engine._snapshot)
     dot = sum(float((n.double() * o.double()).sum()) for n, o in zip(new, old))
-    assert sums[:, 0].sum().item() == pytest.approx(dot, rel=1e-9)
-    assert sums[:, 1].sum().item() == pytest.approx(sum(float(o.double().pow(2).sum()) for o in old), rel=1e-9)
+    # fp32 dots per 16 MiB chunk (pairwise), summed in fp64: within 1e-6 of an fp64 computation
+    assert sums[:, 0].sum().item() == pytest.approx(dot, rel=1e-6)
+    assert sums[:, 1].sum().item() == pytest.approx(sum(float(o.double().pow(2).sum()) for o in old), rel=1e-6)
+    assert sums[:, 2].sum().item() == pytest.approx(sum(float(n.double().pow(2).sum()) for n in new), rel=1e-6)
 
 
 def _aio_available() -> bool:
