@@ -292,42 +292,41 @@ def fused_update_reference(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_
     """
     _check_update_args(master, exp_avg, exp_avg_sq, lp_out, snapshot_out)
     bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
-    decay = -lr * weight_decay if decoupled and weight_decay else 0.0
+    kw = dict(bc1=bc1, bc2=bc2, eps=eps, step_lr=-scale * lr,
+              decay=-lr * weight_decay if decoupled and weight_decay else 0.0)
+    sq = torch.zeros((), dtype=torch.float64, device=master.device) if compute_sq else None
     if not (master.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()):
-        if snapshot_out is not None:
-            snapshot_out.view(master.shape).copy_(master)
-        denom = (exp_avg_sq / bc2).sqrt_().add_(eps)
-        update = (exp_avg / bc1).div_(denom).mul_(-scale * lr)
-        if decay:
-            update.add_(master, alpha=decay)
-        sq = update.double().pow(2).sum() if compute_sq else None
-        master.add_(update)
-        if lp_out is not None:
-            lp_out.view(master.shape).copy_(master)
+        _update_span(master, exp_avg, exp_avg_sq, None if snapshot_out is None else snapshot_out.view(master.shape),
+                     None if lp_out is None else lp_out.view(master.shape), sq, **kw)
         return sq
-    # Flat partitions: the same operations per element, a chunk at a time through two reused
-    # work buffers (whole-partition temporaries cost GBs and page faults on a host partition).
+    # Flat partitions: a chunk at a time through two reused work buffers (whole-partition
+    # temporaries cost GBs and page faults on a host partition).
     from .quant import CHUNK, scratch
     w0, w1 = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
     m, ea, eas = master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     snap = snapshot_out.view(-1) if snapshot_out is not None else None
     lp = lp_out.view(-1) if lp_out is not None else None
-    sq = torch.zeros((), dtype=torch.float64, device=master.device) if compute_sq else None
     for s in range(0, m.numel(), CHUNK):
         e = min(s + CHUNK, m.numel())
-        mc = m[s:e]
-        if snap is not None:
-            snap[s:e].copy_(mc)
-        denom = torch.div(eas[s:e], bc2, out=w0[:e - s]).sqrt_().add_(eps)
-        update = torch.div(ea[s:e], bc1, out=w1[:e - s]).div_(denom).mul_(-scale * lr)
-        if decay:
-            update.add_(mc, alpha=decay)
-        if sq is not None:   # fp32 squares summed in fp64 (within 1e-7 of squaring in fp64)
-            sq += torch.mul(update, update, out=w0[:e - s]).sum(dtype=torch.float64)
-        mc.add_(update)
-        if lp is not None:
-            lp[s:e].copy_(mc)
+        _update_span(m[s:e], ea[s:e], eas[s:e], None if snap is None else snap[s:e], None if lp is None else lp[s:e],
+                     sq, w0=w0[:e - s], w1=w1[:e - s], **kw)
     return sq
+
+
+def _update_span(master, exp_avg, exp_avg_sq, snapshot, lp, sq, *, bc1, bc2, eps, step_lr, decay, w0=None, w1=None):
+    """The reference arithmetic on one span (a chunk, or a whole non-contiguous tensor), in place;
+    ``w0`` / ``w1``: work buffers of the span's size (None: allocate)."""
+    if snapshot is not None:
+        snapshot.copy_(master)
+    denom = torch.div(exp_avg_sq, bc2, out=w0).sqrt_().add_(eps)
+    update = torch.div(exp_avg, bc1, out=w1).div_(denom).mul_(step_lr)
+    if decay:
+        update.add_(master, alpha=decay)
+    if sq is not None:   # fp32 squares summed in fp64 (within 1e-7 of squaring in fp64)
+        sq += torch.mul(update, update, out=w0).sum(dtype=torch.float64)
+    master.add_(update)
+    if lp is not None:
+        lp.copy_(master)
 
 
 def _fused_update_cupy(master, exp_avg, exp_avg_sq, *, lr, scale, beta1, beta2, eps, step, weight_decay,

@@ -345,35 +345,24 @@ def adam_direction(part: MasterPartition) -> torch.Tensor:
     This is the direction the optimizer's next step would take if the gradient
     did not change; it costs no gradient and no extra memory between steps.
     """
-    st, g = part.state, part.group
-    step = part.step
-    beta1, beta2 = g.get("betas", (0.9, 0.999))
-    eps = g.get("eps", 1e-8)
-    if step < 1:
-        raise RuntimeError("ds_hybrid: the optimizer state has no step count; a Predict step needs at "
-                           "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
-    if g.get("bias_correction", True):
-        bc1 = 1.0 - beta1 ** step
-        bc2 = 1.0 - beta2 ** step
-    else:
-        bc1 = bc2 = 1.0
-    denom = (st["exp_avg_sq"] / bc2).sqrt_().add_(eps)
-    return (st["exp_avg"] / bc1).div_(denom)
+    out = torch.empty_like(part.state["exp_avg"])
+    flat = _flat(out)
+    for s, e, d in _adam_direction_chunks(part):
+        flat[s:e].copy_(d)
+    return out
 
 
 def _adam_direction_chunks(part: MasterPartition):
     """``adam_direction(part)`` a chunk at a time: yields ``(start, end, direction chunk)``, the
-    chunk in a reused work buffer (valid until the next one). The same operations per element,
-    so the same bits, without two partition-sized temporaries (seconds of allocation and page
-    faults on a host partition)."""
+    chunk in a reused work buffer (valid until the next one), without two partition-sized
+    temporaries (seconds of allocation and page faults on a host partition). The same
+    operations per element as ``kernels.fused_update_reference``."""
+    from .kernels import _bias_corrections
     from .quant import CHUNK, scratch
     st, g = part.state, part.group
     beta1, beta2 = g.get("betas", (0.9, 0.999))
     eps = g.get("eps", 1e-8)
-    if part.step < 1:
-        raise RuntimeError("ds_hybrid: the optimizer state has no step count; a Predict step needs at "
-                           "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
-    bc1, bc2 = (1.0 - beta1 ** part.step, 1.0 - beta2 ** part.step) if g.get("bias_correction", True) else (1.0, 1.0)
+    bc1, bc2 = _bias_corrections(beta1, beta2, part.step, g.get("bias_correction", True))
     m, v = _flat(st["exp_avg"]), _flat(st["exp_avg_sq"])
     w0, w1 = scratch(m.device, 0, m.numel()), scratch(m.device, 1, m.numel())
     for s in range(0, m.numel(), CHUNK):
@@ -763,25 +752,25 @@ class MomentParking:
                 self._side = torch.cuda.Stream()
             self._side.wait_stream(torch.cuda.current_stream())   # the moments are final
             with torch.cuda.stream(self._side):
-                for t in self._moments():
-                    if t.device.type == "cpu":
-                        continue
-                    host = self._pinned(t)
-                    host.copy_(t, non_blocking=True)
-                    # Freed when t.data moves below, the device memory must not be reused
-                    # before the copy on the side stream has read it.
-                    t.data.record_stream(self._side)
-                    self._devices[id(t)] = t.device
-                    t.data = host
+                self._copy_out(self._side)
         elif self.mode == "own":
-            for t in self._moments():
-                if t.device.type == "cpu":
-                    continue
-                host = self._pinned(t)
-                host.copy_(t, non_blocking=True)
-                self._devices[id(t)] = t.device
-                t.data = host
+            self._copy_out()
         self.parked = True
+
+    def _copy_out(self, side: Any = None) -> None:
+        """Each moment on a device into its pinned host copy (on the current stream), then
+        ``t.data`` points at the host copy."""
+        for t in self._moments():
+            if t.device.type == "cpu":
+                continue
+            host = self._pinned(t)
+            host.copy_(t, non_blocking=True)
+            if side is not None:
+                # Freed when t.data moves below, the device memory must not be reused before
+                # the copy on the side stream has read it.
+                t.data.record_stream(side)
+            self._devices[id(t)] = t.device
+            t.data = host
 
     def prefetch(self) -> None:
         """Stream mode: queue the copies back on the side stream (``unpark`` calls it; then it
