@@ -26,8 +26,11 @@ def load_run(path: Path) -> dict:
     real_ms = (sum(st["seconds_per_phase"][k] for k in real) /
                sum(st["steps_per_phase"][k] for k in real) * 1e3) if real else None
     hybrid = bool(s["ds_config"].get("hybrid_predict", {}).get("enabled", False))
+    run_dir = path if path.is_dir() else path.parent
     return {
-        "val_curve": val_against_time(path if path.is_dir() else path.parent, s["val_points"]),
+        "val_curve": val_against_time(run_dir, s["val_points"]),
+        "val_points": [tuple(v) for v in s["val_points"]],
+        "step_kinds": step_kinds(run_dir, hybrid),
         "run": str(path),
         "hybrid": hybrid,
         "seed": s["args"]["seed"],
@@ -58,6 +61,28 @@ def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float
     for line in f.read_text().splitlines():
         cum.append(cum[-1] + json.loads(line)["step_time_s"])
     return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
+
+
+def step_kinds(run_dir: Path, hybrid: bool) -> list[str]:
+    """What each step of a run was, for costing it from a profile: ``plain`` (a real step of
+    plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping), ``partial_K`` (K lower
+    layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
+    / with its verification forward); ``+forward`` where a rejected check ran a forward again."""
+    f = run_dir / "steps.jsonl"
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        r = json.loads(line)
+        phase = r.get("phase")
+        if phase == "predict":
+            kind = "predict_verified" if r.get("verified") else "predict"
+        elif phase == "partial":
+            kind = f"partial_{r.get('predicted_groups', 0)}"
+        else:
+            kind = "real" if hybrid else "plain"
+        out.append(kind + ("+forward" if r.get("checked") is False else ""))
+    return out
 
 
 def interp_curve(curve: list[tuple[float, float]], t: float) -> float | None:

@@ -76,14 +76,16 @@ class PredictorConfig(_Section):
     real step and uses the snapshot buffer. (``direction: drift`` compares on every real
     step whatever this says: its velocity is updated there.)"""
 
-    direction: Literal["adam", "drift"] = "adam"
+    direction: Literal["adam", "drift", "none"] = "adam"
     """What a Predict step moves the weights along. ``adam``: the bias-corrected Adam
     direction of the optimizer state plus AdamW's decay (the optimizer's next step if the
     gradient did not change). ``drift``: the running average of the real steps' updates
     per unit LR (``drift_beta``), which averages out their step-to-step oscillation; it
     keeps one more buffer per parameter (``memory.velocity_dtype``), reads no optimizer
     state in Predict steps, and its step scale is the running projection of each real
-    update on that average."""
+    update on that average. ``none``: the control that measures what predicted updates are
+    worth: everything as ``drift`` (the velocity, its statistics and the decisions they feed),
+    but Predict steps move nothing (they still advance the LR schedule and the step counters)."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -211,6 +213,43 @@ class MemoryConfig(_Section):
     (fp16 on GPUs only). Real steps are not affected."""
 
 
+class GroupPredictConfig(_Section):
+    """Layer-group Predict: Full steps in which the lower layer groups take the predicted
+    update and are left out of the backward pass (``ds_hybrid/group_predict.py``)."""
+
+    enabled: bool = False
+    """Take layer-group Predict steps. Needs the optimizer's param groups in input order
+    (``ds_hybrid.models.layer_groups``, ``ds-hybrid train --layer-groups``), ZeRO 0-2 and
+    ``zero_optimization.ignore_unused_parameters`` (DeepSpeed's default)."""
+
+    pinned: int | None = Field(None, ge=1)
+    """Predict this many lower layer groups in every Full step that is not a refresh step
+    (None: the planner chooses the number per step from its measurements)."""
+
+    max_groups: int | None = Field(None, ge=1)
+    """Most lower groups the planner may predict (None: every group below the last one that
+    holds a transformer block)."""
+
+    step_scale: float = Field(1.0, ge=0.0)
+    """Multiplier on a predicted group's update, ``scale * lr * direction`` with the group's
+    measured projection as ``scale`` (``predictor.direction``: the drift velocity or the Adam
+    direction). 0 freezes the predicted groups: the control that measures what the predicted
+    update is worth."""
+
+    refresh_every: int = Field(4, ge=1)
+    """Every n-th Full step is a whole step, so the predicted groups keep taking real updates
+    that their velocity and statistics learn from (1: never predict)."""
+
+    min_gain: float = Field(0.05, ge=0.0)
+    """The planner predicts ``k`` groups only when a partial step's estimated progress per
+    unit time (worth over measured cost) beats a whole step's by this fraction."""
+
+    check: bool = True
+    """The next step's first forward checks the predicted update against the divergence band
+    (``divergence``); outside it, the predicted groups are rolled back exactly and that forward
+    runs again. false: no check (the predicted update is never undone)."""
+
+
 class HybridPredictConfig(_Section):
     """The ``hybrid_predict`` ds_config section: Warmup -> Full -> Predict -> Correct."""
 
@@ -240,9 +279,21 @@ class HybridPredictConfig(_Section):
     tuned LR they were measured to help only once the schedule had decayed it (README,
     "What a predicted step is worth"). The predictor is not consulted above it."""
 
+    whole_model: bool = True
+    """Take whole-model Predict runs (the Predict phase: no backward at all). false: predict
+    only in layer-group Predict steps (``group_predict``), and never enter the Predict phase."""
+
     correction_steps: int = Field(2, ge=0)
     """Real steps after a completed Predict run that record predicted against observed
     loss and predicted against actual update, for the predictor to learn from."""
+
+    check: Literal["forward", "next_step"] = "forward"
+    """How a whole-model Predict run is checked. ``forward``: a no-grad forward on every
+    ``verify_every``-th Predict step (and the last of a run), which costs about a third of a
+    real step each. ``next_step``: no forward in the run at all; the first forward of the next
+    real step, which it runs anyway, checks the run against the divergence band, and outside it
+    the whole run is undone exactly and that forward runs again (the delayed judgement of
+    ``judge_every`` then decides whether runs pay)."""
 
     verify_every: int = Field(1, ge=1)
     """Observe the loss with a no-grad forward on every n-th Predict step (the last step
@@ -276,6 +327,9 @@ class HybridPredictConfig(_Section):
     dynamics: DynamicsConfig = Field(default_factory=DynamicsConfig)
     """The dynamics model (``predictor.type: rssm``) and trajectory recording."""
 
+    group_predict: GroupPredictConfig = Field(default_factory=GroupPredictConfig)
+    """Layer-group Predict steps (partial real steps)."""
+
     @model_validator(mode="after")
     def _horizon_order(self) -> "HybridPredictConfig":
         if self.min_predict_steps > self.max_predict_steps:
@@ -284,7 +338,7 @@ class HybridPredictConfig(_Section):
         if self.predictor.type == "rssm" and self.dynamics.horizon < self.max_predict_steps:
             raise ValueError(f"dynamics.horizon ({self.dynamics.horizon}) must be at least "
                              f"max_predict_steps ({self.max_predict_steps})")
-        if self.memory.park_optimizer_states and self.predictor.direction != "drift":
+        if self.memory.park_optimizer_states and self.predictor.direction == "adam":
             raise ValueError("memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
                              "along the Adam direction read the moments it would move off the accelerator")
         return self
@@ -307,6 +361,14 @@ def parse_hybrid_config(ds_config: Mapping[str, Any]) -> HybridPredictConfig:
         cfg = HybridPredictConfig(strict=True, **raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    if cfg.enabled and cfg.group_predict.enabled:
+        zo = ds_config.get("zero_optimization") or {}
+        if isinstance(zo, Mapping) and int(zo.get("stage", 0) or 0) == 3:
+            raise ConfigError("zero_optimization.stage: 3 partitions every parameter across ranks; layer-group "
+                              f"Predict ({SECTION}.group_predict.enabled) needs ZeRO 0, 1 or 2")
+        if isinstance(zo, Mapping) and zo.get("ignore_unused_parameters", True) is False:
+            raise ConfigError("zero_optimization.ignore_unused_parameters: must be true for layer-group Predict "
+                              f"({SECTION}.group_predict.enabled): its predicted groups get no gradient")
     if cfg.enabled:
         opt = ds_config.get("optimizer")
         # A client optimizer passed to initialize() is checked by the engine instead.

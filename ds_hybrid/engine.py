@@ -79,6 +79,8 @@ class StepResult:
     lr: float = 0.0
     skipped: bool = False           # real step whose update was skipped (NaN/Inf loss or gradient on a rank)
     progress: float | None = None   # Predict: batch loss with the step skipped minus with it (measured steps)
+    predicted_groups: int = 0       # partial step: lower layer groups that took the predicted update (no backward)
+    checked: bool | None = None     # the first forward checked the last predicted update: accepted (True) / rolled back
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,6 +100,10 @@ class _Stats:
     # time in the hybrid's own work on the masters, by part (capture, fold, stash, compare,
     # predicted_update, snapshot, restore): what a real step costs beyond plain DeepSpeed's
     bookkeeping_seconds: dict = field(default_factory=dict)
+    partial_backward: int = 0       # backward passes of partial steps (lower layer groups predicted)
+    partial_share_sum: float = 0.0  # sum over them of the share of parameters left out of the backward
+    group_checks: int = 0           # first forwards that checked a predicted update (partial or whole-model)
+    group_rolled_back: int = 0      # ... and rolled it back
     progress_sum: float = 0.0       # sum of measured progress of Predict steps (loss units)
     progress_n: int = 0
     progress_positive: int = 0
@@ -165,6 +171,14 @@ class PredictiveEngine(DeepSpeedEngine):
         self._boundary_loss: float | None = None  # mean loss over ranks of the last real step
         self._velocity: za.VelocityBuffers | None = None
         self._parking: za.MomentParking | None = None
+        # Layer-group Predict (group_predict): the model's block layout, the backward cut and
+        # the planner; the prefix the next Full step predicts, the groups the current step
+        # predicts, and the groups whose predicted update the next step's first forward checks.
+        self._layout = self._cut = self._planner = None
+        self._next_groups = 0
+        self._step_groups: frozenset = frozenset()
+        self._check_groups: frozenset | None = None
+        self._check_run = False     # the pending check is of a whole-model Predict run (check: next_step)
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -184,11 +198,13 @@ class PredictiveEngine(DeepSpeedEngine):
         # direction: drift keeps the running average of the real updates (one buffer per
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
-                          if self.hybrid_config.predictor.direction == "drift" else None)
+                          if self.hybrid_config.predictor.direction in ("drift", "none") else None)
         self._parking = (za.MomentParking(self, self._masters, overlap=mem.park_overlap)
                          if mem.park_optimizer_states else None)
         self.controller = PhaseController(self.hybrid_config)
         self.predictor = make_predictor(self.hybrid_config)
+        if self.hybrid_config.group_predict.enabled:
+            self._setup_group_predict()
         self._pending = 0  # Predict steps applied since the last good point
         dyn = self.hybrid_config.dynamics
         self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
@@ -203,6 +219,25 @@ class PredictiveEngine(DeepSpeedEngine):
             from .dynamics.trajectory import TrajectoryWriter
             self._trajectory = TrajectoryWriter(dyn.trajectory_path, meta={
                 "predictor": self.hybrid_config.predictor.type, "world_size": int(self.dp_world_size)})
+
+    def _setup_group_predict(self) -> None:
+        from .config import ConfigError
+        from .group_predict import BackwardCut, GroupLayout, GroupPlanner
+        gp = self.hybrid_config.group_predict
+        try:
+            groups = self._masters.model_param_groups()
+        except NotImplementedError as err:
+            raise ConfigError(f"zero_optimization.stage: {err} (hybrid_predict.group_predict.enabled)") from None
+        layout = GroupLayout(self.module, groups, self._masters.group_names())
+        if layout.max_prefix == 0:
+            raise ConfigError(f"hybrid_predict.group_predict: the optimizer's {len(groups)} param group(s) "
+                              f"({', '.join(layout.names)}) hold no input-side group that can be predicted; pass "
+                              "ds_hybrid.models.layer_groups(model) as model_parameters (ds-hybrid train "
+                              "--layer-groups 4)")
+        if gp.pinned is not None:
+            layout.check(gp.pinned, "hybrid_predict.group_predict.pinned")
+        self._layout, self._cut = layout, BackwardCut(self.module, layout.blocks)
+        self._planner = GroupPlanner(gp, layout)
 
     # ------------------------------------------------------------------ API
     @property
@@ -232,6 +267,9 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.hybrid_config.enabled:
             self._max_lr = max(self._max_lr, result.lr)
         result.step_time_s = time.perf_counter() - t0
+        if self._planner is not None and result.phase in (Phase.FULL.value, Phase.PARTIAL.value) \
+                and not result.skipped:
+            self._planner.observe_time(result.predicted_groups, result.step_time_s)
         self._account(result)
         return result
 
@@ -252,6 +290,12 @@ class PredictiveEngine(DeepSpeedEngine):
             "predict_rolled_back": s.predict_rolled_back,
             "verifications": s.verifications,
             "skipped_steps": s.skipped_steps,
+            "partial_backward": s.partial_backward,
+            "partial_backward_share": s.partial_share_sum / s.partial_backward if s.partial_backward else 0.0,
+            # whole backward passes skipped plus, for partial ones, the share of parameters left out
+            "backward_skipped_equivalent": s.backward_skipped + s.partial_share_sum,
+            "predicted_update_checks": s.group_checks,
+            "predicted_update_rolled_back": s.group_rolled_back,
         }
         if self.hybrid_config.enabled:
             out["snapshot_bytes"] = self._snapshot.nbytes()
@@ -277,45 +321,83 @@ class PredictiveEngine(DeepSpeedEngine):
             out["predictor_device"] = str(getattr(self.predictor, "device", "cpu"))
             # CuPy kernel launches in this process (kernels/*.cu): empty when every path took torch.
             out["kernel_launches"] = dict(kernels.LAUNCHES)
+            if self._planner is not None:
+                out["group_predict"] = self._planner.summary()
         return out
 
     # ------------------------------------------------------------ phases
-    def _real_step(self, batches: list, loss_fn: LossFn) -> None:
+    def _real_step(self, batches: list, loss_fn: LossFn, on_first_forward: Callable | None = None,
+                   cut: int | None = None) -> None:
         """Plain DeepSpeed: forward, backward, step for each micro-batch. The boundary
         step (``_take_model_step``) all-reduces the losses into ``_boundary_loss`` and
-        skips the update on every rank if any rank saw a NaN/Inf."""
-        for batch in batches:
-            loss = loss_fn(self, batch)
+        skips the update on every rank if any rank saw a NaN/Inf.
+
+        ``on_first_forward(loss, batch)`` runs after the first micro-batch's forward, before
+        any backward; when it returns True (it rolled a predicted update back) that forward
+        is run again. ``cut``: the block below which autograd is off (a partial step)."""
+        for i, batch in enumerate(batches):
+            with self._cut_at(cut):
+                loss = loss_fn(self, batch)
+            if i == 0 and on_first_forward is not None and on_first_forward(loss, batch):
+                with self._cut_at(cut):
+                    loss = loss_fn(self, batch)
             self._guard.record_loss(loss)
             self.backward(loss)
             self.step()
+
+    def _cut_at(self, block: int | None):
+        return self._cut.active(block) if (self._cut is not None and block is not None) else contextlib.nullcontext()
 
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
         drift = self._velocity is not None
         probe = drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps)
                           and self._masters.has_adam_state())
+        # Layer-group Predict: the lower k groups take the predicted update and no backward.
+        k = self._next_groups if phase is Phase.FULL else 0
+        self._next_groups = 0
+        if k and not self._masters.has_adam_state():
+            k = 0
+        predicted = frozenset(range(k))
         local_difficulty = self._measure_difficulty(batches)
-        if drift:
-            # The masters before the step (into the snapshot buffer, free outside Predict runs)
-            # and the LR each group steps with: the update per unit LR feeds the velocity.
-            lrs = [float(g["lr"]) for g in self._masters.base.param_groups]
-            with self._timed("capture"):
-                za.capture_weights(self._masters, self._snapshot)
-        elif probe:
-            with self._timed("stash"):
-                za.stash_direction(self._masters, self._snapshot)
-        self._real_step(batches, loss_fn)
+        lrs = [float(g["lr"]) for g in self._masters.base.param_groups]
+        checked: list = []
+
+        def before_backward(loss: torch.Tensor, batch: Any) -> bool:
+            # First the check of the last predicted update (the snapshot still holds its
+            # rollback point), then this step's own snapshot.
+            redo = self._check_predicted_update(loss, batch, checked)
+            if drift or predicted:
+                # The masters before the step (into the snapshot buffer, free outside Predict
+                # runs): the update per unit LR feeds the velocity, and for predicted groups it is
+                # the rollback point the next step's check may return to.
+                with self._timed("capture"):
+                    za.capture_weights(self._masters, self._snapshot)
+            elif probe:
+                with self._timed("stash"):
+                    za.stash_direction(self._masters, self._snapshot)
+            return redo
+
+        self._step_groups = predicted
+        try:
+            self._real_step(batches, loss_fn, before_backward, self._layout.cut[k] if k else None)
+        finally:
+            self._step_groups = frozenset()
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
-        if drift and self.was_step_applied():
+        applied = self.was_step_applied()
+        if drift and applied:
+            real = None if not predicted else set(range(self._masters.num_groups())) - predicted
             with self._timed("fold"):
                 groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
-                                             cfg.predictor.drift_beta, int(self.global_steps))
-        elif probe and not drift:
+                                             cfg.predictor.drift_beta, int(self.global_steps), groups=real,
+                                             keep=bool(predicted))
+        elif probe and not drift and not predicted:
             with self._timed("compare"):
                 groups = za.compare_direction(self._masters, self._snapshot)
         else:
             groups = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
+        if predicted and applied and cfg.group_predict.check:
+            self._check_groups = predicted   # the next step's first forward checks it
         # One collective for the per-group sums, the batch difficulty and the gradient norm;
         # every rank calls it (probe can differ where a rank's partition is empty). The norm
         # is averaged because DeepSpeed's may differ in the last bits between ranks, and
@@ -328,36 +410,116 @@ class PredictiveEngine(DeepSpeedEngine):
         difficulty = float(shared[-3] / shared[-2]) if shared[-2] > 0 else None
         grad_norm = float(shared[-1]) / self._world() if float(shared[-1]) >= 0 else None
         with self._timed_predictor():
-            predicted = self.predictor.predict_loss(self.global_steps, difficulty)[0]
-        if not self.was_step_applied():
+            predicted_loss = self.predictor.predict_loss(self.global_steps, difficulty)[0]
+        label = Phase.PARTIAL if predicted else phase
+        check = checked[0] if checked else None
+        if not applied:
             # No update happened: nothing for the predictor to learn, and the phase's
             # step budget counts applied updates only, so the controller stays put.
-            return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
-                              True, 0.0, lr=self._lr(), skipped=True)
-        if phase is Phase.CORRECT and predicted is not None and math.isfinite(predicted):
-            self.predictor.record_verification(self.global_steps, predicted, loss, phase.value, None)
-        self._observe(Observation(step=self.global_steps, phase=phase.value, loss=loss, lr=self._lr(),
-                                  grad_norm=grad_norm, groups=groups.tolist() if probe else None,
-                                  predicted_loss=predicted if math.isfinite(predicted) else None,
-                                  total_steps=self._total_steps, batch_difficulty=difficulty))
+            return StepResult(self.global_steps, label.value, loss, predicted_loss, self.predictor.confidence(),
+                              True, 0.0, lr=self._lr(), skipped=True, predicted_groups=k, checked=check)
+        if self._planner is not None:
+            if probe:
+                self._planner.observe_groups(groups, [g not in predicted for g in range(groups.shape[0])])
+            # Measured harm: this step's loss against the forecast from whole steps, after a
+            # partial step or after a whole one (the loss is already shared: no collective).
+            std = self.predictor.predict_loss(self.global_steps, difficulty)[1]
+            excess = within_band(loss, predicted_loss, std, None, cfg.divergence)[1]
+            if loss is not None and math.isfinite(excess):
+                self._planner.observe_check(self._planner.stats.last_k > 0, excess)
+        if phase is Phase.CORRECT and predicted_loss is not None and math.isfinite(predicted_loss):
+            self.predictor.record_verification(self.global_steps, predicted_loss, loss, phase.value, None)
+        if predicted:
+            # The predictor's loss trend and statistics learn from whole real steps only.
+            with self._timed_predictor():
+                self.controller.end_step(self._decide)
+        else:
+            self._observe(Observation(step=self.global_steps, phase=phase.value, loss=loss, lr=self._lr(),
+                                      grad_norm=grad_norm, groups=groups.tolist() if probe else None,
+                                      predicted_loss=predicted_loss if math.isfinite(predicted_loss) else None,
+                                      total_steps=self._total_steps, batch_difficulty=difficulty))
+            with self._timed_predictor():
+                self.controller.end_step(self._decide)
+        if self._planner is not None:
+            self._planner.stepped(k)
+            self._plan_next_step()
+        return StepResult(self.global_steps, label.value, loss, predicted_loss, self.predictor.confidence(),
+                          True, 0.0, lr=self._lr(), predicted_groups=k, checked=check)
+
+    def _plan_next_step(self) -> None:
+        """How many lower groups the next step predicts (the same answer on every rank)."""
+        ctl = self.controller
+        k = 0
+        if ctl.phase is Phase.FULL and not (self.hybrid_config.whole_model and ctl.remaining <= 1):
+            # (The last Full step before a possible Predict run stays whole: that run's snapshot
+            # would overwrite the rollback point before the check.)
+            frac = self.hybrid_config.predict_lr_fraction
+            gate = frac >= 1.0 or self._lr() <= frac * max(self._max_lr, self._lr())
+            with self._timed_predictor():
+                k = self._planner.decide(gate)
+        self._next_groups = int(self._agreed([float(k)])[0])
+
+    def _check_predicted_update(self, loss: torch.Tensor, batch: Any, out: list) -> bool:
+        """The first forward of the step after a partial step checks the predicted update
+        against the divergence band; outside it, the predicted groups go back to the snapshot
+        (an exact rollback, on every rank together) and the caller runs the forward again."""
+        groups = self._check_groups
+        if groups is None:
+            return False
+        self._check_groups = None
+        local = torch.cat([torch.tensor([float(loss.detach().float()), 1.0], dtype=torch.float64),
+                           self._measure_difficulty([batch])])
+        shared = self._all_reduce_sum(local)
+        observed = float(shared[0] / shared[1])
+        difficulty = float(shared[2] / shared[3]) if shared[3] > 0 else None
+        run, self._check_run = self._check_run, False
+        div = self.hybrid_config.divergence
         with self._timed_predictor():
-            self.controller.end_step(self._decide)
-        return StepResult(self.global_steps, phase.value, loss, predicted, self.predictor.confidence(),
-                          True, 0.0, lr=self._lr())
+            if run:   # a whole-model Predict run: the predictor's own verdict (it learns from it)
+                ok, expected = self.predictor.accept(observed, self.global_steps + 1, div, difficulty)
+            else:
+                expected, std = self.predictor.predict_loss(self.global_steps + 1, difficulty)
+                ok = within_band(observed, expected, std, self._boundary_loss, div)[0]
+        ok, expected = self._agreed([float(ok), expected])
+        accepted = ok > 0.5
+        out.append(accepted)
+        if run:
+            self.predictor.record_verification(self.global_steps + 1, expected, observed, Phase.PREDICT.value,
+                                               accepted)
+            self._verifications += 1
+            self._stats.verifications += 1
+            if accepted:
+                self._stats.predict_accepted += self._pending
+            else:
+                self._stats.predict_rolled_back += self._pending
+            undone, self._pending = (0 if accepted else self._pending), 0
+        else:
+            self._stats.group_checks += 1
+        if accepted:
+            return False
+        with self._timed("restore"):
+            za.restore_weights(self._masters, self._snapshot, groups=set(groups))
+        if not run:
+            self._stats.group_rolled_back += 1
+        return True
 
     def _predict_step(self, batches: list, loss_fn: LossFn) -> StepResult:
         ctl, cfg = self.controller, self.hybrid_config
+        next_step = cfg.check == "next_step"
         if ctl.predict_index == 0:
-            with self._timed("snapshot"):
-                za.capture_weights(self._masters, self._snapshot)
-            self._pending = 0
+            if self._check_groups is None:
+                with self._timed("snapshot"):
+                    za.capture_weights(self._masters, self._snapshot)
+                self._pending = 0
+            # (else: a run straight after a run whose check is still pending; the snapshot stays
+            # the last good point and the next real step checks both runs together)
             if self._parking is not None:
                 self._parking.park()  # back when the run ends, before the next real step
         with self._timed_predictor():
             scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
         scale = sum(scales) / len(scales) if scales else 0.0
         lr = self._lr()
-        verify = ctl.verify_now()
+        verify = ctl.verify_now() and not next_step
         every = cfg.dynamics.progress_every
         measure = verify and every > 0 and self._verifications % every == 0
         self._verifications += int(verify)
@@ -371,6 +533,8 @@ class PredictiveEngine(DeepSpeedEngine):
 
         @torch.no_grad()
         def predicted_update() -> None:
+            if cfg.predictor.direction == "none":
+                return   # the control: the step advances the schedule and moves nothing
             with self._timed("predicted_update"):
                 if self._velocity is not None:
                     za.apply_velocity_update(self._masters, self._velocity, scales)
@@ -427,6 +591,10 @@ class PredictiveEngine(DeepSpeedEngine):
                                   total_steps=self._total_steps, progress=progress, batch_difficulty=difficulty))
         with self._timed_predictor():
             ctl.end_step(self._decide, rolled_back=accepted is False)
+        if next_step and ctl.phase is not Phase.PREDICT and self._pending:
+            # The run is over: the next real step's first forward checks all of it.
+            self._check_groups = frozenset(range(self._masters.num_groups()))
+            self._check_run = True
         if self._parking is not None and ctl.phase is not Phase.PREDICT:
             self._parking.unpark()  # the run is over: the next step is real and needs the moments
         return StepResult(self.global_steps, Phase.PREDICT.value, observed, predicted, self.predictor.confidence(),
@@ -467,7 +635,7 @@ class PredictiveEngine(DeepSpeedEngine):
     def _decide(self) -> tuple[bool, int]:
         # The LR gate: the LR is the same on every rank, so this needs no agreement.
         frac = self.hybrid_config.predict_lr_fraction
-        if frac < 1.0 and self._lr() > frac * self._max_lr:
+        if not self.hybrid_config.whole_model or (frac < 1.0 and self._lr() > frac * self._max_lr):
             return False, 0
         predict, horizon = self.predictor.decide()
         predict, horizon = self._agreed([float(predict), float(horizon)])
@@ -558,7 +726,19 @@ class PredictiveEngine(DeepSpeedEngine):
             if self._nonfinite_on_any_rank():
                 with self._optimizer_reports_overflow():
                     return super()._take_model_step(lr_kwargs)
-            return super()._take_model_step(lr_kwargs)
+            groups = self._step_groups
+            if not groups:
+                return super()._take_model_step(lr_kwargs)
+            # A partial step: the predicted groups take the predicted update before the
+            # optimizer runs, and the optimizer leaves them out; the wrapper's own copy of the
+            # masters into the 16-bit weights (and ZeRO's all-gather) then carries both.
+            with self._timed("predicted_update"):
+                self._apply_group_update(groups)
+            try:
+                with self._masters.optimizer_skips(groups):
+                    return super()._take_model_step(lr_kwargs)
+            finally:
+                self._masters.lp_current = False
         opt, update = self.optimizer, self._predicted_update
 
         def predicted_step(*args, **kwargs):
@@ -575,6 +755,16 @@ class PredictiveEngine(DeepSpeedEngine):
         finally:
             del opt.step
             del self.gradient_clipping
+
+    @torch.no_grad()
+    def _apply_group_update(self, groups: frozenset) -> None:
+        if self.hybrid_config.predictor.direction == "none":
+            return   # the control: predicted groups stay where they are
+        scales = self._planner.scales(len(groups))
+        if self._velocity is not None:
+            za.apply_velocity_update(self._masters, self._velocity, scales)
+        else:
+            za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
 
     def _nonfinite_on_any_rank(self) -> bool:
         """Collective: share this real step's losses (into ``_boundary_loss``) and the NaN/Inf flag."""
@@ -646,7 +836,10 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.hybrid_config.enabled:
             sd.update(controller=self.controller.state_dict(), predictor=self.predictor.state_dict(),
                       pending=self._pending, verifications=self._verifications, max_lr=self._max_lr,
-                      progress_log=list(self.progress_log),
+                      progress_log=list(self.progress_log), next_groups=self._next_groups,
+                      check_groups=None if self._check_groups is None else sorted(self._check_groups),
+                      check_run=self._check_run,
+                      planner=None if self._planner is None else self._planner.state_dict(),
                       difficulty=None if self._difficulty is None else self._difficulty.state_dict())
         return sd
 
@@ -669,6 +862,12 @@ class PredictiveEngine(DeepSpeedEngine):
         self._verifications = sd.get("verifications", 0)
         self._max_lr = sd.get("max_lr", 0.0)
         self.progress_log = [tuple(x) for x in sd.get("progress_log", [])]
+        self._next_groups = int(sd.get("next_groups", 0)) if self._planner is not None else 0
+        pending = sd.get("check_groups")
+        self._check_groups = frozenset(pending) if pending is not None else None
+        self._check_run = bool(sd.get("check_run", False))
+        if self._planner is not None and sd.get("planner") is not None:
+            self._planner.load_state_dict(sd["planner"])
         if self._difficulty is not None and sd.get("difficulty") is not None:
             self._difficulty.load_state_dict(sd["difficulty"])
 
@@ -711,9 +910,11 @@ class PredictiveEngine(DeepSpeedEngine):
         return device in ("cpu", "nvme") and self.device.type != "cpu"
 
     def _snapshot_needed(self) -> bool:
-        # Inside a Predict run the snapshot is the last good point a rejection returns to;
-        # at every other step boundary it is retaken (or unused) before it is read.
-        return self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0
+        # Inside a Predict run the snapshot is the last good point a rejection returns to, and
+        # after a partial step it is the predicted groups' rollback point until the next step's
+        # check; at every other step boundary it is retaken (or unused) before it is read.
+        return (self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0) \
+            or self._check_groups is not None
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:
         if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):
@@ -769,6 +970,9 @@ class PredictiveEngine(DeepSpeedEngine):
             s.backward_passes += gas
         else:
             s.backward_skipped += gas
+        if r.predicted_groups:
+            s.partial_backward += gas
+            s.partial_share_sum += gas * self._layout.share_below(r.predicted_groups)
         s.verifications += int(r.verified)
         s.skipped_steps += int(r.skipped)
         if self.hybrid_config.enabled and self.hybrid_config.log_to_monitor and self.monitor.enabled \
@@ -782,6 +986,24 @@ class PredictiveEngine(DeepSpeedEngine):
             if r.predicted_loss is not None and math.isfinite(r.predicted_loss):
                 events.append(("Hybrid/predicted_loss", r.predicted_loss, self.global_samples))
             self.monitor.write_events(events)
+
+
+def within_band(observed: float, expected: float, std: float, level: float | None, div) -> tuple[bool, float]:
+    """The check of a predicted update by the next real step's first forward: is the loss
+    inside the divergence band above its forecast? Returns (ok, excess over the forecast in
+    units of the band). The band is the wider of ``rel_tolerance`` and ``z_threshold``
+    standard deviations; above ``max_loss_ratio`` times the last real loss is always out."""
+    if not math.isfinite(observed):
+        return False, math.inf
+    if level is not None and math.isfinite(level) and observed > div.max_loss_ratio * level:
+        return False, math.inf
+    if expected is None or not math.isfinite(expected):
+        return True, math.nan
+    band = abs(expected) * div.rel_tolerance
+    if std is not None and math.isfinite(std):
+        band = max(band, div.z_threshold * std)
+    band = max(band, 1e-12)
+    return observed <= expected + band, (observed - expected) / band
 
 
 def make_predictor(cfg: HybridPredictConfig):

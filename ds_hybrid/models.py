@@ -38,6 +38,12 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         "the default, small enough for CPU runs.",
         {"n_layer": 4, "n_embd": 128, "n_head": 4, **_GPT2_NO_DROPOUT},
     ),
+    "gpt2-deep": ModelSpec(
+        "gpt2",
+        "GPT-2, 8 layers, width 128, 4 heads (~1.6M parameters at vocab 256): gpt2-tiny twice as "
+        "deep, for the layer-group Predict runs on CPU.",
+        {"n_layer": 8, "n_embd": 128, "n_head": 4, **_GPT2_NO_DROPOUT},
+    ),
     "gpt2-test": ModelSpec(
         "gpt2",
         "GPT-2, 2 layers, width 32, 2 heads (~38K parameters at vocab 256 and "
@@ -225,15 +231,34 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
                if p.requires_grad or not trainable_only)
 
 
+BLOCK_LIST_NAMES = ("h", "layers", "blocks", "block", "layer")
+
+
+def block_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's transformer blocks in forward order (GPT-2's ``transformer.h``, Llama's
+    ``model.layers``, ...): the ``ModuleList`` named one of ``BLOCK_LIST_NAMES`` with the most
+    parameters, or None when the model has none."""
+    found = [m for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and name.rsplit(".", 1)[-1] in BLOCK_LIST_NAMES]
+    if not found:
+        return None
+    return max(found, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
 def layer_groups(model: torch.nn.Module, groups: int = 4) -> list[dict]:
     """Optimizer param groups by depth: embeddings, ``groups - 2`` contiguous bands of
-    transformer blocks, and everything after the blocks (final norm, untied head).
+    transformer blocks, and everything after the blocks (final norm, head).
 
     Each becomes one flat master partition under ZeRO 1/2 and one entry of the
-    per-group statistics, so Predict steps can move layers by different amounts.
-    Groups carry a ``name``; empty ones are dropped.
+    per-group statistics, so Predict steps can move layers by different amounts, and
+    layer-group Predict steps can leave the lower groups out of the backward pass.
+    An input embedding tied to the output head (GPT-2's ``wte``) is in the ``head``
+    group: it is trained through the head whenever the head is. Groups carry a
+    ``name``; empty ones are dropped.
     """
     import re
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(out_emb.weight)} if out_emb is not None and getattr(out_emb, "weight", None) is not None else set()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     blocks = sorted({int(m.group(1)) for n, _ in named for m in [re.search(r"\.(?:h|layers)\.(\d+)\.", n)] if m})
     bands = max(groups - 2, 1)
@@ -243,6 +268,8 @@ def layer_groups(model: torch.nn.Module, groups: int = 4) -> list[dict]:
         if m and blocks:
             pos = blocks.index(int(m.group(1)))
             key = f"blocks_{pos * bands // len(blocks)}"
+        elif id(p) in tied:
+            key = "head"
         elif any(k in n for k in ("wte", "wpe", "embed_tokens")):
             key = "embeddings"
         else:

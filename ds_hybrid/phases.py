@@ -10,7 +10,8 @@ Transitions::
     WARMUP (warmup_steps) -> FULL (full_steps) -> decide
     decide: confident -> PREDICT (horizon h), else FULL (full_steps) -> decide
     PREDICT: run completed -> CORRECT (correction_steps) -> decide
-             (correction_steps = 0: decide at once)
+             (correction_steps = 0: decide at once; with ``check: next_step`` FULL
+             (full_steps) instead, since a real step must check the run)
     PREDICT: verification rejected -> rollback -> FULL (full_steps) -> decide
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ class Phase(str, enum.Enum):
     FULL = "full"
     PREDICT = "predict"
     CORRECT = "correct"
+    # A Full step whose lower layer groups were predicted (group_predict); the controller
+    # never enters it, it labels the step's result and statistics.
+    PARTIAL = "partial"
 
     @property
     def runs_backward(self) -> bool:
@@ -67,6 +71,9 @@ class PhaseController:
             elif self.predict_index >= self.horizon:
                 if self.cfg.correction_steps > 0:
                     self._enter(Phase.CORRECT, self.cfg.correction_steps)
+                elif self.cfg.check == "next_step":
+                    # Back to back runs would never meet the real step that checks them.
+                    self._enter(Phase.FULL, self.cfg.full_steps)
                 else:
                     self._decide(decide)
             return

@@ -12,6 +12,7 @@ PHASE_COLOURS: dict[str, str] = {
     "full": "#1f77b4",     # blue
     "predict": "#2ca02c",  # green
     "correct": "#ff7f0e",  # orange
+    "partial": "#17becf",  # cyan: a Full step with predicted lower layer groups
 }
 
 

@@ -124,7 +124,7 @@ class AdamDirectionPredictor:
         if not self.ready():
             return 0.0
         evidence = (self.accepted + 1) / (self.accepted + self.rejected + 1)
-        if self.pcfg.direction == "drift":
+        if self.pcfg.direction in ("drift", "none"):
             # A single real update is mostly oscillation around the drift (a low cosine with
             # it by nature); what matters is whether the next step keeps going that way: the
             # running projection of each real update on the velocity (1: all of it).

@@ -42,7 +42,7 @@ PRESET_DIR = REPO_ROOT / "ds_configs"
 TRAIN_STATE_KEY = "ds_hybrid.train"  # the train loop's state in a checkpoint's client_state
 # Arguments a resumed run must share with the run that wrote the checkpoint: they
 # decide the model, the data stream and the optimizer's settings.
-RESUME_MUST_MATCH = ("config", "data", "model", "seq_len", "seed", "max_corpus_bytes", "lr", "baseline")
+RESUME_MUST_MATCH = ("config", "data", "model", "seq_len", "seed", "max_corpus_bytes", "lr", "baseline", "init")
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a run stopped by SIGINT
 
 
@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-groups", type=int, default=4,
                    help="optimizer param groups per model: embeddings, N-2 bands of transformer blocks, "
                         "and the final norm/head (Predict steps scale each group separately); 1: one group")
+    p.add_argument("--init", default=None, metavar="PATH",
+                   help="start from these model weights (a state dict written by --save-model), e.g. to "
+                        "fine-tune a model pre-trained by an earlier run")
+    p.add_argument("--save-model", default=None, metavar="PATH",
+                   help="write the trained model's weights (a torch state dict) here at the end (rank 0)")
     p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record memory every step (ds_hybrid.memory.MemoryProfiler; ~10 us per step): "
                         "memory.csv, memory_report.txt, memory.png, and per-phase peaks in summary.json")
@@ -377,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
     model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
+    if args.init:
+        load_init_weights(model, args.init)
     if "activation_checkpointing" in ds_config:
         # DeepSpeed's section does nothing by itself; its presence means: recompute each layer
         # in backward (transformers' non-reentrant checkpointing; run here on ZeRO 1 and 3).
@@ -475,6 +482,8 @@ def main(argv: list[str] | None = None) -> dict:
         where = f"; checkpoint {checkpoint}, continue with --resume" if checkpoint else " (no --save-dir: nothing saved)"
         print(f"stopped by {interrupted} after step {done} of {args.steps}{where}", flush=True)
 
+    if args.save_model:
+        save_model_weights(engine, args.save_model)
     stats = engine.statistics()
     summary = {
         "args": {k: v for k, v in vars(args).items() if k != "local_rank"},
@@ -522,6 +531,37 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_summary(summary), flush=True)
         print(f"wrote {out / 'summary.json'}, {out / 'steps.jsonl'}" + ("" if args.no_plot else f", {out / 'loss.png'}"))
     return summary
+
+
+def load_init_weights(model: Any, path: str) -> None:
+    """``--init``: the weights of an earlier run (``--save-model``); an error names the file."""
+    import torch
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"--init: no such file: {p}")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except (RuntimeError, OSError, ValueError) as err:   # a corrupt file or another model's shapes
+        raise SystemExit(f"--init: {p} does not hold weights of this model: {str(err).splitlines()[0]}") from None
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]   # tied to the input embedding
+    if missing or unexpected:
+        raise SystemExit(f"--init: {p} does not hold weights of this model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+
+
+def save_model_weights(engine: Any, path: str) -> None:
+    """``--save-model``: the model's weights as a torch state dict (gathered on ZeRO 3), on rank 0."""
+    import torch
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
+    if engine.global_rank == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(str(path) + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
 
 
 def resume_from_checkpoint(engine: Any, args: argparse.Namespace) -> tuple[dict | None, str | None]:

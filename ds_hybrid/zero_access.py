@@ -99,6 +99,43 @@ class MasterAccess(abc.ABC):
         """Copy the masters into the parameters the forward pass reads. Collective
         on ZeRO 1-3: every rank must call it."""
 
+    def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The model parameters of each optimizer param group, in the optimizer's order (what
+        layer-group Predict needs to know which groups lie below which block)."""
+        return [list(g["params"]) for g in self.base.param_groups]
+
+    def group_names(self) -> list[str]:
+        return [str(g.get("name", f"group_{i}")) for i, g in enumerate(self.base.param_groups)]
+
+    @contextlib.contextmanager
+    def optimizer_skips(self, groups: "set[int] | frozenset[int]"):
+        """For the block, the base optimizer's ``step`` leaves the param groups ``groups`` out:
+        no Adam step, no moment decay, no weight decay, no step count for them (torch's Adam /
+        AdamW, DeepSpeed's FusedAdam and CPU Adam all step only the groups in
+        ``param_groups``). Works whether the wrapper steps all groups at once (ZeRO 0, the
+        BF16/FP16 wrappers) or one at a time (ZeRO 1/2's ``_optimizer_step``)."""
+        if not groups:
+            yield
+            return
+        base = self.base
+        skip = {id(base.param_groups[g]) for g in groups}
+        original = base.step
+
+        def step(*args, **kwargs):
+            kept = base.param_groups
+            base.param_groups = [g for g in kept if id(g) not in skip]
+            try:
+                if base.param_groups:
+                    return original(*args, **kwargs)
+            finally:
+                base.param_groups = kept
+
+        base.step = step
+        try:
+            yield
+        finally:
+            del base.step
+
     def has_adam_state(self) -> bool:
         """True once a real optimizer step has created ``exp_avg`` / ``exp_avg_sq``."""
         return any(p.master.numel() and "exp_avg" in p.state and "exp_avg_sq" in p.state
@@ -140,6 +177,9 @@ class _FP16OptimizerAccess(MasterAccess):
 
     kind = "zero0-flat"
 
+    def model_param_groups(self):
+        return [list(g) for g in self.optimizer.fp16_groups]
+
     def _count(self):
         return len(self.optimizer.fp32_groups_flat)
 
@@ -172,6 +212,9 @@ class _FP16UnfusedAccess(MasterAccess):
 
     kind = "zero0-unfused"
 
+    def model_param_groups(self):
+        return [list(g) for g in self.optimizer.fp16_groups]
+
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self._masters = [(m, gi) for gi, ms in enumerate(optimizer.fp32_groups) for m in ms]  # index: see above
@@ -195,6 +238,9 @@ class _BF16OptimizerAccess(MasterAccess):
     kind = "bf16-optimizer"
     partitioned = True
 
+    def model_param_groups(self):
+        return [list(g) for g in self.optimizer.bf16_groups]
+
     def _count(self):
         return len(self.optimizer.fp32_groups_flat_partition)
 
@@ -216,6 +262,9 @@ class _Zero12Access(MasterAccess):
 
     kind = "zero1-2"
     partitioned = True
+
+    def model_param_groups(self):
+        return [list(g) for g in self.optimizer.bit16_groups]
 
     def _count(self):
         return len(self.optimizer.single_partition_of_fp32_groups)
@@ -268,6 +317,9 @@ class _Zero3Access(MasterAccess):
 
     kind = "zero3"
     partitioned = True
+
+    def model_param_groups(self):
+        raise NotImplementedError("ZeRO 3 partitions parameters across ranks; layer-group Predict needs ZeRO 0-2")
 
     def _count(self):
         return len(self.optimizer.fp32_partitioned_groups_flat)
@@ -400,19 +452,23 @@ class PartitionBuffers:
 
 
 @torch.no_grad()
-def capture_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
-    """Snapshot every master partition (the last good point for a rollback)."""
+def capture_weights(access: MasterAccess, bufs: PartitionBuffers, groups: "set[int] | None" = None) -> None:
+    """Snapshot the master partitions (the last good point for a rollback), of every
+    param group or only of ``groups``."""
     for i, part in enumerate(access.partitions()):
-        bufs._buffer(i, part.master).copy_(part.master, non_blocking=True)
+        if groups is None or part.group_index in groups:
+            bufs._buffer(i, part.master).copy_(part.master, non_blocking=True)
     bufs.holds = "weights"
 
 
 @torch.no_grad()
-def restore_weights(access: MasterAccess, bufs: PartitionBuffers) -> None:
-    """Copy the snapshot back into the masters and propagate: an exact rollback."""
+def restore_weights(access: MasterAccess, bufs: PartitionBuffers, groups: "set[int] | None" = None) -> None:
+    """Copy the snapshot back into the masters (of every param group, or of ``groups``) and
+    propagate: an exact rollback."""
     assert bufs.holds == "weights", "restore_weights needs a weight snapshot"
     for i, part in enumerate(access.partitions()):
-        part.master.copy_(bufs.buffers[i])
+        if groups is None or part.group_index in groups:
+            part.master.copy_(bufs.buffers[i])
     access.lp_current = False   # the 16-bit copies hold the update: propagate must copy
     access.propagate()  # a collective on ZeRO 1-3: every rank rolls back together
 
@@ -583,12 +639,15 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
-                     lrs: Sequence[float], beta: float, step: int) -> torch.Tensor:
+                     lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
+                     keep: bool = False) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
     per unit LR). ``before`` holds the masters from before the step (``capture_weights``);
-    ``lrs`` the LR of each param group in that step."""
+    ``lrs`` the LR of each param group in that step. ``groups``: fold only these param groups
+    (a layer-group Predict step's real ones); ``keep``: leave ``before`` marked as a weight
+    snapshot (it is the predicted groups' rollback point)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     if before.holds != "weights":
         return out
@@ -597,6 +656,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
     for i, part in enumerate(access.partitions()):
         lr = float(lrs[part.group_index])
         if part.master.numel() == 0 or lr <= 0 or i >= len(before.buffers):
+            continue
+        if groups is not None and part.group_index not in groups:
             continue
         folded = True
         buf = vel.buffer(i, part.master)
@@ -631,7 +692,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
             row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
     vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
-    before.holds = None
+    if not keep:
+        before.holds = None
     return out
 
 

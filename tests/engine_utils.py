@@ -46,11 +46,15 @@ EAGER = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predic
          "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0}}
 
 
-def make_engine(cfg: dict, seed: int = 0, plain: bool = False):
+def make_engine(cfg: dict, seed: int = 0, plain: bool = False, groups: int = 0, model: str = "gpt2-test"):
+    """An engine on a tiny model; ``groups``: that many layer groups (models.layer_groups)
+    as the optimizer's param groups, else one."""
+    from ds_hybrid.models import layer_groups
     torch.manual_seed(seed)
-    model = build_model("gpt2-test", vocab_size=256, seq_len=SEQ)
+    net = build_model(model, vocab_size=256, seq_len=SEQ)
     init = deepspeed.initialize if plain else ds_hybrid.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    params = layer_groups(net, groups) if groups else net.parameters()
+    engine, *_ = init(model=net, model_parameters=params, config=copy.deepcopy(cfg))
     return engine
 
 

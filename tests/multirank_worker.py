@@ -37,6 +37,9 @@ parser.add_argument("--save-dir", default=None)
 parser.add_argument("--out", required=True)
 parser.add_argument("--predictor", default="adam_direction")
 parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--group-predict", action="store_true",
+                    help="layer groups with layer-group Predict (planner with min_gain 0); with --faults rank 1's "
+                         "second check of a predicted update sees its loss x 10")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -47,7 +50,14 @@ if args.predictor == "rssm":
     # Decide early and often, so a short run exercises training, exploration and the bandit.
     hybrid.update(predictor={"type": "rssm"}, min_predict_steps=1,
                   dynamics={"min_observations": 4, "train_every": 2, "explore_every": 1, "window": 4})
-engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid))
+if args.group_predict:
+    hybrid = {"warmup_steps": 3, "full_steps": 6, "confidence_threshold": 0.0, "min_predict_steps": 2,
+              "max_predict_steps": 2, "verify_every": 1, "correction_steps": 1, "check": "next_step",
+              "predictor": {"direction": "drift", "drift_beta": 0.8},
+              "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
+              "group_predict": {"enabled": True, "refresh_every": 3, "min_gain": 0.0}}
+engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid),
+                     groups=4 if args.group_predict else 0)
 lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
 if args.copy_lp:
     engine._masters._lp = lambda i: None
@@ -83,6 +93,12 @@ def loss_fn(eng, batch):
     if args.faults and real and step == NAN_GRAD_STEP:
         return nan_gradient_loss(eng, batch, poison=rank == 0)
     loss = default_loss(eng, batch)
+    if args.group_predict:
+        if args.faults and rank == 1 and real and eng._check_groups is not None and not eng._check_run:
+            predict_verifications["seen"] += 1
+            if predict_verifications["seen"] == 2:
+                return loss * 10
+        return loss
     if args.faults and rank == 1 and eng.phase is Phase.PREDICT and not real:
         predict_verifications["seen"] += 1
         if predict_verifications["seen"] == 2:
@@ -106,6 +122,7 @@ for _ in range(args.steps):
     micro = [next(stream) for _ in range(args.gas)]
     r = engine.train_step(micro, loss_fn=loss_fn)
     record.append({"phase": r.phase, "loss": r.loss, "accepted": r.accepted, "rolled_back": r.rolled_back_steps,
+                   "predicted_groups": r.predicted_groups, "checked": r.checked,
                    "skipped": r.skipped, "step": r.step, "lr": r.lr, "batches": [batch_digest(b) for b in micro]})
 if args.save_dir:
     engine.save_checkpoint(args.save_dir, "final")

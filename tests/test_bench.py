@@ -1,115 +1,210 @@
-"""ds-hybrid bench: the analysis on constructed curves, and a CI-sized end-to-end run."""
+"""ds-hybrid bench: the frontier scoring on constructed curves, the report, and a CI-sized end-to-end run."""
 import json
 
 import pytest
 
-from ds_hybrid import bench
+from ds_hybrid import bench, bench_report
+from ds_hybrid import frontier as fr
 
 
 def test_time_to_target_interpolates_first_crossing():
     curve = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
-    assert bench.time_to_target(curve, 2.5) == pytest.approx(15.0)
-    assert bench.time_to_target(curve, 3.0) == pytest.approx(10.0)
-    assert bench.time_to_target(curve, 1.5) == pytest.approx(30.0)
-    assert bench.time_to_target(curve, 1.0) is None
+    assert fr.time_to_target(curve, 2.5) == pytest.approx(15.0)
+    assert fr.time_to_target(curve, 3.0) == pytest.approx(10.0)
+    assert fr.time_to_target(curve, 1.5) == pytest.approx(30.0)
+    assert fr.time_to_target(curve, 1.0) is None
 
 
-def _row(curve, seconds, skipped=0.0):
-    return {"final_val_loss": curve[-1][1], "val_curve": curve, "train_seconds": seconds, "peak_rss_mb": 100.0,
-            "tokens_per_step": 1000,
-            "statistics": {"backward_skipped_pct": skipped, "predict_accepted": 3, "predict_rolled_back": 1,
-                           "mean_step_seconds": {"warmup": 0.1, "full": 0.1, "predict": 0.02, "correct": 0.1}}}
+def test_frontier_time_takes_the_least_time_over_budgets_and_interpolates_between_their_ends():
+    short = {"val_curve": [(0.0, 5.0), (10.0, 2.4)]}            # budget 0.5: ends at 2.4 after 10 s
+    long = {"val_curve": [(0.0, 5.0), (10.0, 2.8), (20.0, 2.0)]}  # budget 1: 2.0 after 20 s
+    # 2.4 is reached at the short run's end (10 s), earlier than the long run's crossing (15 s).
+    assert fr.frontier_time([short, long], 2.4) == pytest.approx(10.0)
+    # 2.2 is reached by no short run; between the budgets' end points (10 s, 2.4) and (20 s, 2.0)
+    # a budget in between would end there at 15 s, earlier than the long run's crossing (17.5 s).
+    assert fr.frontier_time([short, long], 2.2) == pytest.approx(15.0)
+    assert fr.frontier_time([short, long], 1.9) is None
+    assert fr.frontier_time([], 2.0) is None
 
 
-def test_compare_seed_against_the_baselines_final_loss():
-    base = _row([(0.0, 5.0), (10.0, 3.0), (20.0, 2.0)], 20.0)
-    fast = _row([(0.0, 5.0), (5.0, 3.0), (10.0, 2.0), (12.0, 1.9)], 12.0, skipped=40.0)
-    r = bench.compare_seed(base, fast)
-    assert r["target_val_loss"] == 2.0
-    assert r["baseline_time_to_target_s"] == 20.0 and r["time_to_target_s"] == 10.0
-    assert r["time_to_target_ratio"] == pytest.approx(0.5)
-    assert r["final_val_gap_pct"] == pytest.approx(-5.0)
-    assert r["val_at_equal_time"] == pytest.approx(1.9) and r["baseline_val_at_equal_time"] == pytest.approx(2.8)
-    assert r["tokens_per_s_by_phase"]["predict"] == pytest.approx(50000)
-    slow = _row([(0.0, 5.0), (20.0, 2.5)], 20.0)
-    assert bench.compare_seed(base, slow)["time_to_target_ratio"] is None
+def test_step_costs_curve_and_ratios():
+    # Steps 1-4 cost 1, 0.1, 0.1, 1: validation after steps 2 and 4.
+    assert fr.step_costs_curve([(0, 5.0), (2, 3.0), (4, 2.0)], [1.0, 0.1, 0.1, 1.0]) == \
+        [(0.0, 5.0), (pytest.approx(1.1), 3.0), (pytest.approx(2.2), 2.0)]
+    base = [{"c": [(0.0, 5.0), (4.0, 2.0)]}]
+    arm = [{"c": [(0.0, 5.0), (2.0, 2.0)]}]
+    r = fr.ratios(arm, base, {"t": 2.0, "never": 1.0}, "c")
+    assert r["t"]["ratio"] == pytest.approx(0.5) and r["never"]["ratio"] is None
+    assert fr.mean_spread([1.0, 3.0, None])["mean"] == 2.0 and fr.mean_spread([None])["n"] == 0
+
+
+def test_cost_of_step_kinds():
+    profile = {"cost": {"plain": 1.0, "real": 1.02, "partial_1": 0.8, "forward": 0.3, "predict": 0.02}}
+    assert bench.cost_of("predict", profile) == 0.02
+    assert bench.cost_of("predict+forward", profile) == pytest.approx(0.32)   # a rejected run's check
+    assert bench.cost_of("partial_3", profile) == 1.02                         # not profiled: a real step
+    assert bench.cost_of("real", None) == 1.0
+
+
+def _row(points, seconds_per_step=1.0, kinds=None, stats=None):
+    steps = points[-1][0]
+    kinds = kinds or ["plain"] * steps
+    cum, curve = [0.0], []
+    for k in kinds:
+        cum.append(cum[-1] + (0.1 if k == "predict" else 1.0) * seconds_per_step)
+    curve = [(cum[s], v) for s, v in points]
+    return {"final_val_loss": points[-1][1], "train_seconds": cum[-1], "val_curve": curve, "val_points": points,
+            "step_kinds": kinds, "steps": steps, "predicted_pct": 100 * kinds.count("predict") / steps,
+            "statistics": stats or {}, "run": "r", "peak_rss_mb": 100.0}
+
+
+def _raw():
+    """Plain DeepSpeed ends at 2.0 after 10 steps; the hybrid, with every other step predicted at
+    0.1 of a step's time, reaches 2.0 by its 10th step at 5.5 s on its 1.0 budget."""
+    hyb_kinds = ["plain", "predict"] * 5
+    base = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)]), "0.75": _row([(0, 5.0), (8, 2.5)])} for s in ("1", "2")}
+    hyb = {s: {"1": _row([(0, 5.0), (6, 3.0), (10, 2.0)], kinds=hyb_kinds,
+                         stats={"backward_skipped": 5, "partial_backward": 0})} for s in ("1", "2")}
+    return {"rows": {"baseline": base, "predict": hyb}}
+
+
+def test_analyse_scores_each_seed_on_the_frontier():
+    profile = {"cost": {"plain": 1.0, "real": 1.0, "predict": 0.1, "forward": 0.3}}
+    an = bench.analyse(_raw(), profile)
+    assert an["targets"]["1"]["target"] == 2.0 and an["targets"]["1"]["target+1%"] == pytest.approx(2.02)
+    seed = an["arms"]["predict"]["per_seed"]["1"]
+    assert seed["seconds"]["target"]["time"] == pytest.approx(5.5)
+    assert seed["seconds"]["target"]["ratio"] == pytest.approx(0.55)
+    assert seed["equivalents"]["target"]["ratio"] == pytest.approx(0.55)
+    fb = seed["full_budget"]
+    assert fb["final_gap_pct"] == pytest.approx(0.0) and fb["time_ratio"] == pytest.approx(0.55)
+    assert fb["backward_skipped"] == 5
+    agg = an["arms"]["predict"]["aggregate"]
+    assert agg["seconds"]["target"]["mean"] == pytest.approx(0.55) and agg["seconds"]["target"]["reached"] == 2
+
+
+def _result(tmp_path):
+    raw = _raw()
+    an = bench.analyse(raw, None)
+    suite = bench.SUITES["cpu-small"]
+    result = {"suite": {**bench.asdict(suite), "budgets": [0.75, 1.0]},
+              "arms": {a: bench.asdict(bench.ARMS[a]) for a in ("baseline", "predict")},
+              "command": "ds-hybrid bench --suite cpu-small", "sweep": {"1": {"final_val_loss": 2.0}},
+              "best_lr_multiplier": 1.0, "best_lr": 2e-3, "analysis": an, "profile": None, "bench_seconds": 60.0,
+              "errors": {}, "host": "test", "date": "2026-01-01",
+              "runs": {arm: {s: {b: bench_report.slim_row(r) for b, r in by_b.items()} for s, by_b in by_s.items()}
+                       for arm, by_s in raw["rows"].items()}}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    return dict(result, json_path=str(path), png_path=None)
+
+
+def test_report_and_readme_update(tmp_path):
+    result = _result(tmp_path)
+    md = bench_report.markdown(result)
+    assert "| `predict` | 0.550 ± 0.000 |" in md
+    line = bench_report.headline(result)
+    assert "`predict`" in line and "**0.55 ± 0.00x**" in line
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- headline:cpu-small:start -->\nold line\n<!-- headline:cpu-small:end -->\n"
+                      "<!-- bench:cpu-small:start -->\nold\n<!-- bench:cpu-small:end -->\noutro\n")
+    bench_report.update_readme(result, tmp_path, readme)
+    text = readme.read_text()
+    assert "old" not in text and "docs/results/cpu-small.json" in text and text.endswith("outro\n")
+    assert "**0.55 ± 0.00x**" in text
+    saved = json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())
+    assert saved["suite"]["name"] == "cpu-small"
+    # A README without the markers: a clear error, nothing written.
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no markers"):
+        bench_report.update_readme(result, tmp_path, readme)
+    assert readme.read_text() == "no markers\n"
+    # The check's payoff: the taken runs against the same runs with the Predict steps skipped.
+    assert bench_report.judgement_table(result) == []            # no control ran
+    skip = {s: {"1": dict(r["1"], final_val_loss=2.1)} for s, r in result["runs"]["predict"].items()}
+    table = "\n".join(bench_report.judgement_table(dict(result, runs=dict(result["runs"], **{"predict-skip": skip}))))
+    assert "| 1 | 1 | 2.0000 | 2.1000 | -0.1000 |" in table and "negative in 2 of 2" in table
+    # A suite on another model gets its own name (its own JSON and README markers).
+    other = dict(result, suite=dict(result["suite"], model="llama-tiny"))
+    assert bench_report.result_name(other) == "cpu-small-llama-tiny"
 
 
 def test_suites_reject_bad_overrides_and_gpu_suite_needs_gpu(monkeypatch):
     with pytest.raises(SystemExit, match="--seeds"):
         bench.main(["--suite", "cpu-small", "--seeds", "1"])
+    with pytest.raises(SystemExit, match="--budgets"):
+        bench.main(["--suite", "cpu-small", "--budgets", "0"])
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--suite", "gpu-gpt2"])
 
 
-@pytest.mark.slow
-def test_quick_bench_end_to_end(tmp_path, monkeypatch):
-    """The CI-sized run: sweep, baselines, hybrids, profile, JSON/markdown/PNG, README regeneration."""
-    result = bench.main(["--quick", "--out", str(tmp_path / "b")])
-    saved = json.loads((tmp_path / "b" / "result.json").read_text())
-    sweep = sorted(float(m) for m in saved["sweep"])
-    assert saved["best_lr_multiplier"] in sweep
-    # The sweep is extended while its best is at an edge (at most twice).
-    assert len(sweep) == 4 or sweep[0] < saved["best_lr_multiplier"] < sweep[-1]
-    hyb = saved["analysis"]["hybrid"]
-    eq = hyb["equal_compute"]["per_seed"]
-    assert len(eq) == 2 and all(0 < r["real_steps"] <= r["steps"] for r in eq.values())
-    assert saved["analysis"]["hybrid-x1.5"]["aggregate"]["seeds"] == 2
-    # Its control: plain DeepSpeed on the same stretched schedule, no Predict steps.
-    control = saved["analysis"]["baseline-x1.5"]
-    assert control["aggregate"]["seeds"] == 2 and control["aggregate"]["backward_skipped_pct"]["mean"] == 0
-    assert "against its control" in (tmp_path / "b" / "result.md").read_text()
-    assert "At equal compute" in (tmp_path / "b" / "result.md").read_text()
-    assert hyb["aggregate"]["seeds"] == 2
-    assert hyb["aggregate"]["backward_skipped_pct"]["mean"] > 0  # Predict steps happened
-    for r in hyb["per_seed"].values():
-        assert r["target_val_loss"] > 0 and r["final_val_loss"] > 0
-    prof = saved["profile"]
-    assert prof["full_step"] > 0 and prof["predict_step_verified"] > 0 and prof["forward_only"] > 0
-    assert (tmp_path / "b" / "val_vs_time.png").read_bytes()[:4] == b"\x89PNG"
-    assert "time to target" in (tmp_path / "b" / "result.md").read_text()
-    # --reuse keeps every finished run whose config and arguments match: nothing retrains.
-    again = bench.main(["--quick", "--out", str(tmp_path / "b"), "--reuse", "--no-profile"])
-    for name, a in saved["analysis"].items():
-        for seed, r in a["per_seed"].items():
-            assert again["analysis"][name]["per_seed"][seed]["train_seconds"] == r["train_seconds"]
-    # README regeneration from the JSON, on a copy of the README.
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench:cpu-small:start -->\nold\n<!-- bench:cpu-small:end -->\noutro\n")
-    monkeypatch.setattr(bench, "REPO_ROOT", tmp_path)
-    bench.update_readme(result, readme)
-    text = readme.read_text()
-    assert "old" not in text and "docs/results/cpu-small.json" in text and text.endswith("outro\n")
-    assert json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())["suite"]["name"] == "cpu-small"
+def test_arm_configs():
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "hybrid_predict": {"enabled": True, "warmup_steps": 9}}
+    cfg, plain = bench.arm_config(base, bench.ARMS["baseline"], quick=False)
+    assert plain and cfg == base
+    cfg, plain = bench.arm_config(base, bench.ARMS["default"], quick=False)
+    assert not plain and cfg["hybrid_predict"] == base["hybrid_predict"]
+    cfg, plain = bench.arm_config(base, bench.ARMS["predict-skip"], quick=False)
+    assert not plain and cfg["hybrid_predict"]["predictor"]["direction"] == "none"
+    assert cfg["hybrid_predict"]["check"] == "next_step"
+    cfg, plain = bench.arm_config(base, bench.ARMS["groups-freeze"], quick=False)
+    assert cfg["hybrid_predict"]["group_predict"] == {"enabled": True, "refresh_every": 4, "min_gain": 0.05,
+                                                      "pinned": 2, "step_scale": 0.0}
+    cfg, plain = bench.arm_config(base, bench.ARMS["zenflow"], quick=False)
+    assert plain and "zenflow" in cfg["zero_optimization"]
+    # Every arm's section parses.
+    from ds_hybrid.config import parse_hybrid_config
+    for arm in bench.ARMS.values():
+        cfg, plain = bench.arm_config(base, arm, quick=False)
+        if not plain:
+            parse_hybrid_config(cfg)
 
 
 def test_reuse_needs_the_same_config_and_arguments(tmp_path):
     suite = bench.SUITES["cpu-small"]
-    run = bench.Run("hybrid-s1", "hybrid", 1, 2e-3, {"a": 1}, tmp_path / "r")
-    assert not bench.reusable(run, suite, None)  # nothing there yet
+    runner = bench.Runner(suite, tmp_path, None, None, live=False, reuse=True)
+    run = bench.Run("predict-b1-s1", "predict", 1, 2e-3, 1.0, {"a": 1}, tmp_path / "r", 500, False)
+    assert not runner.reusable(run)   # nothing there yet
     run.out.mkdir()
     (run.out / "ds_config.json").write_text(json.dumps({"a": 1}))
-    args = {"model": suite.model, "steps": suite.steps, "seq_len": suite.seq_len, "seed": 1, "lr": 2e-3,
-            "eval_every": suite.eval_every, "val_batches": suite.val_batches, "data": None, "baseline": False}
-    (run.out / "summary.json").write_text(json.dumps({"args": args, "interrupted": False}))
-    assert bench.reusable(run, suite, None)
-    assert not bench.reusable(bench.Run("b", "baseline", 1, 2e-3, {"a": 1}, run.out), suite, None)
-    assert not bench.reusable(bench.Run("h", "hybrid", 2, 2e-3, {"a": 1}, run.out), suite, None)
-    assert not bench.reusable(bench.Run("h", "hybrid", 1, 2e-3, {"a": 2}, run.out), suite, None)
-    assert not bench.reusable(run, suite, "other.txt")
-    (run.out / "summary.json").write_text(json.dumps({"args": args, "interrupted": True}))
-    assert not bench.reusable(run, suite, None)
+    (run.out / "summary.json").write_text(json.dumps({"interrupted": False}))
+    (run.out / "bench_args.json").write_text(json.dumps(runner.args_for(run)))
+    assert runner.reusable(run)
+    assert not runner.reusable(bench.replace(run, config={"a": 2}))
+    assert not runner.reusable(bench.replace(run, seed=2))
+    assert not runner.reusable(bench.replace(run, baseline=True))
+    assert not bench.Runner(suite, tmp_path, "other.txt", None, False, True).reusable(run)
+    (run.out / "summary.json").write_text(json.dumps({"interrupted": True}))
+    assert not runner.reusable(run)
 
 
-def test_gpu_peak_is_reported_only_where_measured():
-    base = _row([(0.0, 5.0), (10.0, 2.0)], 10.0)
-    gpu = dict(_row([(0.0, 5.0), (10.0, 2.1)], 10.0), gpu_peak_allocated_mb=900.0)
-    base["gpu_peak_allocated_mb"] = 1800.0
-    r = bench.compare_seed(base, gpu)
-    assert (r["gpu_peak_mb"], r["baseline_gpu_peak_mb"]) == (900.0, 1800.0)
-    agg = {k: bench.mean_spread([r[k], r[k]]) for k in bench.AGG_KEYS}
-    assert bench._gpu_cell(agg) == "; GPU 900 ± 0 (1800 ± 0)"
-    cpu = bench.compare_seed(_row([(0.0, 5.0), (10.0, 2.0)], 10.0), _row([(0.0, 5.0), (10.0, 2.1)], 10.0))
-    assert bench._gpu_cell({k: bench.mean_spread([cpu[k]]) for k in bench.AGG_KEYS}) == ""
+@pytest.mark.slow
+def test_quick_bench_end_to_end(tmp_path):
+    """The CI-sized run: sweep, every budget of each system interleaved, profile, JSON/markdown/PNG."""
+    out = tmp_path / "b"
+    saved = bench.main(["--quick", "--arms", "predict", "groups", "default", "--out", str(out)])
+    saved = json.loads((out / "result.json").read_text())
+    sweep = sorted(float(m) for m in saved["sweep"])
+    assert saved["best_lr_multiplier"] in sweep
+    # The sweep is extended while its best is at an edge (at most twice).
+    assert len(sweep) == 4 or sweep[0] < saved["best_lr_multiplier"] < sweep[-1]
+    runs = saved["runs"]
+    assert set(runs["baseline"]["1"]) == {"0.75", "1"} and set(runs["predict"]["2"]) == {"1", "1.25"}
+    assert set(runs["default"]["1"]) == {"1"}
+    for arm in ("predict", "groups", "default"):
+        assert set(saved["analysis"]["arms"][arm]["per_seed"]) == {"1", "2"}
+    pred = saved["analysis"]["arms"]["predict"]["aggregate"]["full_budget"]
+    assert pred["backward_skipped"]["mean"] > 0          # Predict steps happened
+    assert saved["analysis"]["arms"]["groups"]["aggregate"]["full_budget"]["partial_backward"]["mean"] > 0
+    prof = saved["profile"]
+    assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < prof["cost"]["forward"] < 1
+    assert 0 < prof["cost"]["partial_1"] and prof["partial_share"]["partial_2"] > 0
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Full-step equivalents" in (out / "result.md").read_text()
+    # --reuse keeps every finished run whose config and arguments match: nothing retrains.
+    again = bench.main(["--quick", "--arms", "predict", "groups", "default", "--out", str(out), "--reuse",
+                        "--no-profile"])
+    assert again["runs"]["predict"]["1"]["1"]["train_seconds"] == runs["predict"]["1"]["1"]["train_seconds"]

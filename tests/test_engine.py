@@ -178,7 +178,7 @@ def test_phase_cycle_and_statistics():
     assert phases == (["warmup"] * 3 + ["full"] * 2 + ["predict"] * 2 + ["correct"]
                       + ["predict"] * 2 + ["correct"] + ["predict"] * 2)
     s = engine.statistics()
-    assert s["steps_per_phase"] == {"warmup": 3, "full": 2, "predict": 6, "correct": 2}
+    assert s["steps_per_phase"] == {"warmup": 3, "full": 2, "predict": 6, "correct": 2, "partial": 0}
     assert s["backward_skipped"] == 6 and s["backward_passes"] == 7
     assert s["backward_skipped_pct"] == pytest.approx(100 * 6 / 13)
     assert s["predict_accepted"] + s["predict_rolled_back"] == 6

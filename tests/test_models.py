@@ -22,7 +22,7 @@ def _forward_loss(model: torch.nn.Module, vocab: int = 256, seq_len: int = SEQ_L
 
 
 def test_known_models_have_docs() -> None:
-    assert set(known_models()) == {"gpt2-tiny", "gpt2-test", "gpt2-124m", "llama-tiny",
+    assert set(known_models()) == {"gpt2-tiny", "gpt2-deep", "gpt2-test", "gpt2-124m", "llama-tiny",
                                    "llama-1b", "llama-7b", "llama-50b"}
     assert all(spec.doc for spec in MODEL_SPECS.values())
 

@@ -49,8 +49,8 @@ def test_phase_runs_are_contiguous() -> None:
     phases = ["warmup", "warmup", "full", "predict", "predict", "full"]
     assert _phase_runs(steps, phases) == [("warmup", 0, 1), ("full", 2, 2),
                                           ("predict", 3, 4), ("full", 5, 5)]
-    assert set(PHASE_COLOURS) == {"warmup", "full", "predict", "correct"}
-    assert len(set(PHASE_COLOURS.values())) == 4
+    assert set(PHASE_COLOURS) == {"warmup", "full", "predict", "correct", "partial"}
+    assert len(set(PHASE_COLOURS.values())) == 5   # every phase, and a partial Full step, its own colour
 
 
 def test_bad_input_rejected(tmp_path: Path) -> None:

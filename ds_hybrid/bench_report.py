@@ -1,0 +1,246 @@
+"""Tables, the frontier plot and the README sections of ``ds-hybrid bench`` (from its result JSON)."""
+from __future__ import annotations
+
+import shutil
+import statistics
+from pathlib import Path
+
+README_MARK = "<!-- bench:{name}:{end} -->"
+HEADLINE_MARK = "<!-- headline:{name}:{end} -->"
+
+
+def slim_row(row: dict) -> dict:
+    """What the result JSON keeps of one run (the analysis has the rest)."""
+    keep = ("run", "final_val_loss", "train_seconds", "steps", "val_curve", "eq_curve", "eq_total", "predicted_pct",
+            "peak_rss_mb", "budget", "lr")
+    out = {k: row.get(k) for k in keep}
+    st = row.get("statistics", {})
+    out["statistics"] = {k: st.get(k) for k in ("steps_per_phase", "backward_skipped", "partial_backward",
+                                                "partial_backward_share", "backward_skipped_equivalent",
+                                                "predict_accepted", "predict_rolled_back",
+                                                "predicted_update_checks", "predicted_update_rolled_back",
+                                                "group_predict")}
+    return out
+
+
+def _f(v, fmt="{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _ms(a: dict | None, fmt="{:.3f}") -> str:
+    if not a or a.get("mean") is None:
+        return "-"
+    return f"{fmt.format(a['mean'])} ± {fmt.format(a['std'])}"
+
+
+def _ratio_cell(a: dict) -> str:
+    if a["reached"] == 0:
+        return f"not reached (0/{a['seeds']})"
+    cell = _ms(a, "{:.3f}")
+    return cell if a["reached"] == a["seeds"] else f"{cell} ({a['reached']}/{a['seeds']})"
+
+
+def best_arm(result: dict, unit: str = "seconds", target: str = "target+1%") -> tuple[str, dict] | None:
+    """The hybrid system with the lowest mean frontier ratio that reached the target on every seed."""
+    cands = [(name, a["aggregate"][unit][target]) for name, a in result["analysis"]["arms"].items()
+             if result["arms"].get(name, {}).get("hybrid") not in (None,) and name != "default"
+             and "__ds__" not in (result["arms"][name].get("hybrid") or {})]
+    cands = [(n, a) for n, a in cands if a["reached"] == a["seeds"] and a["mean"] is not None]
+    return min(cands, key=lambda c: c[1]["mean"]) if cands else None
+
+
+def markdown(result: dict) -> str:
+    s, an = result["suite"], result["analysis"]
+    sweep = ", ".join(f"x{m}: {r['final_val_loss']:.4f}" for m, r in result["sweep"].items())
+    budgets = ", ".join(f"{b:g}" for b in s["budgets"])
+    lines = [f"Suite `{s['name']}`: {s['doc']}. Model `{s['model']}`, {s['steps']} steps of {s['seq_len']}-byte "
+             f"sequences at the full budget, budgets {budgets} of it (each with its own full warmup-cosine "
+             f"schedule), seeds {', '.join(map(str, s['seeds']))}. Plain DeepSpeed's LR sweep at the full budget: "
+             f"{sweep} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); every system runs at that LR. "
+             f"Targets per seed: plain DeepSpeed's final validation loss at the full budget, and 1% and 2% above it. "
+             f"Ratio = the system's least time to reach the target at any budget over plain DeepSpeed's "
+             f"(`ds_hybrid/frontier.py`); under 1 is faster.", ""]
+    lines += ["| system | target | target +1% | target +2% | Full-step equivalents: target / +1% / +2% | "
+              "full budget: final val gap | full budget: time | backward skipped: whole + partial |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, a in an["arms"].items():
+        g = a["aggregate"]
+        sec, eq, fb = g["seconds"], g["equivalents"], g.get("full_budget", {})
+        eqs = " / ".join(_ms(eq[t], "{:.3f}") if eq[t]["reached"] else "-" for t in ("target", "target+1%",
+                                                                                        "target+2%"))
+        skipped = (f"{_ms(fb.get('backward_skipped'), '{:.0f}')} + {_ms(fb.get('partial_backward'), '{:.0f}')}"
+                   if fb else "-")
+        lines.append(f"| `{name}` | {_ratio_cell(sec['target'])} | {_ratio_cell(sec['target+1%'])} | "
+                     f"{_ratio_cell(sec['target+2%'])} | {eqs} | {_ms(fb.get('final_gap_pct'), '{:+.2f}')}% | "
+                     f"{_ms(fb.get('time_ratio'), '{:.3f}')}x | {skipped} |")
+    for name, err in result.get("errors", {}).items():
+        lines.append(f"| `{name}` | did not run: {err} | | | | | | |")
+    lines += ["", "Systems:", ""]
+    for name, arm in result["arms"].items():
+        lines.append(f"- `{name}`: {arm['doc']}.")
+    lines += ["", "Frontier points (mean over seeds: training seconds, final validation loss):", "",
+              "| system | " + " | ".join(f"budget {b:g}" for b in s["budgets"]) + " |",
+              "|---|" + "---|" * len(s["budgets"])]
+    for arm, by_seed in result["runs"].items():
+        cells = []
+        for b in s["budgets"]:
+            pts = [r[f"{b:g}"] for r in by_seed.values() if f"{b:g}" in r]
+            cells.append(f"{statistics.mean(p['train_seconds'] for p in pts):.1f} s, "
+                         f"{statistics.mean(p['final_val_loss'] for p in pts):.4f}" if pts else "-")
+        lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+    lines += ["", "Per seed (ratio of times to the target, seconds; Full-step equivalents in brackets):", "",
+              "| system | seed | target loss | target | +1% | +2% | full-budget final val (plain) |",
+              "|---|---|---|---|---|---|---|"]
+    for name, a in an["arms"].items():
+        for seed, p in a["per_seed"].items():
+            r = p["seconds"]
+            e = p["equivalents"]
+            cells = [f"{_f(r[t]['ratio'])} ({_f(e[t]['ratio'])})" for t in ("target", "target+1%", "target+2%")]
+            fb = p["full_budget"] or {}
+            lines.append(f"| `{name}` | {seed} | {r['target']['target']:.4f} | " + " | ".join(cells) +
+                         f" | {_f(fb.get('final_val_loss'), '{:.4f}')} ({_f(fb.get('baseline_final_val_loss'), '{:.4f}')}) |")
+    lines += judgement_table(result)
+    prof = result.get("profile")
+    if prof:
+        lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps; cost in plain DeepSpeed real steps):",
+                  "", "| step kind | ms | cost |", "|---|---|---|"]
+        for kind, sec in prof["seconds"].items():
+            share = prof.get("partial_share", {}).get(kind)
+            label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else "")
+            lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f} |")
+    return "\n".join(lines)
+
+
+def judgement_table(result: dict, arm: str = "predict", control: str = "predict-skip") -> list[str]:
+    """Does what the check accepts pay off? The same runs with the Predict steps taken against
+    skipped (same schedule, same real steps): a lower final loss means the accepted runs paid."""
+    runs = result["runs"]
+    if arm not in runs or control not in runs:
+        return []
+    lines = ["", f"What the check accepted, against its control (`{arm}` minus `{control}`: the same schedule and "
+             f"real steps, the Predict steps skipped; negative = the taken steps paid off):", "",
+             "| budget | seed | final val | control final val | difference | Predict steps accepted / rolled back |",
+             "|---|---|---|---|---|---|"]
+    diffs = []
+    for seed, by_budget in runs[arm].items():
+        for b, row in by_budget.items():
+            ctl = runs[control].get(seed, {}).get(b)
+            if ctl is None:
+                continue
+            d = row["final_val_loss"] - ctl["final_val_loss"]
+            diffs.append(d)
+            st = row.get("statistics") or {}
+            lines.append(f"| {b} | {seed} | {row['final_val_loss']:.4f} | {ctl['final_val_loss']:.4f} | {d:+.4f} | "
+                         f"{st.get('predict_accepted')} / {st.get('predict_rolled_back')} |")
+    if diffs:
+        lines.append(f"| all | | | | {statistics.mean(diffs):+.4f} (negative in {sum(d < 0 for d in diffs)} of "
+                     f"{len(diffs)}) | |")
+    return lines
+
+
+def headline(result: dict) -> str:
+    """The README opening's sentence for this suite, whatever the result."""
+    s = result["suite"]
+    best = best_arm(result)
+    seeds = len(s["seeds"])
+    if best is None:
+        return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): no hybrid system reached 1% above plain "
+                f"DeepSpeed's final validation loss on every seed.")
+    name, a = best
+    an = result["analysis"]["arms"][name]["aggregate"]
+    t0, eq = an["seconds"]["target"], an["equivalents"]["target+1%"]
+    at_target = (f"{_ms(t0, '{:.2f}')}x at the target itself" if t0["reached"] == t0["seeds"]
+                 else f"the target itself on {t0['reached']} of {t0['seeds']} seeds")
+    d = result["analysis"]["arms"].get("default", {}).get("aggregate", {}).get("full_budget", {})
+    default = (f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's final "
+               f"loss in {_ms(d.get('time_ratio'), '{:.3f}')}x its time") if d else ""
+    return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
+            f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
+            f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents), {at_target}{default}.")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Validation loss against training time: one point per budget, system and seed, the
+    per-budget means joined."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = ["black", "tab:green", "tab:olive", "tab:blue", "tab:cyan", "tab:purple", "tab:red", "tab:brown"]
+    budgets = result["suite"]["budgets"]
+    for i, (arm, by_seed) in enumerate(result["runs"].items()):
+        colour = colours[i % len(colours)]
+        xs, ys = [], []
+        for b in budgets:
+            pts = [r[f"{b:g}"] for r in by_seed.values() if f"{b:g}" in r]
+            if not pts:
+                continue
+            ax.scatter([p["train_seconds"] for p in pts], [p["final_val_loss"] for p in pts], color=colour,
+                       s=12, alpha=0.5)
+            xs.append(statistics.mean(p["train_seconds"] for p in pts))
+            ys.append(statistics.mean(p["final_val_loss"] for p in pts))
+        ax.plot(xs, ys, color=colour, marker="o", lw=1.5, label=arm)
+    targets = [t["target"] for t in result["analysis"]["targets"].values()]
+    if targets:
+        ax.axhline(statistics.mean(targets), color="grey", ls="--", lw=1, label="target (plain, full budget)")
+        ax.axhline(statistics.mean(targets) * 1.01, color="grey", ls=":", lw=1, label="target +1%")
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"{result['suite']['name']} ({result['suite']['model']}): budget frontier")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+
+
+def readme_section(result: dict, json_rel: str, png_rel: str) -> str:
+    s = result["suite"]
+    return "\n".join([
+        f"### `{s['name']}`" + (f" with `{s['model']}`" if result.get("variant") else ""), "",
+        f"Command: `.venv/bin/{result['command']}` (took {result['bench_seconds'] / 60:.0f} min on "
+        f"{result['host']}, {result.get('date', '')}). Source of every number below: [`{json_rel}`]({json_rel}); "
+        f"regenerate this section with `.venv/bin/ds-hybrid bench --from-json {json_rel} --readme`.", "",
+        markdown(result), "",
+        f"![validation loss against training time, budget frontier]({png_rel})",
+    ])
+
+
+def result_name(result: dict) -> str:
+    """The file and README-marker name of a result: the suite, plus the model where it is not the suite's."""
+    s = result["suite"]
+    from .bench import SUITES
+    default_model = SUITES[s["name"]].model if s["name"] in SUITES else s["model"]
+    return s["name"] if s["model"] == default_model else f"{s['name']}-{s['model']}"
+
+
+def _replace_between(text: str, start: str, end: str, body: str, where: str) -> str:
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md has no markers {start} ... {end} for {where}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def update_readme(result: dict, repo_root: Path, readme: Path | None = None) -> Path:
+    """Copy the result into docs/results/ and rewrite the README's section and headline line for it."""
+    readme = readme or repo_root / "README.md"
+    name = result_name(result)
+    result = dict(result, variant=name != result["suite"]["name"])
+    dest = repo_root / "docs" / "results"
+    dest.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = dest / f"{name}.json", dest / f"{name}.png"
+    if Path(result["json_path"]).resolve() != json_path.resolve():
+        shutil.copyfile(result["json_path"], json_path)
+    if result.get("png_path") and Path(result["png_path"]).is_file() \
+            and Path(result["png_path"]).resolve() != png_path.resolve():
+        shutil.copyfile(result["png_path"], png_path)
+    text = readme.read_text()
+    text = _replace_between(text, README_MARK.format(name=name, end="start"), README_MARK.format(name=name, end="end"),
+                            readme_section(result, f"docs/results/{name}.json", f"docs/results/{name}.png"),
+                            f"bench result {name}")
+    text = _replace_between(text, HEADLINE_MARK.format(name=name, end="start"),
+                            HEADLINE_MARK.format(name=name, end="end"), headline(result), f"headline {name}")
+    readme.write_text(text)
+    return readme
