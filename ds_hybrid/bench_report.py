@@ -156,7 +156,8 @@ def headline(result: dict) -> str:
                f"loss in {_ms(d.get('time_ratio'), '{:.3f}')}x its time") if d else ""
     return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
             f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
-            f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents), {at_target}{default}.")
+            f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents, from a profile of the step kinds in one process), "
+            f"{at_target}{default}.")
 
 
 def plot(result: dict, path: Path) -> None:

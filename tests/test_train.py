@@ -88,3 +88,22 @@ def test_cli_lists_commands_and_rejects_unknown(capsys):
     assert "train" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown command 'fly'"):
         cli_main(["fly"])
+
+
+def test_save_model_then_init_starts_where_the_first_run_ended(corpus, tmp_path):
+    """``--save-model`` / ``--init``: how the bench's cpu-finetune starts every run from one
+    pre-trained model; a missing or mismatched file is an error naming ``--init``."""
+    weights = tmp_path / "w" / "model.pt"
+    common = ["--data", str(corpus), "--seq-len", "32", "--val-batches", "2", "--model", "gpt2-test", "--no-progress",
+              "--no-plot", "--baseline"]
+    first = train.main([*common, "--steps", "30", "--eval-every", "30", "--out", str(tmp_path / "a"),
+                        "--save-model", str(weights)])
+    second = train.main([*common, "--steps", "10", "--eval-every", "10", "--out", str(tmp_path / "b"),
+                         "--init", str(weights)])
+    # The second run's step-0 validation is the first run's final one: the same weights, the same batches.
+    assert second["val_points"][0][1] == pytest.approx(first["final_val_loss"], rel=1e-6)
+    with pytest.raises(SystemExit, match="--init: no such file"):
+        train.main([*common, "--steps", "2", "--out", str(tmp_path / "c"), "--init", str(tmp_path / "none.pt")])
+    with pytest.raises(SystemExit, match="--init: .* does not hold weights of this model"):
+        train.main([*common, "--steps", "2", "--out", str(tmp_path / "d"), "--init", str(weights),
+                    "--model", "llama-tiny"])
