@@ -19,7 +19,7 @@ budget, over plain DeepSpeed's. Targets: plain DeepSpeed's final validation loss
 budget (per seed), and 1% and 2% above it. Each run is a ``python -m ds_hybrid.train``
 subprocess; the analysis reads only what they wrote. Outputs in ``--out``: ``result.json``,
 ``result.md``, ``frontier.png``; ``--readme`` copies them to ``docs/results/`` and rewrites the
-README's section for the suite and its headline; ``--from-json`` does that again from a saved
+suite's section of ``docs/benchmarks.md`` and its headline line in ``README.md``; ``--from-json`` does that again from a saved
 result without running anything.
 """
 from __future__ import annotations
@@ -567,7 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a CI-sized smoke run (tiny model, few steps, 2 seeds)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench/SUITE)")
     p.add_argument("--cache", default="runs/bench/cache", help="where pre-trained weights are kept between runs")
-    p.add_argument("--readme", action="store_true", help="copy the result to docs/results/ and update README.md")
+    p.add_argument("--readme", action="store_true", help="copy the result to docs/results/ and update docs/benchmarks.md and "
+                   "the README's headline")
     p.add_argument("--from-json", default=None, help="regenerate table/README from a saved result.json, no runs")
     p.add_argument("--no-profile", action="store_true", help="skip the step-kind profile (no Full-step equivalents)")
     p.add_argument("--reuse", action="store_true",
@@ -622,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         result["png_path"] = str(png) if png.is_file() else result.get("png_path")
         print(report.markdown(result))
         if args.readme:
-            print(f"updated {report.update_readme(result, REPO_ROOT)}")
+            print("updated", *report.update_readme(result, REPO_ROOT))
         return result
 
     suite = resolve_suite(args)
@@ -662,7 +663,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(report.markdown(result))
     print(f"wrote {json_path}, {md_path}, {png_path}")
     if args.readme:
-        print(f"updated {report.update_readme(result, REPO_ROOT)}")
+        print("updated", *report.update_readme(result, REPO_ROOT))
     return result
 
 

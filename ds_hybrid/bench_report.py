@@ -1,4 +1,5 @@
-"""Tables, the frontier plot and the README sections of ``ds-hybrid bench`` (from its result JSON)."""
+"""Tables, the frontier plot, the docs/benchmarks.md sections and README headline lines of
+``ds-hybrid bench`` (from its result JSON)."""
 from __future__ import annotations
 
 import shutil
@@ -196,15 +197,17 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(str(path), dpi=110)
 
 
-def readme_section(result: dict, json_rel: str, png_rel: str) -> str:
+def readme_section(result: dict, name: str) -> str:
+    """The suite's section of docs/benchmarks.md (its links relative to docs/)."""
     s = result["suite"]
     return "\n".join([
         f"### `{s['name']}`" + (f" with `{s['model']}`" if result.get("variant") else ""), "",
         f"Command: `.venv/bin/{result['command']}` (took {result['bench_seconds'] / 60:.0f} min on "
-        f"{result['host']}, {result.get('date', '')}). Source of every number below: [`{json_rel}`]({json_rel}); "
-        f"regenerate this section with `.venv/bin/ds-hybrid bench --from-json {json_rel} --readme`.", "",
+        f"{result['host']}, {result.get('date', '')}). Source of every number below: "
+        f"[`docs/results/{name}.json`](results/{name}.json); regenerate this section with "
+        f"`.venv/bin/ds-hybrid bench --from-json docs/results/{name}.json --readme`.", "",
         markdown(result), "",
-        f"![validation loss against training time, budget frontier]({png_rel})",
+        f"![validation loss against training time, budget frontier](results/{name}.png)",
     ])
 
 
@@ -218,17 +221,22 @@ def result_name(result: dict) -> str:
 
 def _replace_between(text: str, start: str, end: str, body: str, where: str) -> str:
     if start not in text or end not in text:
-        raise SystemExit(f"README.md has no markers {start} ... {end} for {where}")
+        raise SystemExit(f"{where}: no markers {start} ... {end}")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def update_readme(result: dict, repo_root: Path, readme: Path | None = None) -> Path:
-    """Copy the result into docs/results/ and rewrite the README's section and headline line for it."""
-    readme = readme or repo_root / "README.md"
+def update_readme(result: dict, repo_root: Path) -> tuple[Path, Path]:
+    """Copy the result into docs/results/, rewrite its section of docs/benchmarks.md and its
+    headline line in README.md. Both files are checked for their markers before either is written."""
+    readme, sections = repo_root / "README.md", repo_root / "docs" / "benchmarks.md"
     name = result_name(result)
     result = dict(result, variant=name != result["suite"]["name"])
+    text = _replace_between(sections.read_text(), README_MARK.format(name=name, end="start"),
+                            README_MARK.format(name=name, end="end"), readme_section(result, name), str(sections))
+    head = _replace_between(readme.read_text(), HEADLINE_MARK.format(name=name, end="start"),
+                            HEADLINE_MARK.format(name=name, end="end"), headline(result), str(readme))
     dest = repo_root / "docs" / "results"
     dest.mkdir(parents=True, exist_ok=True)
     json_path, png_path = dest / f"{name}.json", dest / f"{name}.png"
@@ -237,11 +245,6 @@ def update_readme(result: dict, repo_root: Path, readme: Path | None = None) -> 
     if result.get("png_path") and Path(result["png_path"]).is_file() \
             and Path(result["png_path"]).resolve() != png_path.resolve():
         shutil.copyfile(result["png_path"], png_path)
-    text = readme.read_text()
-    text = _replace_between(text, README_MARK.format(name=name, end="start"), README_MARK.format(name=name, end="end"),
-                            readme_section(result, f"docs/results/{name}.json", f"docs/results/{name}.png"),
-                            f"bench result {name}")
-    text = _replace_between(text, HEADLINE_MARK.format(name=name, end="start"),
-                            HEADLINE_MARK.format(name=name, end="end"), headline(result), f"headline {name}")
-    readme.write_text(text)
-    return readme
+    sections.write_text(text)
+    readme.write_text(head)
+    return readme, sections

@@ -105,20 +105,21 @@ def test_report_and_readme_update(tmp_path):
     assert "| `predict` | 0.550 ± 0.000 |" in md
     line = bench_report.headline(result)
     assert "`predict`" in line and "**0.55 ± 0.00x**" in line
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- headline:cpu-small:start -->\nold line\n<!-- headline:cpu-small:end -->\n"
-                      "<!-- bench:cpu-small:start -->\nold\n<!-- bench:cpu-small:end -->\noutro\n")
-    bench_report.update_readme(result, tmp_path, readme)
-    text = readme.read_text()
-    assert "old" not in text and "docs/results/cpu-small.json" in text and text.endswith("outro\n")
-    assert "**0.55 ± 0.00x**" in text
+    readme, sections = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    sections.parent.mkdir()
+    readme.write_text("intro\n<!-- headline:cpu-small:start -->\nold line\n<!-- headline:cpu-small:end -->\noutro\n")
+    sections.write_text("intro\n<!-- bench:cpu-small:start -->\nold\n<!-- bench:cpu-small:end -->\noutro\n")
+    bench_report.update_readme(result, tmp_path)
+    text, head = sections.read_text(), readme.read_text()
+    assert "old" not in text and "results/cpu-small.json" in text and text.endswith("outro\n")
+    assert "old" not in head and "**0.55 ± 0.00x**" in head and head.endswith("outro\n")
     saved = json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())
     assert saved["suite"]["name"] == "cpu-small"
     # A README without the markers: a clear error, nothing written.
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no markers"):
-        bench_report.update_readme(result, tmp_path, readme)
-    assert readme.read_text() == "no markers\n"
+        bench_report.update_readme(result, tmp_path)
+    assert readme.read_text() == "no markers\n" and sections.read_text() == text
     # The check's payoff: the taken runs against the same runs with the Predict steps skipped.
     assert bench_report.judgement_table(result) == []            # no control ran
     skip = {s: {"1": dict(r["1"], final_val_loss=2.1)} for s, r in result["runs"]["predict"].items()}

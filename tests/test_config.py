@@ -8,7 +8,7 @@ import ds_hybrid
 from ds_hybrid.config import ConfigError, HybridPredictConfig, parse_hybrid_config, reference_markdown
 from engine_utils import ds_config
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 @pytest.mark.parametrize("section, key", [
@@ -82,5 +82,5 @@ def test_presets_parse_with_deepspeed_and_our_section():
 
 
 def test_readme_reference_is_generated_from_the_code():
-    """The README's hybrid_predict table is reference_markdown(): the docs cannot drift."""
+    """docs/configuration.md's hybrid_predict table is reference_markdown(): the docs cannot drift."""
     assert reference_markdown() in README.read_text()
