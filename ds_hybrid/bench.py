@@ -222,7 +222,7 @@ class Runner:
 
     def __init__(self, suite: Suite, out: Path, data: str | None, init: str | None, live: bool, reuse: bool):
         self.suite, self.out, self.data, self.init, self.live, self.reuse = suite, out, data, init, live, reuse
-        self.done, self.total, self.t_start = 0, 0, time.time()
+        self.done, self.total, self.t_start, self.reused = 0, 0, time.time(), 0
 
     def args_for(self, run: Run) -> list[str]:
         s = self.suite
@@ -257,6 +257,7 @@ class Runner:
         print(f"[{self.done}/{self.total}] {run.name}: seed {run.seed}, {run.steps} steps, lr {run.lr:g}", flush=True)
         if self.reuse and self.reusable(run):
             print(f"      reusing the finished run in {run.out}", flush=True)
+            self.reused += 1
         else:
             run.out.mkdir(parents=True, exist_ok=True)
             (run.out / "ds_config.json").write_text(json.dumps(run.config, indent=2))
@@ -304,7 +305,7 @@ def pretrained(suite: Suite, base_cfg: dict, cache: Path, live: bool) -> str | N
           flush=True)
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(work / "ds_config.json"), "--model",
            suite.model, "--steps", str(suite.pretrain_steps), "--seq-len", str(suite.seq_len), "--seed", "0",
-           "--baseline", "--out", str(work), "--no-plot", "--save-model", str(path), "--eval-every",
+           "--baseline", "--out", str(work), "--no-plot", "--save-model", str(work / "model.pt"), "--eval-every",
            str(max(suite.pretrain_steps // 4, 1)), "--layer-groups", str(suite.layer_groups)]
     if not live:
         cmd.append("--no-progress")
@@ -312,6 +313,7 @@ def pretrained(suite: Suite, base_cfg: dict, cache: Path, live: bool) -> str | N
         proc = subprocess.run(cmd, stdout=log, stderr=None if live else subprocess.STDOUT, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"bench pre-training failed; see {work / 'train.log'}")
+    os.replace(work / "model.pt", path)   # in the cache only once complete: a killed pre-training leaves nothing there
     return str(path)
 
 
@@ -383,7 +385,7 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
                 rows[arm.name].setdefault(str(seed), {})[f"{budget:g}"] = row
     return {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sweep.items())}, "best_lr_multiplier": best_m,
             "best_lr": best_lr, "rows": rows, "errors": errors, "base_config": base_cfg, "init": init,
-            "bench_seconds": time.time() - runner.t_start}
+            "bench_seconds": time.time() - runner.t_start, "reused_runs": runner.reused}
 
 
 def _slim(row: dict) -> dict:
@@ -399,7 +401,7 @@ def cost_of(kind: str, profile: dict | None) -> float:
     c = profile["cost"]
     base, _, extra = kind.partition("+")
     value = c.get(base)
-    if value is None:   # a partial prefix the profile did not measure: cost it as a real step
+    if value is None:   # a partial prefix (or, in an older profile, real_groups) not measured: a real step
         value = c["real"]
     return value + (c["forward"] if extra else 0.0)
 
@@ -508,32 +510,28 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     def batches():
         return [{k: v.to(dev) for k, v in next(stream).items()} for _ in range(gas)]
 
-    def timed(fn) -> float:
-        fn()  # warm
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
-
     for _ in range(8):  # Adam state, velocity and the planner's statistics exist
         engine.train_step(batches())
     ctl = engine.controller
-    ctl.phase, ctl.remaining = Phase.FULL, 10**6
-    sec = {"plain": timed(lambda: engine._real_step(batches(), default_loss))}
+    planner = engine._planner
 
-    def full(k: int):
+    def plain():
+        engine._real_step(batches(), default_loss)
+
+    def full(k: int, with_planner: bool = True):
+        ctl.phase, ctl.remaining = Phase.FULL, 10**6
         engine._next_groups, engine._check_groups = k, None
-        engine.train_step(batches())
+        engine._planner = planner if with_planner else None
+        try:
+            engine.train_step(batches())
+        finally:
+            engine._planner = planner
         engine._check_groups = None   # each timed step on its own: no check of the last one
-    sec["real"] = timed(lambda: full(0))
-    for k in range(1, engine._layout.max_prefix + 1):
-        sec[f"partial_{k}"] = timed(lambda k=k: full(k))
 
     def forward_only():
         with torch.no_grad():
             for b in batches():
                 default_loss(engine, b).item()
-    sec["forward"] = timed(forward_only)
 
     def predict(verified: bool):
         engine.hybrid_config.check = "forward" if verified else "next_step"
@@ -541,8 +539,24 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         ctl.phase, ctl.horizon, ctl.predict_index = Phase.PREDICT, 10**9, 1   # mid-run: no snapshot
         engine.predictor.accept = lambda observed, step, div, *more: (True, observed)
         engine.train_step(batches())
-    sec["predict"] = timed(lambda: predict(False))
-    sec["predict_verified"] = timed(lambda: predict(True))
+
+    kinds = {"plain": plain,
+             "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
+             "real_groups": lambda: full(0)}                 # the layer-group arms' whole step: the planner observes
+    for k in range(1, engine._layout.max_prefix + 1):
+        kinds[f"partial_{k}"] = lambda k=k: full(k)
+    kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
+    # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
+    # warming up) lands on every kind alike instead of on whichever was timed then.
+    for fn in kinds.values():
+        fn()  # warm
+    sec = dict.fromkeys(kinds, 0.0)
+    for _ in range(reps):
+        for name, fn in kinds.items():
+            t0 = time.perf_counter()
+            fn()
+            sec[name] += time.perf_counter() - t0
+    sec = {k: v / reps for k, v in sec.items()}
     return {"seconds": sec, "cost": {k: v / sec["plain"] for k, v in sec.items()}, "reps": reps,
             "layer_groups": engine._layout.names,
             "partial_share": {f"partial_{k}": engine._layout.share_below(k)
@@ -650,6 +664,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "quick": args.quick, "data": data, "init": raw["init"],
         "sweep": raw["sweep"], "best_lr_multiplier": raw["best_lr_multiplier"], "best_lr": raw["best_lr"],
         "analysis": analysis, "profile": profile, "bench_seconds": raw["bench_seconds"], "errors": raw["errors"],
+        "reused_runs": raw["reused_runs"],
         "host": f"{platform.machine()} {os.cpu_count()} CPU cores" + _gpu_name(),
         "date": time.strftime("%Y-%m-%d"),
         "runs": {arm: {seed: {b: report.slim_row(r) for b, r in by_b.items()} for seed, by_b in by_seed.items()}

@@ -20,7 +20,7 @@ def slim_row(row: dict) -> dict:
                                                 "partial_backward_share", "backward_skipped_equivalent",
                                                 "predict_accepted", "predict_rolled_back",
                                                 "predicted_update_checks", "predicted_update_rolled_back",
-                                                "group_predict")}
+                                                "group_predict", "judgement")}
     return out
 
 
@@ -203,7 +203,9 @@ def readme_section(result: dict, name: str) -> str:
     return "\n".join([
         f"### `{s['name']}`" + (f" with `{s['model']}`" if result.get("variant") else ""), "",
         f"Command: `.venv/bin/{result['command']}` (took {result['bench_seconds'] / 60:.0f} min on "
-        f"{result['host']}, {result.get('date', '')}). Source of every number below: "
+        f"{result['host']}, {result.get('date', '')}"
+        + (f"; {result['reused_runs']} runs reused from an earlier sitting" if result.get("reused_runs") else "")
+        + (f"; {result['reprofiled']}" if result.get("reprofiled") else "") + "). Source of every number below: "
         f"[`docs/results/{name}.json`](results/{name}.json); regenerate this section with "
         f"`.venv/bin/ds-hybrid bench --from-json docs/results/{name}.json --readme`.", "",
         markdown(result), "",

@@ -8,7 +8,8 @@
                                  replaced atomically, and only after the tag folder is complete
       <tag>/                     DeepSpeed's files (mp_rank_00_model_states.pt, zero_pp_rank_*...)
         hybrid_rank{r}.pt        rank r's own state: RNG states, the rollback snapshot mid-Predict-run
-        hybrid_manifest.json     written last: world size, ZeRO stage, model, every file and its size
+        hybrid_manifest.json     written last: world size, ZeRO stage, model, every file with its size,
+                                 CRC-32 of its content and the rank that wrote it
       .staging-<tag>/            a save in progress; removed by the next save of that tag
       .replaced-<tag>/           the previous <tag> for the moment a re-save of the same tag swaps folders
 
@@ -24,11 +25,19 @@ replaces ``latest`` (write a temporary file, fsync, ``os.replace``). A process
 killed at any point leaves ``latest`` naming a complete checkpoint. This
 assumes ``save_dir`` is one file system that all ranks see (one node, or a
 shared file system), as DeepSpeed's own ``latest`` file does.
+
+Content: each rank takes the CRC-32 of every file it wrote right after writing it (read back
+from the page cache); rank 0 gathers them into the manifest. A load recomputes them before
+DeepSpeed reads anything, so a file changed after the save (even at the same size) fails
+naming the file and the rank that wrote it. ``load_checkpoint(..., verify=False)`` skips the
+digests and accepts a folder with no manifest (a plain DeepSpeed checkpoint), with a warning.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 import os
@@ -65,6 +74,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def params_finite(engine: Any) -> bool:
+    """This rank's weights are finite (ZeRO 3: its partition of each parameter)."""
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", None)
+        t = p if t is None else t
+        if t.numel() and not bool(torch.isfinite(t.detach()).all()):
+            return False
+    return True
+
+
+def _finite_on_every_rank(engine: Any) -> bool:
+    """Collective: this rank's weights and last shared loss are finite, and so are every other rank's."""
+    ok = params_finite(engine)
+    loss = getattr(engine, "_boundary_loss", None)
+    ok = ok and (loss is None or bool(torch.isfinite(torch.tensor(float(loss)))))
+    import deepspeed.comm as dist
+    if dist.is_initialized():
+        from deepspeed.accelerator import get_accelerator
+        flag = torch.tensor([0.0 if ok else 1.0], device=get_accelerator().current_device_name())
+        dist.all_reduce(flag)
+        ok = float(flag.item()) == 0.0
+    return ok
+
+
 def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -88,6 +121,16 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_path(path.parent)
+
+
+def crc32_file(path: Path, chunk: int = 16 << 20) -> str:
+    """CRC-32 of a file's content, hex (zlib's, about 3 GB/s per core here; it releases the GIL,
+    so files are digested in parallel threads)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def torch_save_atomic(obj: Any, path: Path) -> None:
@@ -162,17 +205,63 @@ def run_identity(engine: Any) -> dict:
     }
 
 
+@contextlib.contextmanager
+def records_writes(checkpoint_engine: Any, written: list) -> Iterator[None]:
+    """While DeepSpeed saves: the path of every file its checkpoint engine writes on this rank.
+    (Their CRC-32s are taken after the save: started as each file was written, they ran beside the
+    writing of the next and slowed it, measured: benchmarks/checkpoint_digest_cost.py.)"""
+    original = checkpoint_engine.save
+
+    def save(state_dict, path, *args, **kwargs):
+        out = original(state_dict, path, *args, **kwargs)
+        written.append(Path(path))
+        return out
+
+    checkpoint_engine.save = save  # an instance attribute shadows the method for this block only
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save
+
+
+def _digest_own_files(folder: Path, paths: list[Path], rank: int) -> dict[str, dict]:
+    """``{relative path: {crc32, rank}}`` of these files (in parallel threads)."""
+    paths = [p for p in dict.fromkeys(paths) if p.is_file()]
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths)))) as pool:
+        crcs = list(pool.map(crc32_file, paths))
+    return {p.relative_to(folder).as_posix(): {"crc32": c, "rank": rank} for p, c in zip(paths, crcs)}
+
+
+def _gather_to_rank0(digests: dict) -> dict:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return digests
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, digests)
+    merged: dict = {}
+    for d in everyone:
+        merged.update(d)
+    return merged
+
+
 def _listing(folder: Path) -> dict[str, int]:
     """Every file under ``folder`` (recursive: NVMe offload adds sub-folders) with its size."""
     return {p.relative_to(folder).as_posix(): p.stat().st_size
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
 
 
-def write_manifest(folder: Path, identity: dict, extra: dict) -> None:
-    """Fsync every file of the finished staging folder, then write the manifest listing them."""
-    files = _listing(folder)
-    for rel in files:
+def write_manifest(folder: Path, identity: dict, extra: dict, digests: dict | None = None) -> None:
+    """Fsync every file of the finished staging folder, then write the manifest listing them
+    with their size and CRC-32 (``digests``: those the ranks took of their own files; rank 0
+    digests any other file itself, e.g. DeepSpeed's copied scripts)."""
+    digests = dict(digests or {})
+    sizes = _listing(folder)
+    missing = [rel for rel in sizes if rel not in digests]
+    for rel, d in _digest_own_files(folder, [folder / rel for rel in missing], 0).items():
+        digests[rel] = d
+    files = {}
+    for rel, size in sizes.items():
         _fsync_path(folder / rel)
+        files[rel] = {"size": size, **digests[rel]}
     manifest = {"format": FORMAT_VERSION, **extra, **identity, "files": files}
     write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
 
@@ -212,9 +301,10 @@ def _check_torch_file(path: Path) -> None:
         raise CheckpointError(f"{path}: not a complete torch checkpoint file (truncated or corrupt)")
 
 
-def verify_files(tag_dir: Path) -> dict | None:
-    """Check a checkpoint folder against its manifest; return the manifest (None for
-    checkpoints written without one: plain DeepSpeed, or ds_to_universal output)."""
+def verify_files(tag_dir: Path, verify: bool = True, unmanifested_ok: bool = False) -> dict | None:
+    """Check a checkpoint folder against its manifest: every file present, its size, and (``verify``)
+    its CRC-32; return the manifest. No manifest: an error, unless ``unmanifested_ok`` (a
+    ``ds_to_universal`` output) or not ``verify`` (a plain DeepSpeed checkpoint: loaded with a warning)."""
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir}: checkpoint folder not found")
     manifest_path = tag_dir / MANIFEST_FILE
@@ -222,16 +312,36 @@ def verify_files(tag_dir: Path) -> dict | None:
     if manifest_path.is_file():
         try:
             manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            files = {rel: (e if isinstance(e, dict) else {"size": e}) for rel, e in manifest["files"].items()}
+            sizes = {rel: int(e["size"]) for rel, e in files.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{manifest_path}: unreadable checkpoint manifest ({err})") from None
-        for rel, size in files.items():
+        for rel, size in sizes.items():
             path = tag_dir / rel
             if not path.is_file():
                 raise CheckpointError(f"{path}: missing from the checkpoint (listed in {manifest_path})")
             actual = path.stat().st_size
             if actual != size:
                 raise CheckpointError(f"{path}: {actual} bytes, but {size} were written (truncated or modified)")
+        if verify:
+            check = [rel for rel, e in files.items() if "crc32" in e]
+            with ThreadPoolExecutor(max_workers=max(1, min(4, len(check)))) as pool:
+                crcs = dict(zip(check, pool.map(lambda rel: crc32_file(tag_dir / rel), check)))
+            for rel in check:
+                if crcs[rel] != files[rel]["crc32"]:
+                    raise CheckpointError(
+                        f"{tag_dir / rel}: its content is not what rank {files[rel].get('rank', '?')} wrote (CRC-32 "
+                        f"{crcs[rel]}, saved {files[rel]['crc32']}): changed or damaged after the save. Load another "
+                        "checkpoint (or, if a file system rewrote it knowingly, load_checkpoint(..., verify=False))")
+    elif unmanifested_ok:
+        pass
+    elif verify:
+        raise CheckpointError(
+            f"{tag_dir}: no {MANIFEST_FILE}, so nothing can be checked (its manifest was deleted, or another tool "
+            "saved it). To load it unverified, as a plain DeepSpeed checkpoint: load_checkpoint(..., verify=False) "
+            "or ds-hybrid train --resume --no-verify-checkpoint")
+    else:
+        logger.warning(f"{tag_dir}: no {MANIFEST_FILE}; loading it unverified (verify=False)")
     for path in sorted(tag_dir.glob("*.pt")):
         _check_torch_file(path)
     return manifest
@@ -277,27 +387,43 @@ def save_atomic(engine: Any, deepspeed_save: Callable[..., Any], save_dir: str |
 
     Collective: every rank calls it with the same ``tag``. Returns the checkpoint folder.
     """
+    if not save_dir:
+        # DeepSpeed's own check, before any rank writes anything: Path("") would save into the
+        # current directory, and a rank that fails alone would leave the others in a barrier.
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     if STATE_KEY in client_state:
         raise ValueError(f"save_checkpoint: client_state key '{STATE_KEY}' is reserved for ds_hybrid's own state")
     save_dir = Path(save_dir)
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    # `latest` must only ever name a good state: finite weights and last loss on every rank.
+    finite = _finite_on_every_rank(engine)
     staging_tag = STAGING_PREFIX + tag
     staging = save_dir / staging_tag
     if _is_rank0():
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
     _barrier()
-    deepspeed_save(str(save_dir), staging_tag, client_state={**client_state, STATE_KEY: engine.hybrid_state_dict()},
-                   save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
-    torch_save_atomic(engine.rank_state_dict(), staging / RANK_FILE.format(rank=engine.global_rank))
+    written: list[Path] = []
+    with records_writes(engine.checkpoint_engine, written):
+        deepspeed_save(str(save_dir), staging_tag,
+                       client_state={**client_state, STATE_KEY: engine.hybrid_state_dict()},
+                       save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+    rank_file = staging / RANK_FILE.format(rank=engine.global_rank)
+    torch_save_atomic(engine.rank_state_dict(), rank_file)
+    digests = _digest_own_files(staging, written + [rank_file], int(engine.global_rank))
+    digests = _gather_to_rank0(digests)
     _barrier()  # every rank's files are in staging
     if _is_rank0():
         import deepspeed
         from . import __version__
         write_manifest(staging, run_identity(engine),
                        {"tag": tag, "global_steps": int(engine.global_steps),
-                        "versions": {"deepspeed": deepspeed.__version__, "ds_hybrid": __version__}})
-        publish(save_dir, tag, save_latest)
+                        "versions": {"deepspeed": deepspeed.__version__, "ds_hybrid": __version__}}, digests)
+        if save_latest and not finite:
+            logger.warning(f"save_checkpoint: the weights or the last loss are not finite on some rank; "
+                           f"{save_dir / tag} is written but {save_dir / LATEST_FILE} keeps naming the last good "
+                           "checkpoint")
+        publish(save_dir, tag, save_latest and finite)
     _barrier()  # nobody returns before the checkpoint is published
     return save_dir / tag
 
@@ -310,10 +436,19 @@ def read_latest(load_dir: Path, universal: bool) -> str | None:
     path = load_dir / ("latest_universal" if universal else LATEST_FILE)
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    try:
+        tag = path.read_text().strip()
+    except (UnicodeDecodeError, OSError) as err:
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}); it should hold one checkpoint tag, "
+                              "such as global_step100") from None
     if not tag:
         raise CheckpointError(f"{path}: empty (it should name a checkpoint tag)")
-    return tag
+    if "\n" in tag or not tag.isprintable():
+        raise CheckpointError(f"{path}: not a checkpoint tag ({tag[:40]!r}...); it should hold one folder name")
+    try:
+        return validate_tag(tag)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
 
 
 def resolve_tag_dir(load_dir: Path, tag: str) -> Path:
@@ -327,7 +462,7 @@ def resolve_tag_dir(load_dir: Path, tag: str) -> Path:
 
 
 def load_verified(engine: Any, deepspeed_load: Callable[..., Any], load_dir: str | os.PathLike, tag: Any,
-                  load_kwargs: dict) -> tuple[str | None, dict | None]:
+                  load_kwargs: dict, verify: bool = True) -> tuple[str | None, dict | None]:
     """Check the files, load DeepSpeed's state, then ours. Returns DeepSpeed's ``(load_path, client_state)``
     with our key removed from ``client_state``; ``(None, None)`` when ``tag`` is None and there is no
     ``latest`` file (nothing saved yet)."""
@@ -337,12 +472,15 @@ def load_verified(engine: Any, deepspeed_load: Callable[..., Any], load_dir: str
     if from_latest:
         tag = read_latest(load_dir, universal)
         if tag is None:
+            # DeepSpeed's outcome, said on every rank's log as DeepSpeed does
+            logger.warning(f"load_checkpoint: no checkpoint in {load_dir} (no "
+                           f"{'latest_universal' if universal else LATEST_FILE} file); nothing loaded")
             return None, None
     tag_dir = resolve_tag_dir(load_dir, str(tag))
     if from_latest and not tag_dir.is_dir():
         latest = load_dir / ("latest_universal" if universal else LATEST_FILE)
         raise CheckpointError(f"{latest} names tag '{tag}', but {tag_dir} does not exist")
-    manifest = verify_files(tag_dir)
+    manifest = verify_files(tag_dir, verify, unmanifested_ok=universal)
     if manifest is not None and not universal:
         check_compatible(manifest, run_identity(engine), tag_dir / MANIFEST_FILE)
     try:
@@ -356,6 +494,9 @@ def load_verified(engine: Any, deepspeed_load: Callable[..., Any], load_dir: str
     if load_path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed found no model-states file in this checkpoint")
     reseat_cpu_adam_kernels(engine.optimizer)
+    if not params_finite(engine):
+        raise CheckpointError(f"{tag_dir}: holds non-finite weights (NaN or Inf) on rank {engine.global_rank}; "
+                              "resume from an earlier checkpoint")
     client_state = dict(client_state or {})
     shared = client_state.pop(STATE_KEY, None)
     if load_kwargs.get("load_module_only"):

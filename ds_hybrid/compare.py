@@ -30,7 +30,8 @@ def load_run(path: Path) -> dict:
     return {
         "val_curve": val_against_time(run_dir, s["val_points"]),
         "val_points": [tuple(v) for v in s["val_points"]],
-        "step_kinds": step_kinds(run_dir, hybrid),
+        "step_kinds": step_kinds(run_dir, hybrid, hybrid and bool(
+            s["ds_config"]["hybrid_predict"].get("group_predict", {}).get("enabled", False))),
         "run": str(path),
         "hybrid": hybrid,
         "seed": s["args"]["seed"],
@@ -63,9 +64,10 @@ def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float
     return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
 
 
-def step_kinds(run_dir: Path, hybrid: bool) -> list[str]:
+def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
     """What each step of a run was, for costing it from a profile: ``plain`` (a real step of
-    plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping), ``partial_K`` (K lower
+    plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping; ``real_groups`` with
+    layer-group Predict on, whose planner also observes every whole step), ``partial_K`` (K lower
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward); ``+forward`` where a rejected check ran a forward again."""
     f = run_dir / "steps.jsonl"
@@ -80,7 +82,7 @@ def step_kinds(run_dir: Path, hybrid: bool) -> list[str]:
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:
-            kind = "real" if hybrid else "plain"
+            kind = ("real_groups" if groups else "real") if hybrid else "plain"
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
     return out
 

@@ -10,10 +10,14 @@ configuration table of the README, and a test keeps the two in step.
 """
 from __future__ import annotations
 
+import difflib
+import logging
 from typing import Any, Literal, Mapping
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
 
 SECTION = "hybrid_predict"
 
@@ -250,6 +254,36 @@ class GroupPredictConfig(_Section):
     runs again. false: no check (the predicted update is never undone)."""
 
 
+class JudgeConfig(_Section):
+    """Delayed-effect judgement of whole-model Predict runs (``ds_hybrid/judgement.py``): the
+    losses of the real steps after a kept run against a forecast of the same real steps without
+    it, averaged over all judged runs."""
+
+    enabled: bool = True
+    """Judge every kept run and report the verdict in ``statistics()["judgement"]``."""
+
+    steps: int = Field(8, ge=1)
+    """Real steps after a run over which its effect is averaged (fewer when the next run comes
+    sooner)."""
+
+    window: int = Field(16, ge=4)
+    """Real-step losses before a run that the forecast line is fitted to. A run is judged only
+    when no earlier run lies in its window (``full_steps`` at least this), so that an earlier
+    run's own effect is not in the line."""
+
+    min_runs: int = Field(6, ge=2)
+    """Judged runs, and placebo judgements (the same measurement over real steps with no run
+    before them), before the verdict may stop Predict."""
+
+    z: float = Field(2.0, gt=0.0)
+    """Predict stops for the rest of the run once the runs' mean effect exceeds the placebos'
+    (the runs, together, left the loss higher than the real steps alone were heading) by this
+    many standard errors."""
+
+    gate: bool = True
+    """Let a harmful verdict stop Predict runs. false: judge and report only."""
+
+
 class HybridPredictConfig(_Section):
     """The ``hybrid_predict`` ds_config section: Warmup -> Full -> Predict -> Correct."""
 
@@ -292,8 +326,8 @@ class HybridPredictConfig(_Section):
     ``verify_every``-th Predict step (and the last of a run), which costs about a third of a
     real step each. ``next_step``: no forward in the run at all; the first forward of the next
     real step, which it runs anyway, checks the run against the divergence band, and outside it
-    the whole run is undone exactly and that forward runs again (the delayed judgement of
-    ``judge_every`` then decides whether runs pay)."""
+    the whole run is undone exactly and that forward runs again (the delayed judgement of the
+    ``judge`` section then weighs what the kept runs did to the real steps after them)."""
 
     verify_every: int = Field(1, ge=1)
     """Observe the loss with a no-grad forward on every n-th Predict step (the last step
@@ -330,6 +364,9 @@ class HybridPredictConfig(_Section):
     group_predict: GroupPredictConfig = Field(default_factory=GroupPredictConfig)
     """Layer-group Predict steps (partial real steps)."""
 
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    """Delayed-effect judgement of whole-model Predict runs, and the gate it drives."""
+
     @model_validator(mode="after")
     def _horizon_order(self) -> "HybridPredictConfig":
         if self.min_predict_steps > self.max_predict_steps:
@@ -354,6 +391,10 @@ def parse_hybrid_config(ds_config: Mapping[str, Any]) -> HybridPredictConfig:
     """
     raw = ds_config.get(SECTION)
     if raw is None:
+        near = difflib.get_close_matches(SECTION, [k for k in ds_config if isinstance(k, str)], n=1, cutoff=0.75)
+        if near:
+            logger.warning(f"ds_config has no '{SECTION}' section but has '{near[0]}': did you mean '{SECTION}'? "
+                           "Without it this run trains as plain DeepSpeed")
         return HybridPredictConfig(enabled=False)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{SECTION}: expected an object, got {type(raw).__name__}")

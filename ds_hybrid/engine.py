@@ -41,8 +41,10 @@ from . import checkpoint as ckpt
 from . import kernels
 from . import zero_access as za
 from .config import HybridPredictConfig, parse_hybrid_config
+from .dist_env import ensure_distributed_env
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
+from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
 
@@ -107,6 +109,10 @@ class _Stats:
     progress_sum: float = 0.0       # sum of measured progress of Predict steps (loss units)
     progress_n: int = 0
     progress_positive: int = 0
+    # Real steps that a "no" at a Predict decision put in front of the next decision, by reason:
+    # lr_gate (predict_lr_fraction), predictor (not ready, or confidence below the threshold),
+    # judge (the delayed judgement's verdict). Warmup steps are in steps_per_phase.
+    held_back: dict = field(default_factory=dict)
 
 
 class _NonFiniteGuard:
@@ -208,12 +214,19 @@ class PredictiveEngine(DeepSpeedEngine):
         self._pending = 0  # Predict steps applied since the last good point
         dyn = self.hybrid_config.dynamics
         self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
+        jc = self.hybrid_config.judge
+        self._judge = (DelayedJudgement(jc.steps, jc.window, jc.min_runs, jc.z, clean=True)
+                       if jc.enabled and self.hybrid_config.whole_model else None)
+        self._judge_stopped = False   # the verdict stopped Predict runs (said once in the log)
+        self._told: set = set()       # reasons for not predicting already said in the log
         self._verifications = 0
         self._max_lr = 0.0  # highest LR of the run so far (predict_lr_fraction)
         # Progress of measured Predict steps: (step, lr, scale, progress), for the regime analysis.
         self.progress_log: list[tuple[int, float, float, float]] = []
         sched = getattr(self._config, "scheduler_params", None) or {}
         self._total_steps = int(sched.get("total_num_steps", 0) or 0)
+        if self.global_rank == 0:
+            self._warn_about_the_schedule()
         self._trajectory = None
         if dyn.trajectory_path and self.global_rank == 0:
             from .dynamics.trajectory import TrajectoryWriter
@@ -296,6 +309,7 @@ class PredictiveEngine(DeepSpeedEngine):
             "backward_skipped_equivalent": s.backward_skipped + s.partial_share_sum,
             "predicted_update_checks": s.group_checks,
             "predicted_update_rolled_back": s.group_rolled_back,
+            "held_back": dict(s.held_back),
         }
         if self.hybrid_config.enabled:
             out["snapshot_bytes"] = self._snapshot.nbytes()
@@ -323,6 +337,8 @@ class PredictiveEngine(DeepSpeedEngine):
             out["kernel_launches"] = dict(kernels.LAUNCHES)
             if self._planner is not None:
                 out["group_predict"] = self._planner.summary()
+            if self._judge is not None:
+                out["judgement"] = dict(self._judge.summary(), stopped_predict=self._judge_stopped)
         return out
 
     # ------------------------------------------------------------ phases
@@ -427,6 +443,8 @@ class PredictiveEngine(DeepSpeedEngine):
             excess = within_band(loss, predicted_loss, std, None, cfg.divergence)[1]
             if loss is not None and math.isfinite(excess):
                 self._planner.observe_check(self._planner.stats.last_k > 0, excess)
+        if self._judge is not None and not predicted:
+            self._judge.real_step(loss, difficulty)
         if phase is Phase.CORRECT and predicted_loss is not None and math.isfinite(predicted_loss):
             self.predictor.record_verification(self.global_steps, predicted_loss, loss, phase.value, None)
         if predicted:
@@ -490,9 +508,11 @@ class PredictiveEngine(DeepSpeedEngine):
             self._stats.verifications += 1
             if accepted:
                 self._stats.predict_accepted += self._pending
+                if self._judge is not None:
+                    self._judge.run_ended(self._pending)
             else:
                 self._stats.predict_rolled_back += self._pending
-            undone, self._pending = (0 if accepted else self._pending), 0
+            self._pending = 0
         else:
             self._stats.group_checks += 1
         if accepted:
@@ -589,8 +609,11 @@ class PredictiveEngine(DeepSpeedEngine):
                                   step_scale=scale, predicted_loss=predicted, accepted=accepted,
                                   rolled_back=undone, horizon=ctl.horizon, predict_index=ctl.predict_index,
                                   total_steps=self._total_steps, progress=progress, batch_difficulty=difficulty))
+        run_length = ctl.predict_index + 1
         with self._timed_predictor():
             ctl.end_step(self._decide, rolled_back=accepted is False)
+        if not next_step and ctl.phase is not Phase.PREDICT and accepted and self._judge is not None:
+            self._judge.run_ended(run_length)   # verified and kept: the real steps after it judge it
         if next_step and ctl.phase is not Phase.PREDICT and self._pending:
             # The run is over: the next real step's first forward checks all of it.
             self._check_groups = frozenset(range(self._masters.num_groups()))
@@ -633,13 +656,59 @@ class PredictiveEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------ predictor plumbing
     def _decide(self) -> tuple[bool, int]:
+        if not self.hybrid_config.whole_model:
+            return False, 0
         # The LR gate: the LR is the same on every rank, so this needs no agreement.
         frac = self.hybrid_config.predict_lr_fraction
-        if not self.hybrid_config.whole_model or (frac < 1.0 and self._lr() > frac * self._max_lr):
-            return False, 0
+        if frac < 1.0 and self._lr() > frac * self._max_lr:
+            return self._held("lr_gate", f"the LR {self._lr():.3g} is above predict_lr_fraction {frac:g} x its "
+                                         f"highest so far {self._max_lr:.3g}")
+        if self._judge_stopped:
+            return self._held("judge", "the delayed judgement found the Predict runs harmful")
         predict, horizon = self.predictor.decide()
-        predict, horizon = self._agreed([float(predict), float(horizon)])
-        return predict > 0.5, int(horizon)
+        # The delayed judgement's verdict rides on the same agreement as the decision.
+        harmful = self._judge is not None and self.hybrid_config.judge.gate and self._judge.harmful()
+        predict, horizon, harmful = self._agreed([float(predict), float(horizon), float(harmful)])
+        if harmful > 0.5:
+            self._judge_stopped = True
+            if self.global_rank == 0:
+                j = self._judge.summary()
+                logger.warning(f"hybrid_predict.judge: the {j['judged_runs']} judged Predict runs left the real steps "
+                               f"after them {j['net_effect']:+.4f} higher against the forecast without them than "
+                               f"{j['placebos']} stretches with no run (standard error {j['net_stderr']:.4f}); no "
+                               "more Predict runs in this run")
+            return self._held("judge", "the delayed judgement found the Predict runs harmful")
+        if predict <= 0.5:
+            conf = self.predictor.confidence()
+            return self._held("predictor", f"the predictor's confidence {conf:.2f} is below confidence_threshold "
+                                           f"{self.hybrid_config.confidence_threshold:g}" if conf > 0 else
+                              "the predictor has no confidence yet (too few real steps observed)")
+        return True, int(horizon)
+
+    def _held(self, reason: str, why: str) -> tuple[bool, int]:
+        """A "no" at a decision: count the Full phase it puts before the next one, and say why
+        once per reason (rank 0), so a run that never predicts does not do so silently."""
+        held = self._stats.held_back
+        held[reason] = held.get(reason, 0) + self.hybrid_config.full_steps
+        if reason not in self._told and self.global_rank == 0:
+            self._told.add(reason)
+            logger.warning(f"hybrid_predict: no Predict run at step {self.global_steps}: {why}. (Said once; "
+                           "statistics()['held_back'] counts the steps each reason held Predict back.)")
+        return False, 0
+
+    def _warn_about_the_schedule(self) -> None:
+        """Settings that keep Predict from ever running, said before the first step."""
+        cfg = self.hybrid_config
+        sched = getattr(self._config, "scheduler_name", None)
+        constant = sched == "WarmupLR" or (sched is None and self.lr_scheduler is None)   # (a client scheduler: unknown)
+        if cfg.predict_lr_fraction < 1.0 and constant:
+            logger.warning(f"hybrid_predict.predict_lr_fraction is {cfg.predict_lr_fraction:g}, but the LR schedule "
+                           f"({sched or 'none: a constant LR'}) never decays below its peak, so Predict will never "
+                           "run; set predict_lr_fraction to 1.0 or use a decaying schedule (WarmupCosineLR, "
+                           "WarmupDecayLR)")
+        if self._total_steps and cfg.warmup_steps >= self._total_steps:
+            logger.warning(f"hybrid_predict.warmup_steps ({cfg.warmup_steps}) is not shorter than the schedule's "
+                           f"total_num_steps ({self._total_steps}): no Predict step will run")
 
     def _agreed(self, values: list[float]) -> list[float]:
         """Rank 0's values on every rank. Each rank's predictor sees the same all-reduced
@@ -815,17 +884,20 @@ class PredictiveEngine(DeepSpeedEngine):
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, verify=True):
         """DeepSpeed's load (``tag=None``: the one ``latest`` names) after checking the files
-        against the checkpoint's manifest, then ds_hybrid's shared and per-rank state.
-        Returns ``(load_path, client_state)``; ``(None, None)`` when there is no ``latest``.
-        Raises ``CheckpointError`` naming the file for a truncated, corrupt or mismatched checkpoint."""
+        against the checkpoint's manifest (sizes and CRC-32s), then ds_hybrid's shared and
+        per-rank state. Returns ``(load_path, client_state)``; ``(None, None)`` when there is no
+        ``latest``. Raises ``CheckpointError`` naming the file for a truncated, corrupt or
+        mismatched checkpoint, or one with no manifest. ``verify=False`` (ds_hybrid's addition):
+        skip the content digests and load a folder with no manifest (a plain DeepSpeed
+        checkpoint), with a warning."""
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
         if self._parking is not None:
             self._parking.unpark(wait=True)  # the loaded moments replace these; on the device until the next run
-        return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs)
+        return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs, verify=verify)
 
     def hybrid_state_dict(self) -> dict:
         """State every rank shares (it goes into DeepSpeed's ``client_state``): the phase
@@ -840,7 +912,9 @@ class PredictiveEngine(DeepSpeedEngine):
                       check_groups=None if self._check_groups is None else sorted(self._check_groups),
                       check_run=self._check_run,
                       planner=None if self._planner is None else self._planner.state_dict(),
-                      difficulty=None if self._difficulty is None else self._difficulty.state_dict())
+                      difficulty=None if self._difficulty is None else self._difficulty.state_dict(),
+                      judge=None if self._judge is None else self._judge.state_dict(),
+                      judge_stopped=self._judge_stopped)
         return sd
 
     def load_hybrid_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
@@ -870,6 +944,9 @@ class PredictiveEngine(DeepSpeedEngine):
             self._planner.load_state_dict(sd["planner"])
         if self._difficulty is not None and sd.get("difficulty") is not None:
             self._difficulty.load_state_dict(sd["difficulty"])
+        if self._judge is not None and sd.get("judge") is not None:
+            self._judge.load_state_dict(sd["judge"])
+        self._judge_stopped = bool(sd.get("judge_stopped", False))
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: its RNG states and, in the middle of a Predict run, the
@@ -1024,13 +1101,29 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """
     import deepspeed
 
+    if not torch.distributed.is_initialized() and ensure_distributed_env():
+        logger.info("ds_hybrid.initialize: no launcher (no RANK / WORLD_SIZE): running as rank 0 of 1")
+    # DeepSpeed's backward-compatible spellings, with its own deprecation warning.
+    if config is None and kwargs.get("config_params") is not None:
+        config = kwargs.pop("config_params")
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("************ --deepscale_config is deprecated, please use --deepspeed_config ************")
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ValueError("ds_hybrid.initialize: given both --deepscale_config and --deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
     if config is None and args is not None and getattr(args, "deepspeed_config", None):
         config = args.deepspeed_config
         args.deepspeed_config = None
     if config is None:
         raise ValueError("ds_hybrid.initialize: pass config= (a dict or a path to a ds_config JSON)")
     cfg_dict = load_ds_config(config)
-    parse_hybrid_config(cfg_dict)  # fail fast, naming the key
+    hybrid = parse_hybrid_config(cfg_dict)  # fail fast, naming the key
+    if hybrid.enabled and optimizer is None and not cfg_dict.get("optimizer"):
+        from .config import ConfigError
+        raise ConfigError("hybrid_predict.enabled: Predict steps read and move an Adam-family optimizer's state, and "
+                          "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
+                          "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
+                          "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
 
     from deepspeed.pipe import PipelineModule
     if isinstance(model, PipelineModule):
@@ -1051,15 +1144,44 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
 
 def load_ds_config(config: Any) -> dict:
-    """A ds_config dict from a dict or a JSON path, with an error naming the file."""
+    """A ds_config dict as DeepSpeed reads one (``DeepSpeedConfig``): a dict; a path to a JSON or
+    hjson file, duplicate keys rejected; or a base64-encoded config string. Errors name the file."""
     if isinstance(config, Mapping):
         return dict(config)
+    import base64
+    import binascii
     import json
     from pathlib import Path
+
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
     path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"ds_config file not found: {path}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"ds_config file {path} is not valid JSON: {err}") from None
+        is_file = path.is_file()
+    except OSError:   # a base64 config is longer than a file name may be
+        is_file = False
+    if is_file:
+        text = path.read_text()
+        try:
+            try:   # JSON first: hjson reads 1.0 as the int 1, and the hybrid_predict section is strictly typed
+                return dict(json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys))
+            except json.JSONDecodeError:
+                return dict(hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys))
+        except hjson.HjsonDecodeError as err:
+            raise ValueError(f"ds_config file {path} is not valid JSON (nor hjson, which DeepSpeed also reads): "
+                             f"{err}") from None
+        except ValueError as err:   # duplicate keys
+            raise ValueError(f"ds_config file {path}: {err}") from None
+    if isinstance(config, str):
+        try:
+            decoded = base64.urlsafe_b64decode(config).decode("utf-8")
+            try:
+                loaded = json.loads(decoded, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            except json.JSONDecodeError:
+                loaded = hjson.loads(decoded, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            if isinstance(loaded, Mapping):
+                return dict(loaded)
+        except (binascii.Error, UnicodeDecodeError, hjson.HjsonDecodeError, ValueError):
+            pass
+    raise FileNotFoundError(f"ds_config file not found: {path} (a ds_config is a dict, a path to a JSON or hjson "
+                            "file, or a base64-encoded config string)")

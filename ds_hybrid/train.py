@@ -30,12 +30,13 @@ import logging
 import os
 import platform
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from .dist_env import ensure_distributed_env  # noqa: F401  (also imported from here by bench and user scripts)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESET_DIR = REPO_ROOT / "ds_configs"
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every N optimizer steps (0: only at the end and on Ctrl-C / SIGTERM)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --save-dir (from step 0 when it holds none yet)")
+    p.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="--resume without checking the files' CRC-32s against the manifest, and from a folder with "
+                        "no manifest (a plain DeepSpeed checkpoint); sizes and the zip check still apply")
     # The deepspeed launcher passes --local_rank; torchrun sets LOCAL_RANK.
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help=argparse.SUPPRESS)
@@ -213,16 +217,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def ensure_distributed_env() -> None:
-    """Without a launcher, make this process rank 0 of 1 on a free local port."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def quiet_logs(verbose: bool) -> None:
     if verbose:
         return
@@ -251,7 +245,7 @@ def check_checkpoint_flags(args: argparse.Namespace) -> None:
         try:
             tag = read_latest(save_dir, universal=False)
             if tag is not None:
-                verify_files(resolve_tag_dir(save_dir, tag))
+                verify_files(resolve_tag_dir(save_dir, tag), verify=not args.no_verify_checkpoint)
         except CheckpointError as err:
             raise SystemExit(f"--resume: {err}") from None
 
@@ -408,6 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{len(train_data) / 1e6:.2f}M train / {len(val_data) / 1e6:.2f}M val bytes, "
               f"config {config_path.name}, hybrid {'on' if hybrid.enabled and not args.baseline else 'off'}, "
               f"{world} rank(s), batch {micro_bs}x{gas}x{world}, {args.steps} steps", flush=True)
+        if hybrid.enabled and not args.baseline and args.steps <= hybrid.warmup_steps:
+            print(f"note: hybrid_predict.warmup_steps is {hybrid.warmup_steps}, so a run of {args.steps} steps "
+                  "takes no Predict step; run longer or lower warmup_steps", flush=True)
 
     records: list[dict] = []
     val_points: list[tuple[int, float]] = []
@@ -482,8 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
         where = f"; checkpoint {checkpoint}, continue with --resume" if checkpoint else " (no --save-dir: nothing saved)"
         print(f"stopped by {interrupted} after step {done} of {args.steps}{where}", flush=True)
 
-    if args.save_model:
+    if args.save_model and not interrupted:
         save_model_weights(engine, args.save_model)
+    elif args.save_model and is_main:
+        print(f"--save-model: not written (the run stopped after step {done} of {args.steps})", flush=True)
     stats = engine.statistics()
     summary = {
         "args": {k: v for k, v in vars(args).items() if k != "local_rank"},
@@ -569,7 +568,7 @@ def resume_from_checkpoint(engine: Any, args: argparse.Namespace) -> tuple[dict 
     saved state and the checkpoint folder ((None, None) when there is no checkpoint yet)."""
     from .checkpoint import CheckpointError
     try:
-        load_path, client_state = engine.load_checkpoint(args.save_dir)
+        load_path, client_state = engine.load_checkpoint(args.save_dir, verify=not args.no_verify_checkpoint)
     except CheckpointError as err:
         raise SystemExit(f"--resume: {err}") from None
     if load_path is None:
@@ -582,6 +581,10 @@ def resume_from_checkpoint(engine: Any, args: argparse.Namespace) -> tuple[dict 
     return loop, str(tag_dir)
 
 
+HELD_BACK = {"lr_gate": "the LR gate (predict_lr_fraction)", "predictor": "the predictor (not confident)",
+             "judge": "the delayed judgement"}
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run table: steps and mean time per phase, skipped backward passes, validation loss."""
     st = summary["statistics"]
@@ -592,7 +595,12 @@ def format_summary(summary: dict) -> str:
     lines.append(f"predict steps accepted {st['predict_accepted']}, rolled back {st['predict_rolled_back']}, "
                  f"verifications {st['verifications']}")
     lines.append(f"backward passes skipped: {st['backward_skipped']} of "
-                 f"{st['backward_skipped'] + st['backward_passes']} ({st['backward_skipped_pct']:.1f}%)")
+                 f"{st['backward_skipped'] + st['backward_passes']} ({st['backward_skipped_pct']:.1f}%)"
+                 + (f"; partial: {st['partial_backward']} (left out {100 * st['partial_backward_share']:.0f}% "
+                    "of the parameters each on average)" if st.get("partial_backward") else ""))
+    if st.get("held_back"):
+        lines.append("Predict held back: " + ", ".join(f"{n} steps by {HELD_BACK.get(k, k)}"
+                                                       for k, n in st["held_back"].items()))
     lines.append(f"validation loss: {summary['final_val_loss']:.4f} after {summary['val_points'][-1][0]} steps "
                  f"({summary['train_seconds_excluding_eval']:.1f} s training, eval excluded)")
     return "\n".join(lines)

@@ -40,6 +40,10 @@ parser.add_argument("--bf16", action="store_true")
 parser.add_argument("--group-predict", action="store_true",
                     help="layer groups with layer-group Predict (planner with min_gain 0); with --faults rank 1's "
                          "second check of a predicted update sees its loss x 10")
+parser.add_argument("--judge-harm", action="store_true",
+                    help="whole-model runs checked by the next step, whose predicted updates also add noise to "
+                         "this rank's masters (kept by a lenient band): the delayed judgement must stop Predict "
+                         "on every rank at the same step")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -56,6 +60,9 @@ if args.group_predict:
               "predictor": {"direction": "drift", "drift_beta": 0.8},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
               "group_predict": {"enabled": True, "refresh_every": 3, "min_gain": 0.0}}
+if args.judge_harm:
+    from test_judgement import HARM
+    hybrid = HARM
 engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid),
                      groups=4 if args.group_predict else 0)
 lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
@@ -70,6 +77,15 @@ def counted_propagate():
 
 
 engine._masters.propagate = counted_propagate
+if args.judge_harm:
+    from ds_hybrid import zero_access as za
+    _apply, _noise = za.apply_velocity_update, torch.Generator().manual_seed(100 + rank)
+
+    def noisy_update(access, velocity, scales):
+        _apply(access, velocity, scales)
+        for part in access.partitions():
+            part.master.add_(torch.randn(part.master.shape, generator=_noise, dtype=part.master.dtype) * 0.05)
+    za.apply_velocity_update = noisy_update
 corpus = torch.randint(0, 48, (8192,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
 stream = train_batches(corpus, SEQ, MICRO, seed=7, rank=rank, world_size=world)
 predict_verifications = {"seen": 0}
@@ -124,13 +140,20 @@ for _ in range(args.steps):
     record.append({"phase": r.phase, "loss": r.loss, "accepted": r.accepted, "rolled_back": r.rolled_back_steps,
                    "predicted_groups": r.predicted_groups, "checked": r.checked,
                    "skipped": r.skipped, "step": r.step, "lr": r.lr, "batches": [batch_digest(b) for b in micro]})
+bad_saves = []
 if args.save_dir:
+    # Bad directories fail on every rank before any rank writes or waits (no hang), as in DeepSpeed.
+    for bad in (None, ""):
+        try:
+            engine.save_checkpoint(bad)
+        except ValueError as err:
+            bad_saves.append(str(err))
     engine.save_checkpoint(args.save_dir, "final")
 digest = hashlib.sha256(b"".join(p.float().numpy().tobytes() for p in full_params(engine))).hexdigest()
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"record": record, "weights_sha256": digest, "global_steps": engine.global_steps,
                "micro_steps": engine.micro_steps, "deepspeed_skipped_steps": engine.skipped_steps,
-               "lp_written_propagations": lp_written["propagations"],
+               "lp_written_propagations": lp_written["propagations"], "bad_saves": bad_saves,
                "statistics": {k: v for k, v in engine.statistics().items() if k != "predictor_details"},
                # (JSON: the RSSM's state and the difficulty counts hold tensors; compared elsewhere)
                "hybrid_state": json_state(engine.hybrid_state_dict())}, f)

@@ -248,3 +248,44 @@ def test_main_job_resume_rejects_other_run_settings(tmp_path):
         train.main(common + ["--out", str(tmp_path / "o"), "--resume", "--seed", "7"])
     done = train.main(common + ["--out", str(tmp_path / "o"), "--resume"])  # already complete: nothing to run
     assert done["steps_done"] == 3 and done["resumed_from"].endswith("global_step3")
+
+
+# ------------------------------------------------------------------ broken inputs (issue 17, first part)
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage\x81", b"global_step5\nglobal_step6", b"../elsewhere",
+                                     b"\x01\x02"])
+def test_a_malformed_latest_is_one_error_naming_the_file(tmp_path, content):
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError, match=str(tmp_path / "latest")):
+        ckpt.read_latest(tmp_path, universal=False)
+
+
+def test_save_and_load_of_empty_or_missing_folders_behave_as_deepspeed(tmp_path, monkeypatch, caplog):
+    engine = make_engine(ds_config(stage=1, hybrid=HYBRID))
+    engine.train_step(Batches().step())
+    monkeypatch.chdir(tmp_path)
+    for bad in (None, ""):
+        with pytest.raises(ValueError, match="save_dir must be a non-empty string"):
+            engine.save_checkpoint(bad)
+    assert list(tmp_path.iterdir()) == [], "nothing written into the current directory"
+    with caplog.at_level(logging.WARNING):
+        assert engine.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    assert f"no checkpoint in {tmp_path / 'empty'}" in caplog.text
+    assert engine.global_steps == 1
+
+
+def test_latest_only_names_a_finite_state_and_a_nonfinite_one_will_not_load(tmp_path, caplog):
+    engine = make_engine(ds_config(stage=1, hybrid=HYBRID))
+    b = Batches()
+    engine.train_step(b.step())
+    engine.save_checkpoint(str(tmp_path), tag="good")
+    with torch.no_grad():
+        next(engine.module.parameters()).view(-1)[0] = float("nan")
+    with caplog.at_level(logging.WARNING):
+        engine.save_checkpoint(str(tmp_path), tag="bad")
+    assert (tmp_path / "latest").read_text() == "good", "latest keeps naming the last good state"
+    assert "keeps naming the last good checkpoint" in caplog.text and (tmp_path / "bad").is_dir()
+    other = make_engine(ds_config(stage=1, hybrid=HYBRID))
+    with pytest.raises(ckpt.CheckpointError, match=r"bad: holds non-finite weights"):
+        other.load_checkpoint(str(tmp_path), tag="bad")
+    path, _ = other.load_checkpoint(str(tmp_path))   # latest: the good one
+    assert path is not None and "good" in path and ckpt.params_finite(other)

@@ -280,6 +280,11 @@ def test_one_rank_faults_are_collective(two_rank_faults):
         "rollback on both ranks": any(col(r0, "rolled_back")) and col(r0, "rolled_back") == col(r1, "rolled_back"),
         "same weights": r0["weights_sha256"] == r1["weights_sha256"],
     })
+    observe_fault("save_checkpoint(None) and (\"\") on 2 ranks", {
+        "ValueError on both ranks, then a good save (no hang)": all(
+            len(r["bad_saves"]) == 2 and all("save_dir must be a non-empty string" in m for m in r["bad_saves"])
+            for r in ranks),
+    })
 
 
 # --------------------------------------------------------------------------- killed in the middle of a save
@@ -465,7 +470,7 @@ def saved(tmp_path):
     return tmp_path / "ckpt", cfg
 
 
-def _load(save_dir: Path, cfg: dict, tag: str | None = "t", **model):
+def _load(save_dir: Path, cfg: dict, tag: str | None = "t", verify: bool = True, **model):
     def run():
         if model:
             torch.manual_seed(0)
@@ -473,7 +478,17 @@ def _load(save_dir: Path, cfg: dict, tag: str | None = "t", **model):
             engine, *_ = ds_hybrid.initialize(model=m, model_parameters=m.parameters(), config=cfg)
         else:
             engine = make_engine(cfg)
-        engine.load_checkpoint(save_dir, tag)
+        engine.load_checkpoint(save_dir, tag, verify=verify)
+    return run
+
+
+def _truncated_unverified(save_dir: Path, cfg: dict, path: Path, original: bytes):
+    def run():
+        path.write_bytes(original[: len(original) // 2])
+        try:
+            _load(save_dir, cfg, verify=False)()
+        finally:
+            path.write_bytes(original)
     return run
 
 
@@ -505,10 +520,25 @@ def test_corrupt_checkpoints_are_rejected_naming_the_file(saved):
                       [str(optim_file)])
     observe_rejection("missing per-rank file", damaged(rank_file, None), [str(rank_file), "missing"])
     observe_rejection("manifest that is not JSON", damaged(manifest, b"{"), [str(manifest), "manifest"])
-    # Without a manifest (as a plain DeepSpeed checkpoint) the zip check still names the file.
+
+    def flipped(p: Path) -> bytes:   # 4 KB of random bytes inside the file: same size, zip still complete
+        data = bytearray(originals[p])
+        at = len(data) // 3
+        data[at:at + 4096] = os.urandom(min(4096, len(data) - at))
+        return bytes(data)
+    for label, path in (("model-states", model_file), ("optimizer", optim_file), ("per-rank", rank_file)):
+        observe_rejection(f"4 KB changed inside the {label} file (same size)", damaged(path, flipped(path)),
+                          [str(path), "rank 0 wrote", "CRC-32"])
     manifest.unlink()
-    observe_rejection("truncated file, no manifest", damaged(model_file, half(model_file)), [str(model_file)])
+    observe_rejection("manifest deleted", _load(save_dir, cfg), [str(tag_dir), "no hybrid_manifest.json",
+                                                                 "verify=False"])
+    # Loaded unverified on request (as a plain DeepSpeed checkpoint), the zip check still names a bad file.
+    observe_rejection("truncated file, no manifest, verify=False",
+                      _truncated_unverified(save_dir, cfg, model_file, originals[model_file]), [str(model_file)])
+    _load(save_dir, cfg, verify=False)()
     manifest.write_bytes(originals[manifest])
+    (save_dir / "latest").write_bytes(b"\xff\xfe garbage \x00")
+    observe_rejection("garbage in latest", _load(save_dir, cfg, tag=None), [str(save_dir / "latest"), "unreadable"])
     (save_dir / "latest").write_text("gone")
     observe_rejection("latest naming a missing tag", _load(save_dir, cfg, tag=None),
                       [str(save_dir / "latest"), str(save_dir / "gone")])
@@ -542,3 +572,31 @@ def test_resume_with_a_truncated_checkpoint_fails_before_training(tmp_path, monk
     monkeypatch.setattr("ds_hybrid.models.build_model", refuse)
     observe_rejection("--resume from a truncated checkpoint", _main(common + ["--resume"]),
                       ["--resume", str(model_file)])
+
+
+def test_saves_of_nonfinite_states_and_bad_directories_lose_nothing(saved, tmp_path, monkeypatch):
+    """`latest` only ever names a good state; None / "" directories fail before any rank writes; an
+    empty folder loads nothing and says so (DeepSpeed's (None, None))."""
+    save_dir, cfg = saved
+    engine = make_engine(cfg)
+    engine.load_checkpoint(save_dir, "t")
+    with torch.no_grad():
+        next(engine.module.parameters()).view(-1)[0] = float("nan")
+    engine.save_checkpoint(save_dir, "nan")
+    observe_fault("NaN weights at save time", {
+        "latest still names the good state": (save_dir / "latest").read_text() == "t",
+        "the NaN state is kept under its tag": (save_dir / "nan").is_dir(),
+    })
+    observe_rejection("resume from a NaN checkpoint", _load(save_dir, cfg, tag="nan"),
+                      [str(save_dir / "nan"), "non-finite weights"])
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for bad in (None, ""):
+        observe_rejection(f"save_checkpoint({bad!r})", lambda bad=bad: engine.save_checkpoint(bad),
+                          ["save_dir must be a non-empty string"], exc=(ValueError,))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    observe_fault("load_checkpoint of an empty folder", {
+        "returns (None, None)": make_engine(cfg).load_checkpoint(empty) == (None, None),
+        "nothing written by the bad saves": sorted(p.name for p in tmp_path.iterdir()) == before + ["empty"],
+    })
