@@ -35,7 +35,8 @@ def main() -> None:
     import ds_hybrid
     from ds_hybrid import checkpoint as ckpt
     from ds_hybrid.models import build_model
-    from ds_hybrid.train import ensure_distributed_env, quiet_logs
+    from ds_hybrid.dist_env import ensure_distributed_env
+    from ds_hybrid.train import quiet_logs
     ensure_distributed_env()
     quiet_logs(False)
     torch.manual_seed(0)

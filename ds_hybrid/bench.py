@@ -487,7 +487,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     from .engine import default_loss
     from .models import build_model, layer_groups
     from .phases import Phase
-    from .train import apply_lr, ensure_distributed_env, load_init_weights, quiet_logs, resolve_config
+    from .dist_env import ensure_distributed_env
+    from .train import apply_lr, load_init_weights, quiet_logs, resolve_config
 
     ensure_distributed_env()
     quiet_logs(False)

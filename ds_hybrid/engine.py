@@ -1143,6 +1143,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         deepspeed.DeepSpeedEngine = original
 
 
+def _parse_config_text(text: str) -> Any:
+    """JSON first (hjson reads 1.0 as the int 1, and the hybrid_predict section is strictly typed),
+    then hjson, which DeepSpeed also reads; duplicate keys are rejected either way."""
+    import json
+
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+    try:
+        return json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    except json.JSONDecodeError:
+        return hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+
+
 def load_ds_config(config: Any) -> dict:
     """A ds_config dict as DeepSpeed reads one (``DeepSpeedConfig``): a dict; a path to a JSON or
     hjson file, duplicate keys rejected; or a base64-encoded config string. Errors name the file."""
@@ -1150,23 +1163,17 @@ def load_ds_config(config: Any) -> dict:
         return dict(config)
     import base64
     import binascii
-    import json
     from pathlib import Path
 
     import hjson
-    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
     path = Path(config)
     try:
         is_file = path.is_file()
     except OSError:   # a base64 config is longer than a file name may be
         is_file = False
     if is_file:
-        text = path.read_text()
         try:
-            try:   # JSON first: hjson reads 1.0 as the int 1, and the hybrid_predict section is strictly typed
-                return dict(json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys))
-            except json.JSONDecodeError:
-                return dict(hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys))
+            return dict(_parse_config_text(path.read_text()))
         except hjson.HjsonDecodeError as err:
             raise ValueError(f"ds_config file {path} is not valid JSON (nor hjson, which DeepSpeed also reads): "
                              f"{err}") from None
@@ -1174,11 +1181,7 @@ def load_ds_config(config: Any) -> dict:
             raise ValueError(f"ds_config file {path}: {err}") from None
     if isinstance(config, str):
         try:
-            decoded = base64.urlsafe_b64decode(config).decode("utf-8")
-            try:
-                loaded = json.loads(decoded, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-            except json.JSONDecodeError:
-                loaded = hjson.loads(decoded, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            loaded = _parse_config_text(base64.urlsafe_b64decode(config).decode("utf-8"))
             if isinstance(loaded, Mapping):
                 return dict(loaded)
         except (binascii.Error, UnicodeDecodeError, hjson.HjsonDecodeError, ValueError):
