@@ -1,9 +1,17 @@
-"""What the checkpoint's content digests cost: CRC-32 time against the whole save, and the load check.
+"""What the checkpoint's content digests cost: XXH3-64 taken while the files are written, against the whole save.
 
 Builds a model (default GPT-2 124M) under ZeRO 1 with AdamW on this machine's accelerator (CPU here), takes one
-optimizer step so the Adam state exists, then saves ``--saves`` checkpoints, timing the save and, inside it, the
-digesting (each rank's CRC-32 of its own files right after writing them, and rank 0's of any others), then the
-load's check of every file (``verify_files``).
+optimizer step so the Adam state exists, saves one warm-up checkpoint (not counted), then ``--saves`` rounds of
+three saves each, in an order that rotates every round:
+
+* ``xxh3``:   what ``save_checkpoint`` does: every file hashed (XXH3-64) while it is written (``HashingWriter``);
+* ``null``:   the same writes through the same writer, with a hasher that does nothing: the save without digests;
+* ``native``: DeepSpeed's own write (``torch.save`` to a path, torch's C++ file writer), no digests at all.
+
+Each save is timed whole and in parts: DeepSpeed's save (its files), the rank file, the read-back of any file not
+hashed while written, ``write_manifest`` (fsync of every file, then the manifest) and ``publish`` (renames,
+``latest``); for ``xxh3`` also the time spent inside the hasher. After each ``xxh3`` save the load's check of every
+file (``verify_files``) is timed with and without the digests. Every save's folder is removed after it.
 
     .venv/bin/python benchmarks/checkpoint_digest_cost.py --json docs/results/checkpoint-digest-cost.json
 
@@ -12,8 +20,10 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -22,11 +32,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+VARIANTS = ("xxh3", "null", "native")
+PARTS = ("deepspeed_write_s", "rank_file_s", "read_back_s", "manifest_and_fsync_s", "publish_s")
+
+
+def _meminfo_mb(*keys: str) -> dict[str, float]:
+    """Dirty / Writeback page-cache totals (MB) from /proc/meminfo: what a save leaves to flush."""
+    out = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            name, value = line.split(":", 1)
+            if name in keys:
+                out[name] = int(value.split()[0]) / 1024
+    return out
+
+
+class NullHasher:
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 16
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-124m")
-    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--saves", type=int, default=3, help="rounds (each: one save of every variant)")
     p.add_argument("--dir", type=Path, default=None, help="where to save (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -48,31 +80,73 @@ def main() -> None:
     engine.backward(engine(input_ids=x, labels=x).loss)
     engine.step()
 
-    spent = {"digest": 0.0}   # time in the CRC-32s of the files this rank wrote
-    own, crc = ckpt._digest_own_files, ckpt.crc32_file
+    spent: dict[str, float] = {}
 
-    def timed(*a, **k):
+    def add(part: str, t0: float) -> None:
+        spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
+
+    def timed(part: str, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                add(part, t0)
+        return run
+
+    records_writes = ckpt.records_writes
+
+    @contextlib.contextmanager
+    def timed_records_writes(*a, **k):
         t0 = time.perf_counter()
-        try:
-            return own(*a, **k)
-        finally:
-            spent["digest"] += time.perf_counter() - t0
-    ckpt._digest_own_files = timed
+        with records_writes(*a, **k):
+            yield
+        add("deepspeed_write_s", t0)
+
+    real_hasher, real_digest_file = ckpt.new_hasher, ckpt.digest_file
+
+    class TimedHasher:
+        def __init__(self):
+            self._h = real_hasher()
+
+        def update(self, data) -> None:
+            t0 = time.perf_counter()
+            self._h.update(data)
+            add("hash_s", t0)
+
+        def hexdigest(self) -> str:
+            return self._h.hexdigest()
+
+    ckpt.records_writes = timed_records_writes
+    ckpt.torch_save_atomic = timed("rank_file_s", ckpt.torch_save_atomic)
+    ckpt.write_manifest = timed("manifest_and_fsync_s", ckpt.write_manifest)
+    ckpt.publish = timed("publish_s", ckpt.publish)
+    ce = engine.checkpoint_engine
+
+    def use(variant: str) -> None:
+        vars(ce).pop("save", None)
+        ckpt.new_hasher = {"xxh3": TimedHasher, "null": NullHasher, "native": NullHasher}[variant]
+        ckpt.digest_file = timed("read_back_s", real_digest_file if variant == "xxh3" else
+                                 (lambda path: "0" * 16))
+        if variant == "native":   # the engine's own save: an instance attribute, so not replaced by ours
+            ce.save = ce.save
+
     root = args.dir or Path(tempfile.mkdtemp(prefix="digest-cost-"))
+    order = [("warm-up", "native")] + [(i, VARIANTS[(j + i) % 3]) for i in range(args.saves) for j in range(3)]
     rows = []
-    # Saves with the digests and without them (CRC-32 replaced by a constant) alternate, so the
-    # difference of their times is what the digests cost, whatever of them overlaps the writing.
-    for i in range(2 * args.saves):
-        digests = i % 2 == 0
-        ckpt.crc32_file = crc if digests else (lambda path, chunk=0: "00000000")
-        spent["digest"] = 0.0
+    for n, (round_, variant) in enumerate(order):
+        use(variant)
+        spent.clear()
+        before = _meminfo_mb("Dirty", "Writeback")
         t0 = time.perf_counter()
-        engine.save_checkpoint(str(root), tag=f"s{i}")
+        engine.save_checkpoint(str(root), tag=f"s{n}")
         save_s = time.perf_counter() - t0
-        tag_dir = root / f"s{i}"
-        size = sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file())
-        row = {"digests": digests, "save_s": save_s, "digest_wait_s": spent["digest"], "bytes": size}
-        if digests:
+        tag_dir = root / f"s{n}"
+        row = {"round": round_, "variant": variant, "save_s": save_s, **{k: spent.get(k, 0.0) for k in PARTS},
+               "hash_s": spent.get("hash_s", 0.0),
+               "bytes": sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file()),
+               "dirty_mb_before": before.get("Dirty"), "writeback_mb_before": before.get("Writeback")}
+        if variant == "xxh3":
             t0 = time.perf_counter()
             ckpt.verify_files(tag_dir, verify=True)
             row["load_check_s"] = time.perf_counter() - t0
@@ -81,30 +155,46 @@ def main() -> None:
             row["load_check_without_digests_s"] = time.perf_counter() - t0
         rows.append(row)
         shutil.rmtree(tag_dir)
-    ckpt.crc32_file = crc
-    with_d = [r["save_s"] for r in rows if r["digests"]]
-    without = [r["save_s"] for r in rows if not r["digests"]]
-    digest_s = [r["digest_wait_s"] for r in rows if r["digests"]]
-    # DeepSpeed's own write of the same checkpoint varies by 2x between saves here (page cache),
-    # so the difference of the two means is noise-dominated; the share below is the CRC-32 time
-    # over the rest of the same saves.
-    summary = {"save_with_digests_s": sum(with_d) / len(with_d), "save_without_digests_s": sum(without) / len(without),
-               "digest_s": sum(digest_s) / len(digest_s)}
-    summary["digest_share_of_save"] = sum(digest_s) / (sum(with_d) - sum(digest_s))
+    use("xxh3")
+    ckpt.new_hasher, ckpt.digest_file = real_hasher, real_digest_file
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
-    print("| save | digests | checkpoint GB | save s | time in the digests s | load check s (without digests) |")
-    print("|---|---|---|---|---|---|")
-    for i, r in enumerate(rows):
-        check = f"{r['load_check_s']:.2f} ({r['load_check_without_digests_s']:.2f})" if r["digests"] else "-"
-        print(f"| {i} | {'yes' if r['digests'] else 'no'} | {r['bytes'] / 1e9:.2f} | {r['save_s']:.2f} | "
-              f"{r['digest_wait_s']:.2f} | {check} |")
-    print(f"mean save {summary['save_with_digests_s']:.2f} s with the digests ({summary['digest_s']:.2f} s of them: "
-          f"{100 * summary['digest_share_of_save']:.0f}% of the rest of those saves), "
-          f"{summary['save_without_digests_s']:.2f} s without")
+
+    counted = [r for r in rows if r["round"] != "warm-up"]
+    summary: dict = {}
+    for v in VARIANTS:
+        s = [r["save_s"] for r in counted if r["variant"] == v]
+        summary[v] = {"saves": len(s), "save_mean_s": statistics.mean(s), "save_min_s": min(s), "save_max_s": max(s)}
+    hashed = [r for r in counted if r["variant"] == "xxh3"]
+    summary["xxh3"].update(
+        hash_mean_s=statistics.mean(r["hash_s"] for r in hashed),
+        read_back_mean_s=statistics.mean(r["read_back_s"] for r in hashed),
+        # the time inside the hasher over the same save's whole time, per save
+        hash_share_of_save_max=max(r["hash_s"] / r["save_s"] for r in hashed),
+        hash_share_of_save_mean=statistics.mean(r["hash_s"] / r["save_s"] for r in hashed),
+        load_check_mean_s=statistics.mean(r["load_check_s"] for r in hashed),
+        load_check_without_digests_mean_s=statistics.mean(r["load_check_without_digests_s"] for r in hashed))
+    # the same writes without hashing: the difference of the means (noisy: saves vary between runs)
+    summary["xxh3_minus_null_mean_s"] = summary["xxh3"]["save_mean_s"] - summary["null"]["save_mean_s"]
+
+    print("| save | round | variant | GB | save s | DeepSpeed write s | rank file s | read-back s | fsync+manifest s "
+          "| publish s | in the hasher s | dirty MB before | load check s (without digests) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, r in enumerate(rows):
+        check = f"{r['load_check_s']:.3f} ({r['load_check_without_digests_s']:.3f})" if "load_check_s" in r else "-"
+        print(f"| {n} | {r['round']} | {r['variant']} | {r['bytes'] / 1e9:.2f} | {r['save_s']:.2f} | "
+              + " | ".join(f"{r[k]:.3f}" for k in PARTS) + f" | {r['hash_s']:.3f} | {r['dirty_mb_before']:.0f} | {check} |")
+    for v in VARIANTS:
+        s = summary[v]
+        print(f"{v}: mean save {s['save_mean_s']:.2f} s ({s['save_min_s']:.2f}-{s['save_max_s']:.2f}, {s['saves']} saves)")
+    h = summary["xxh3"]
+    print(f"xxh3: {h['hash_mean_s']:.3f} s in the hasher per save, {100 * h['hash_share_of_save_mean']:.1f}% of the "
+          f"save (at most {100 * h['hash_share_of_save_max']:.1f}%); read back at save time {h['read_back_mean_s']:.3f} s;"
+          f" load check {h['load_check_mean_s']:.2f} s ({h['load_check_without_digests_mean_s']:.3f} s without)")
     if args.json:
         args.json.write_text(json.dumps({"command": "benchmarks/checkpoint_digest_cost.py " + " ".join(sys.argv[1:]),
-                                         "model": args.model, "device": str(engine.device), "rows": rows, **summary}, indent=2))
+                                         "model": args.model, "device": str(engine.device), "digest": "xxh3_64",
+                                         "rows": rows, **summary}, indent=2))
         print(f"wrote {args.json}")
 
 

@@ -15,7 +15,8 @@ step's forward + backward is timed (median of ``--repeat``, after a warm-up step
 
 It also records which attention kernel ran (``aten`` op names from one profiled step) and the
 loss difference between the two paths (same weights and batch). Writes
-docs/results/attention-{cpu,cuda}.json by default.
+runs/attn-bench/attention-{cpu,cuda}.json by default; the tables in docs/kernels.md come from
+``--json docs/results/attention-{cpu,cuda}.json``.
 """
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ from pathlib import Path
 
 import torch
 
-from .models import attention_dropout, build_model, count_parameters
+from .arguments import HelpFormatter
+from .models import attention_dropout, build_model, count_parameters, model_config
+
+# --json's folder when none is given: the repository's docs/results/ are written only when --json names them.
+DEFAULT_DIR = Path("runs/attn-bench")
 
 _ATTN_OPS = ("flash", "efficient", "cudnn", "_scaled_dot_product_attention_math", "bmm", "baddbmm")
 
@@ -143,14 +148,16 @@ def format_table(rows: list[dict], device_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="ds-hybrid attn-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="gpt2-tiny", help="comma-separated model names (default gpt2-tiny)")
-    ap.add_argument("--seq-lens", default="64,128,256,512,1024")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap = argparse.ArgumentParser(prog="ds-hybrid attn-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--models", default="gpt2-tiny", help="comma-separated model names")
+    ap.add_argument("--seq-lens", default="64,128,256,512,1024", help="comma-separated sequence lengths")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--repeat", type=int, default=3, help="timed steps per point (the median is reported)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present")
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 gives stable times on a shared machine)")
-    ap.add_argument("--json", type=Path, help="default docs/results/attention-{cpu,cuda}.json")
+    ap.add_argument("--json", type=Path, metavar="PATH",
+                    help=f"the result file (default: {DEFAULT_DIR}/attention-cpu.json or attention-cuda.json)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
     device_name = (torch.cuda.get_device_name(device) if use_cuda else
                    f"CPU {platform.machine()}, {torch.get_num_threads()} threads") + f", torch {torch.__version__}"
-    seqs = [int(s) for s in args.seq_lens.split(",")]
+    try:
+        seqs = [int(s) for s in args.seq_lens.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seq-lens: expected comma-separated integers (got {args.seq_lens!r})") from None
+    for name in args.models.split(","):
+        try:
+            model_config(name, seq_len=max(seqs))
+        except ValueError as err:   # an unknown name, a JSON that is not a causal LM, too few positions
+            raise SystemExit(f"--models: {err}") from None
     rows = []
     load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None   # other work on the machine
     t0 = time.time()
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                         "parameters excluded); peak_mb = CUDA allocator peak during a step minus before it"}
     print()
     print(format_table(rows, device_name))
-    path = args.json or Path(f"docs/results/attention-{device.type}.json")
+    path = args.json or DEFAULT_DIR / f"attention-{device.type}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path} ({result['seconds']} s)")

@@ -33,12 +33,13 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import bench_report as report
 from . import frontier as fr
+from .bench_suites import SUITES, Suite
 from .compare import load_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,59 +101,6 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         "preset", budgets=(1.0,)),
 ]}
 
-
-@dataclass(frozen=True)
-class Suite:
-    """A benchmark: model, preset, budget, data and the systems it compares."""
-
-    name: str
-    doc: str                              # what it answers, shown in the README section
-    model: str                            # ds_hybrid.models name or config JSON
-    config: str                           # ds_configs preset the runs start from
-    steps: int                            # optimizer steps of the full budget
-    seq_len: int
-    seeds: tuple[int, ...]
-    lr_multipliers: tuple[float, ...]     # baseline LR sweep around the preset's LR
-    eval_every: int                       # resolution of the validation curves
-    val_batches: int
-    arms: tuple[str, ...] = ("baseline", "predict", "predict-skip", "groups", "default")
-    budgets: tuple[float, ...] = (0.75, 0.875, 1.0, 1.25, 1.5)   # each arm runs those of its own it lists
-    needs_gpu: bool = False
-    overrides: dict = field(default_factory=dict)   # merged into the preset (nested dicts)
-    data: str | None = None               # corpus: a path, "transformers-source", or None (stdlib)
-    pretrain_steps: int = 0               # > 0: start every run from a model pre-trained this long on stdlib
-    layer_groups: int = 4
-    budgets_for_all: bool = False         # --budgets: every arm runs every budget (the default arm: 1 only)
-
-
-SUITES: dict[str, Suite] = {
-    "cpu-small": Suite(
-        name="cpu-small",
-        doc="GPT-2 0.84M parameters pre-trained from scratch on the Python standard library's source, 2 CPU "
-            "cores, ZeRO 1 fp32",
-        model="gpt2-tiny", config="tiny-cpu", steps=500, seq_len=128, seeds=(1, 2, 3),
-        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8),
-    "cpu-finetune": Suite(
-        name="cpu-finetune",
-        doc="the same model pre-trained for 1000 steps on the standard library's source, then trained on the "
-            "`transformers` package's own Python source (a library's code base: what a user fine-tunes on), "
-            "2 CPU cores, ZeRO 1 fp32",
-        model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
-        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8, data="transformers-source",
-        pretrain_steps=1000),
-    "gpu-gpt2": Suite(
-        name="gpu-gpt2",
-        doc="GPT-2 124M (byte-level vocabulary) on one GPU, ZeRO 1 bf16",
-        model="gpt2-124m", config="gpt2-124m", steps=2000, seq_len=512, seeds=(1, 2, 3),
-        lr_multipliers=(0.5, 1.0, 2.0), eval_every=100, val_batches=16, needs_gpu=True),
-    "offload": Suite(
-        name="offload",
-        doc="optimizer in CPU memory (ZeRO-Offload): hybrid against ZeRO-Offload and DeepSpeed's ZenFlow",
-        model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
-        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "predict", "zenflow"),
-        overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
-}
 
 # ZenFlow: plain DeepSpeed with its own asynchronous CPU updates (the offload suite's comparator).
 ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`, its recommended settings)",
@@ -319,7 +267,7 @@ def pretrained(suite: Suite, base_cfg: dict, cache: Path, live: bool) -> str | N
 
 def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: bool, quick: bool,
                  cache: Path) -> dict:
-    from .train import resolve_config
+    from .arguments import resolve_config
     preset, _ = resolve_config(suite.config)
     base_cfg = deep_merge(preset, suite.overrides)
     base_lr = float(base_cfg["optimizer"]["params"]["lr"])
@@ -466,7 +414,15 @@ def analyse(raw: dict, profile: dict | None) -> dict:
 
 # --------------------------------------------------------------------------- profile
 
-def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = 20) -> dict:
+# Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
+# costed by their time over the plain work inside the same steps (_profile_worker).
+PAIRED_KINDS = ("real", "real_idle", "real_groups")
+# Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
+# cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
+PROFILE_REPS = 40
+
+
+def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1)."""
     cmd = [sys.executable, "-m", "ds_hybrid.bench", "--profile-worker", suite.name, "--lr", repr(lr),
            "--reps", str(reps), "--model", suite.model, "--seq-len", str(suite.seq_len)]
@@ -488,7 +444,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     from .models import build_model, layer_groups
     from .phases import Phase
     from .dist_env import ensure_distributed_env
-    from .train import apply_lr, load_init_weights, quiet_logs, resolve_config
+    from .arguments import resolve_config
+    from .train import apply_lr, load_init_weights, quiet_logs
 
     ensure_distributed_env()
     quiet_logs(False)
@@ -513,14 +470,34 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
 
     for _ in range(8):  # Adam state, velocity and the planner's statistics exist
         engine.train_step(batches())
+
+    # Inside every step, the time of plain DeepSpeed's own work (forward, backward, optimizer
+    # step; the hybrid's first-forward callback, which holds its capture, taken out): a hybrid
+    # real step's overhead is then measured against the plain work of the same step, so the
+    # step-to-step noise of the forward and backward (several %) cancels out of it.
+    real_step, inner = engine._real_step, [0.0]
+
+    def timed_real_step(batches, loss_fn, on_first_forward=None, cut=None):
+        spent = [0.0]
+
+        def callback(loss, batch):
+            t0 = time.perf_counter()
+            try:
+                return on_first_forward(loss, batch)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        real_step(batches, loss_fn, callback if on_first_forward is not None else None, cut)
+        inner[0] += time.perf_counter() - t0 - spent[0]
+    engine._real_step = timed_real_step
     ctl = engine.controller
     planner = engine._planner
 
     def plain():
         engine._real_step(batches(), default_loss)
 
-    def full(k: int, with_planner: bool = True):
-        ctl.phase, ctl.remaining = Phase.FULL, 10**6
+    def full(k: int, with_planner: bool = True, phase: Phase = Phase.FULL):
+        ctl.phase, ctl.remaining = phase, 10**6   # (a warmup step this far from its end: an idle one)
         engine._next_groups, engine._check_groups = k, None
         engine._planner = planner if with_planner else None
         try:
@@ -543,6 +520,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
 
     kinds = {"plain": plain,
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
+             # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
+             "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP),
              "real_groups": lambda: full(0)}                 # the layer-group arms' whole step: the planner observes
     for k in range(1, engine._layout.max_prefix + 1):
         kinds[f"partial_{k}"] = lambda k=k: full(k)
@@ -551,14 +530,22 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for fn in kinds.values():
         fn()  # warm
-    sec = dict.fromkeys(kinds, 0.0)
+    sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     for _ in range(reps):
         for name, fn in kinds.items():
+            inner[0] = 0.0
             t0 = time.perf_counter()
             fn()
             sec[name] += time.perf_counter() - t0
+            plain_work[name] += inner[0]
     sec = {k: v / reps for k, v in sec.items()}
-    return {"seconds": sec, "cost": {k: v / sec["plain"] for k, v in sec.items()}, "reps": reps,
+    cost = {k: v / sec["plain"] for k, v in sec.items()}
+    # The whole real steps, paired: their time over the plain work inside them.
+    paired = {k: sec[k] / (plain_work[k] / reps) for k in PAIRED_KINDS}
+    cost.update(paired)
+    return {"seconds": sec, "cost": cost, "reps": reps,
+            "unpaired_cost": {k: sec[k] / sec["plain"] for k in PAIRED_KINDS},
+            "plain_work_seconds": {k: plain_work[k] / reps for k in PAIRED_KINDS},
             "layer_groups": engine._layout.names,
             "partial_share": {f"partial_{k}": engine._layout.share_below(k)
                               for k in range(1, engine._layout.max_prefix + 1)}}
@@ -592,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     # internal: the profile runs in a child process
     p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reps", type=int, default=20, help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=PROFILE_REPS, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
     return p
@@ -655,7 +642,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     profile = None
     if not args.no_profile:
         print("profiling the step kinds ...", flush=True)
-        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else 20)
+        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS)
     analysis = analyse(raw, profile)
     result = {
         "suite": {**asdict(suite), "seeds": list(suite.seeds), "lr_multipliers": list(suite.lr_multipliers),

@@ -6,6 +6,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+from .bench_suites import SUITES
+
 README_MARK = "<!-- bench:{name}:{end} -->"
 HEADLINE_MARK = "<!-- headline:{name}:{end} -->"
 
@@ -103,12 +105,16 @@ def markdown(result: dict) -> str:
     lines += judgement_table(result)
     prof = result.get("profile")
     if prof:
-        lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps; cost in plain DeepSpeed real steps):",
+        unpaired = prof.get("unpaired_cost", {})
+        lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps; cost in plain DeepSpeed real steps"
+                  + ("; a hybrid real step's cost is its time over the plain forward, backward and step inside it, "
+                     "the same steps' time over the plain steps' beside it" if unpaired else "") + "):",
                   "", "| step kind | ms | cost |", "|---|---|---|"]
         for kind, sec in prof["seconds"].items():
             share = prof.get("partial_share", {}).get(kind)
             label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else "")
-            lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f} |")
+            beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
+            lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)
 
 
@@ -153,7 +159,14 @@ def headline(result: dict) -> str:
     at_target = (f"{_ms(t0, '{:.2f}')}x at the target itself" if t0["reached"] == t0["seeds"]
                  else f"the target itself on {t0['reached']} of {t0['seeds']} seeds")
     d = result["analysis"]["arms"].get("default", {}).get("aggregate", {}).get("full_budget", {})
+    # The default's time in Full-step equivalents first: its seconds share a sitting with plain
+    # DeepSpeed's only when neither was reused (--reuse), and the equivalents never depend on it.
+    seconds = (f"{_ms(d.get('time_ratio'), '{:.3f}')}x in seconds" if not result.get("reused_runs")
+               else "seconds not comparable: runs reused from another sitting")
     default = (f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's final "
+               f"loss in {_ms(d.get('equivalents_ratio'), '{:.3f}')}x its Full-step equivalents ({seconds})"
+               if d.get("equivalents_ratio", {}).get("n") else
+               f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's final "
                f"loss in {_ms(d.get('time_ratio'), '{:.3f}')}x its time") if d else ""
     return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
             f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
@@ -216,7 +229,6 @@ def readme_section(result: dict, name: str) -> str:
 def result_name(result: dict) -> str:
     """The file and README-marker name of a result: the suite, plus the model where it is not the suite's."""
     s = result["suite"]
-    from .bench import SUITES
     default_model = SUITES[s["name"]].model if s["name"] in SUITES else s["model"]
     return s["name"] if s["model"] == default_model else f"{s['name']}-{s['model']}"
 

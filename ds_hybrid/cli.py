@@ -1,25 +1,30 @@
 """``ds-hybrid``: the command-line entry point.
 
-    ds-hybrid train [--config PRESET_OR_JSON] [--data PATH] [--steps N] ...
+    ds-hybrid train [--config PRESET_OR_JSON | --deepspeed_config JSON] [--data PATH] [--steps N] ...
     ds-hybrid compare RUN_DIR... [--json PATH]
     ds-hybrid bench [--suite cpu-small] [--quick] [--readme] ...
     ds-hybrid report [--json PATH]
     ds-hybrid kernel-bench [--cpu-reference] [--json PATH]
     ds-hybrid attn-bench [--models gpt2-tiny] [--seq-lens 64,...,1024] [--json PATH]
     ds-hybrid plan --model NAME --gpu-mem 24GB --cpu-mem 128GB [--nvme 500GB] [--json PATH]
-    ds-hybrid memory-bench [--models gpt2-tiny gpt2-124m] [--json PATH]
+    ds-hybrid memory-bench [--models gpt2-tiny gpt2-124m] [--out DIR] [--json PATH]
+    ds-hybrid --version
 
-For multi-rank runs use the ``deepspeed`` launcher with ``-m ds_hybrid.train``
-(see launch/).
+Results go under ``runs/`` in the current directory unless a flag names another place;
+nothing writes into the repository's ``docs/`` unless its path is passed. For multi-rank
+runs use the ``deepspeed`` launcher with ``-m ds_hybrid.train`` (see launch/).
 """
 from __future__ import annotations
 
 import sys
+from importlib import metadata
 
 COMMANDS = {
-    "train": "train a model with the PredictiveEngine (default: tiny GPT-2 on the stdlib source, CPU)",
+    "train": "train a model with the PredictiveEngine (default: gpt2-tiny, 0.84M parameters, 600 steps on the "
+             "stdlib source, CPU; writes runs/train)",
     "compare": "tabulate finished train runs (per run, and mean +- std over seeds)",
-    "bench": "hybrid against plain DeepSpeed to a target validation loss (suites: cpu-small, gpu-gpt2, offload)",
+    "bench": "hybrid against plain DeepSpeed to a target validation loss (suites: cpu-small, cpu-finetune, "
+             "gpu-gpt2, offload)",
     "report": "what this machine offers: GPU, CuPy, NVML, DeepSpeed ops, libaio, nvcc, kernel backend",
     "kernel-bench": "the CUDA kernels against their torch references (needs a GPU; --cpu-reference without)",
     "attn-bench": "fused (SDPA) against eager attention: step time and activation memory by sequence length",
@@ -30,13 +35,30 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """ds_hybrid's version and the versions it runs on (read from the installed metadata: no
+    torch or DeepSpeed import)."""
+    from . import __version__
+    found = []
+    for dist in ("deepspeed", "torch", "transformers"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{dist} not installed")
+    return f"ds-hybrid {__version__} ({', '.join(found)}; Python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ds-hybrid COMMAND [options]\n\ncommands:")
+        print("usage: ds-hybrid COMMAND [options]\n       ds-hybrid --version\n\ncommands:")
         for name, text in COMMANDS.items():
             print(f"  {name:<14}{text}")
-        print("\n'ds-hybrid COMMAND --help' lists a command's options.")
+        print("\n'ds-hybrid COMMAND --help' lists a command's options ('ds-hybrid train --help': the presets and "
+              "models too).")
+        return
+    if argv[0] in ("-V", "--version"):
+        print(version())
         return
     command, rest = argv[0], argv[1:]
     if command == "train":

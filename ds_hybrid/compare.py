@@ -18,7 +18,7 @@ def load_run(path: Path) -> dict:
     f = path / "summary.json" if path.is_dir() else path
     if not f.is_file():
         raise SystemExit(f"compare: no summary.json in {path}")
-    s = json.loads(f.read_text())
+    s = read_summary(f)
     st = s["statistics"]
     steps = sum(st["steps_per_phase"].values())
     ms = st["mean_step_seconds"]
@@ -53,6 +53,21 @@ def load_run(path: Path) -> dict:
     }
 
 
+SUMMARY_KEYS = ("args", "ds_config", "statistics", "val_points", "final_val_loss", "train_seconds_excluding_eval")
+
+
+def read_summary(f: Path) -> dict:
+    """A ``ds-hybrid train`` summary.json; any other file exits naming it and what it lacks."""
+    try:
+        s = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"compare: {f} is not a ds-hybrid train summary.json (not JSON: {err})") from None
+    missing = [k for k in SUMMARY_KEYS if k not in s] if isinstance(s, dict) else list(SUMMARY_KEYS)
+    if missing:
+        raise SystemExit(f"compare: {f} is not a ds-hybrid train summary.json (no {', '.join(missing)})")
+    return s
+
+
 def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float]]:
     """(training seconds so far, validation loss) at each evaluation, from steps.jsonl."""
     f = run_dir / "steps.jsonl"
@@ -66,8 +81,9 @@ def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float
 
 def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
     """What each step of a run was, for costing it from a profile: ``plain`` (a real step of
-    plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping; ``real_groups`` with
-    layer-group Predict on, whose planner also observes every whole step), ``partial_K`` (K lower
+    plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping; ``real_idle`` without it,
+    ``hybrid_predict.lazy_bookkeeping``; ``real_groups`` with layer-group Predict on, whose planner
+    also observes every whole step), ``partial_K`` (K lower
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward); ``+forward`` where a rejected check ran a forward again."""
     f = run_dir / "steps.jsonl"
@@ -82,7 +98,8 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:
-            kind = ("real_groups" if groups else "real") if hybrid else "plain"
+            kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False else "real") \
+                if hybrid else "plain"
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
     return out
 

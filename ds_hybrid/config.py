@@ -298,6 +298,15 @@ class HybridPredictConfig(_Section):
     full_steps: int = Field(8, ge=1)
     """Real steps in each Full phase; the Predict decision is taken at its end."""
 
+    lazy_bookkeeping: bool = True
+    """Leave out the predictor's per-step work on the masters (the pre-step capture, the
+    velocity fold and the direction statistics) in real steps whose result no decision can
+    read: warmup steps more than a lead before warmup ends (the lead: the steps after which
+    the older ones weigh under 1% in ``predictor.drift_beta``'s and ``predictor.scale_ema``'s
+    running averages, 90 at the defaults), and every step once Predict is off for good (the
+    delayed judgement's verdict). Such steps cost what plain DeepSpeed's do. Off when
+    ``group_predict`` or the ``rssm`` predictor, which learn from every step, is on."""
+
     min_predict_steps: int = Field(1, ge=1)
     """Shortest Predict run when the engine predicts at all."""
 

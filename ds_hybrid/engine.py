@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -83,6 +84,7 @@ class StepResult:
     progress: float | None = None   # Predict: batch loss with the step skipped minus with it (measured steps)
     predicted_groups: int = 0       # partial step: lower layer groups that took the predicted update (no backward)
     checked: bool | None = None     # the first forward checked the last predicted update: accepted (True) / rolled back
+    bookkeeping: bool = True        # real step: ran the predictor's work on the masters (False: lazy_bookkeeping left it out)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +105,7 @@ class _Stats:
     # predicted_update, snapshot, restore): what a real step costs beyond plain DeepSpeed's
     bookkeeping_seconds: dict = field(default_factory=dict)
     partial_backward: int = 0       # backward passes of partial steps (lower layer groups predicted)
+    idle_steps: int = 0             # real steps without the predictor's work on the masters (lazy_bookkeeping)
     partial_share_sum: float = 0.0  # sum over them of the share of parameters left out of the backward
     group_checks: int = 0           # first forwards that checked a predicted update (partial or whole-model)
     group_rolled_back: int = 0      # ... and rolled it back
@@ -188,8 +191,10 @@ class PredictiveEngine(DeepSpeedEngine):
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
-            raise ValueError(f"hybrid_predict: optimizer {type(self.optimizer).__name__} keeps no Adam moments; "
-                             "Predict steps need Adam or AdamW (or set hybrid_predict.enabled to false)")
+            base = getattr(self.optimizer, "optimizer", self.optimizer)   # inside DeepSpeed's ZeRO/bf16 wrapper
+            raise ValueError(f"hybrid_predict: optimizer {type(base).__name__} keeps no Adam moments; Predict steps "
+                             "need Adam or AdamW (the ds_config's optimizer.type, or optimizer= to initialize), or "
+                             "set hybrid_predict.enabled to false")
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
@@ -227,6 +232,11 @@ class PredictiveEngine(DeepSpeedEngine):
         self._total_steps = int(sched.get("total_num_steps", 0) or 0)
         if self.global_rank == 0:
             self._warn_about_the_schedule()
+        # lazy_bookkeeping: the last warmup steps that do the predictor's work on the masters,
+        # enough for the older ones to weigh under 1% in the velocity and the predictor's averages.
+        p = self.hybrid_config.predictor
+        betas = ([p.drift_beta] if self._velocity is not None else []) + [p.scale_ema]
+        self._lead = max(math.ceil(math.log(0.01) / math.log(b)) if 0.0 < b < 1.0 else 1 for b in betas)
         self._trajectory = None
         if dyn.trajectory_path and self.global_rank == 0:
             from .dynamics.trajectory import TrajectoryWriter
@@ -304,6 +314,7 @@ class PredictiveEngine(DeepSpeedEngine):
             "verifications": s.verifications,
             "skipped_steps": s.skipped_steps,
             "partial_backward": s.partial_backward,
+            "idle_steps": s.idle_steps,
             "partial_backward_share": s.partial_share_sum / s.partial_backward if s.partial_backward else 0.0,
             # whole backward passes skipped plus, for partial ones, the share of parameters left out
             "backward_skipped_equivalent": s.backward_skipped + s.partial_share_sum,
@@ -364,11 +375,30 @@ class PredictiveEngine(DeepSpeedEngine):
     def _cut_at(self, block: int | None):
         return self._cut.active(block) if (self._cut is not None and block is not None) else contextlib.nullcontext()
 
+    def _idle(self, phase: Phase) -> bool:
+        """A real step whose capture, fold and direction statistics no decision would read
+        (``hybrid_predict.lazy_bookkeeping``): the same answer on every rank, since it reads
+        only the config, the phase and the agreed verdict."""
+        cfg = self.hybrid_config
+        if not cfg.lazy_bookkeeping or self._learns_from_every_step():
+            return False
+        if self._judge_stopped:
+            return True
+        return phase is Phase.WARMUP and self.controller.remaining > self._lead
+
+    def _learns_from_every_step(self) -> bool:
+        """The layer-group planner, the RSSM and the trajectory file read every step's statistics
+        (the per-group moment sums included)."""
+        cfg = self.hybrid_config
+        return self._planner is not None or cfg.predictor.type == "rssm" or bool(cfg.dynamics.trajectory_path)
+
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
-        drift = self._velocity is not None
-        probe = drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps)
-                          and self._masters.has_adam_state())
+        idle = self._idle(phase)
+        self._stats.idle_steps += int(idle)
+        drift = self._velocity is not None and not idle
+        probe = not idle and (drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps)
+                                        and self._masters.has_adam_state()))
         # Layer-group Predict: the lower k groups take the predicted update and no backward.
         k = self._next_groups if phase is Phase.FULL else 0
         self._next_groups = 0
@@ -406,7 +436,7 @@ class PredictiveEngine(DeepSpeedEngine):
             with self._timed("fold"):
                 groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
                                              cfg.predictor.drift_beta, int(self.global_steps), groups=real,
-                                             keep=bool(predicted))
+                                             keep=bool(predicted), moments=self._learns_from_every_step())
         elif probe and not drift and not predicted:
             with self._timed("compare"):
                 groups = za.compare_direction(self._masters, self._snapshot)
@@ -433,7 +463,8 @@ class PredictiveEngine(DeepSpeedEngine):
             # No update happened: nothing for the predictor to learn, and the phase's
             # step budget counts applied updates only, so the controller stays put.
             return StepResult(self.global_steps, label.value, loss, predicted_loss, self.predictor.confidence(),
-                              True, 0.0, lr=self._lr(), skipped=True, predicted_groups=k, checked=check)
+                              True, 0.0, lr=self._lr(), skipped=True, predicted_groups=k, checked=check,
+                              bookkeeping=not idle)
         if self._planner is not None:
             if probe:
                 self._planner.observe_groups(groups, [g not in predicted for g in range(groups.shape[0])])
@@ -462,7 +493,7 @@ class PredictiveEngine(DeepSpeedEngine):
             self._planner.stepped(k)
             self._plan_next_step()
         return StepResult(self.global_steps, label.value, loss, predicted_loss, self.predictor.confidence(),
-                          True, 0.0, lr=self._lr(), predicted_groups=k, checked=check)
+                          True, 0.0, lr=self._lr(), predicted_groups=k, checked=check, bookkeeping=not idle)
 
     def _plan_next_step(self) -> None:
         """How many lower groups the next step predicts (the same answer on every rank)."""
@@ -886,7 +917,7 @@ class PredictiveEngine(DeepSpeedEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, verify=True):
         """DeepSpeed's load (``tag=None``: the one ``latest`` names) after checking the files
-        against the checkpoint's manifest (sizes and CRC-32s), then ds_hybrid's shared and
+        against the checkpoint's manifest (sizes and content digests), then ds_hybrid's shared and
         per-rank state. Returns ``(load_path, client_state)``; ``(None, None)`` when there is no
         ``latest``. Raises ``CheckpointError`` naming the file for a truncated, corrupt or
         mismatched checkpoint, or one with no manifest. ``verify=False`` (ds_hybrid's addition):
@@ -1102,6 +1133,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     import deepspeed
 
     if not torch.distributed.is_initialized() and ensure_distributed_env():
+        if "distributed_port" in kwargs:   # the port DeepSpeed's own discovery would have used
+            os.environ["MASTER_PORT"] = str(kwargs["distributed_port"])
         logger.info("ds_hybrid.initialize: no launcher (no RANK / WORLD_SIZE): running as rank 0 of 1")
     # DeepSpeed's backward-compatible spellings, with its own deprecation warning.
     if config is None and kwargs.get("config_params") is not None:
@@ -1109,13 +1142,17 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if args is not None and getattr(args, "deepscale_config", None) is not None:
         logger.warning("************ --deepscale_config is deprecated, please use --deepspeed_config ************")
         if getattr(args, "deepspeed_config", None) is not None:
-            raise ValueError("ds_hybrid.initialize: given both --deepscale_config and --deepspeed_config")
+            raise InitializeError("ds_hybrid.initialize: given both args.deepscale_config and "
+                                  "args.deepspeed_config; pass one")
         args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
-    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+    # args.deepspeed_config is read here and handed to DeepSpeed as the parsed dict; the
+    # caller's args keep it afterwards, as after deepspeed.initialize.
+    from_args = config is None and args is not None and getattr(args, "deepspeed_config", None) is not None
+    if from_args:
         config = args.deepspeed_config
-        args.deepspeed_config = None
     if config is None:
-        raise ValueError("ds_hybrid.initialize: pass config= (a dict or a path to a ds_config JSON)")
+        raise InitializeError("ds_hybrid.initialize: no ds_config; pass config= (a dict, a path to a JSON or hjson "
+                              "file, or a base64 string) or args.deepspeed_config")
     cfg_dict = load_ds_config(config)
     hybrid = parse_hybrid_config(cfg_dict)  # fail fast, naming the key
     if hybrid.enabled and optimizer is None and not cfg_dict.get("optimizer"):
@@ -1124,6 +1161,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                           "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
                           "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
                           "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
+
+    # An interrupted op build leaves a lock that DeepSpeed's next build of that op waits on
+    # forever, in silence: name it instead (ds-hybrid train also says what is about to be built).
+    from .op_build import stale_locks, stale_message
+    stale = stale_locks(cfg_dict, get_accelerator().device_name())
+    if stale:
+        raise RuntimeError(stale_message(stale))
 
     from deepspeed.pipe import PipelineModule
     if isinstance(model, PipelineModule):
@@ -1137,10 +1181,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     original = deepspeed.DeepSpeedEngine
     deepspeed.DeepSpeedEngine = PredictiveEngine
     try:
+        if from_args:
+            args.deepspeed_config = None   # DeepSpeed refuses a config in both places
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     config=cfg_dict, **kwargs)
     finally:
         deepspeed.DeepSpeedEngine = original
+        if from_args:
+            args.deepspeed_config = config
+
+
+class InitializeError(ValueError, AssertionError):
+    """A bad argument to ``initialize`` that ``deepspeed.initialize`` refuses with an ``assert``
+    (no config, two configs): both types, so code written for either one catches it."""
+
+
+class ConfigFileNotFoundError(FileNotFoundError, ValueError):
+    """A ds_config path that names no file: ``deepspeed.initialize`` raises ``ValueError`` there."""
 
 
 def _parse_config_text(text: str) -> Any:
@@ -1161,6 +1218,9 @@ def load_ds_config(config: Any) -> dict:
     hjson file, duplicate keys rejected; or a base64-encoded config string. Errors name the file."""
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise ValueError(f"ds_config: expected a dict, a path to a JSON or hjson file, or a base64-encoded config "
+                         f"string; got {type(config).__name__}")
     import base64
     import binascii
     from pathlib import Path
@@ -1186,5 +1246,5 @@ def load_ds_config(config: Any) -> dict:
                 return dict(loaded)
         except (binascii.Error, UnicodeDecodeError, hjson.HjsonDecodeError, ValueError):
             pass
-    raise FileNotFoundError(f"ds_config file not found: {path} (a ds_config is a dict, a path to a JSON or hjson "
+    raise ConfigFileNotFoundError(f"ds_config file not found: {path} (a ds_config is a dict, a path to a JSON or hjson "
                             "file, or a base64-encoded config string)")

@@ -1,7 +1,9 @@
 """``ds-hybrid kernel-bench``: each CUDA kernel against its torch reference.
 
-    ds-hybrid kernel-bench [--json docs/results/kernels.json] [--quick]
-    ds-hybrid kernel-bench --cpu-reference [--threads N] [--json docs/results/kernels-cpu-reference.json]
+    ds-hybrid kernel-bench [--json PATH] [--quick]         # default runs/kernel-bench/kernels.json
+    ds-hybrid kernel-bench --cpu-reference [--threads N] [--json PATH]
+
+The repository's docs/results/ files (docs/kernels.md's tables) are written only when ``--json`` names them.
 
 On a GPU with CuPy: the fused predicted update's time and achieved bandwidth (bytes read and
 written / time) against the device's peak (memory clock x bus width, from the CUDA device
@@ -29,9 +31,11 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
+from .arguments import HelpFormatter
 
-DEFAULT_JSON = Path("docs/results/kernels.json")
-DEFAULT_CPU_JSON = Path("docs/results/kernels-cpu-reference.json")
+# The result files when --json is not given: the repository's results are written only on request.
+DEFAULT_JSON = Path("runs/kernel-bench/kernels.json")
+DEFAULT_CPU_JSON = Path("runs/kernel-bench/kernels-cpu-reference.json")
 
 # Peak memory bandwidth (bytes/s) by device-name substring; used when the CUDA attributes are
 # not available. Vendor figures.
@@ -206,9 +210,10 @@ def _table(cols: list[str], rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="ds-hybrid kernel-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help=f"result file (default {DEFAULT_JSON}; with --cpu-reference "
-                                              f"{DEFAULT_CPU_JSON})")
+    ap = argparse.ArgumentParser(prog="ds-hybrid kernel-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--json", type=Path, metavar="PATH", help=f"result file (default: {DEFAULT_JSON}; with "
+                                                              f"--cpu-reference {DEFAULT_CPU_JSON})")
     ap.add_argument("--cpu-reference", action="store_true",
                     help="no GPU: time only the torch references on the CPU")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")

@@ -5,7 +5,7 @@
 | ``fused_update.cu``                     | ``fused_update``  | ``fused_update_reference`` (below; the arithmetic of ``zero_access.adam_direction`` + ``apply_predicted_update``) |
 | ``rssm.cu`` ``rssm_step``               | ``rssm_step``     | ``RSSMEnsemble.step`` then ``.prior``                |
 | ``rssm.cu`` ``rssm_rollout``            | ``rssm_rollout``  | ``RSSMEnsemble.rollout``                             |
-| ``encoder.cu`` ``window_features``      | ``window_features`` | ``dynamics.encoder.window_features``               |
+| ``encoder.cu`` ``window_features``      | ``window_features`` | ``dynamics.window.window_features``                |
 
 Every dispatcher takes ``backend``: ``"torch"`` runs the reference; ``"cupy"`` runs the kernel
 and fails with a ``KernelUnavailable`` naming the setting ``hybrid_predict.kernels`` and what
@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+from .dynamics.window import NUM_CHANNELS, NUM_WINDOW_FEATURES, WINDOW
+from .dynamics.window import window_features as window_features_reference
 
 log = logging.getLogger(__name__)
 
@@ -529,13 +532,10 @@ def window_features(hist: torch.Tensor, counts: torch.Tensor, *, backend: str = 
     """Features 0-38 of the state encoding from ``hist [8, 32]`` (or a batch ``[N, 8, 32]``) and
     ``counts [8]`` (``[N, 8]``): float64 ``[39]`` (``[N, 39]``) on hist's device.
 
-    The torch path is ``dynamics.encoder.window_features`` (a CPU function: CUDA inputs are
+    The torch path is ``dynamics.window.window_features`` (a CPU function: CUDA inputs are
     copied to the host and the result back). The kernel (``encoder.cu``) computes in fp64, one
     block per history.
     """
-    from .dynamics.encoder import NUM_CHANNELS, NUM_WINDOW_FEATURES, WINDOW
-    from .dynamics.encoder import window_features as reference
-
     batched = hist.dim() == 3
     if hist.shape[-2:] != (NUM_CHANNELS, WINDOW) or counts.shape[-1] != NUM_CHANNELS \
             or counts.shape[:-1] != hist.shape[:-2] or hist.dim() not in (2, 3):
@@ -545,7 +545,8 @@ def window_features(hist: torch.Tensor, counts: torch.Tensor, *, backend: str = 
     mod = _module_or_fallback("encoder", backend, hist.device) if choice == "cupy" else None
     if mod is None:
         h, c = hist.detach().cpu(), counts.detach().cpu()
-        rows = [reference(h[i], c[i]) for i in range(h.shape[0])] if batched else [reference(h, c)]
+        rows = ([window_features_reference(h[i], c[i]) for i in range(h.shape[0])] if batched
+                else [window_features_reference(h, c)])
         out = torch.stack(rows) if batched else rows[0]
         return out.to(hist.device)
     h = hist.detach().to(torch.float64).contiguous().view(-1, NUM_CHANNELS, WINDOW)

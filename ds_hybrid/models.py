@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # GPT-2 dropout keys: zeroed so a step's loss depends only on weights and batch,
 # which the loss predictor and the rollback check rely on.
@@ -168,6 +169,11 @@ def model_config(name: str = "gpt2-tiny", vocab_size: int | None = None,
                          f"config JSON file")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"model {name!r}: unknown transformers model_type {model_type!r}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model {name!r}: model_type {model_type!r} is not a causal language model "
+                         f"(transformers has no AutoModelForCausalLM for it); ds_hybrid trains causal LMs "
+                         f"such as gpt2 or llama (an encoder-decoder or encoder model goes through "
+                         f"ds_hybrid.initialize in your own script)")
     defaults = CONFIG_MAPPING[model_type]()
     _check_overrides(overrides, defaults, name)
     # No KV cache: training and evaluation never generate.

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .arguments import HelpFormatter, InputError, find_preset, parse_size, preset_names, resolve_config
 from .dist_env import ensure_distributed_env  # noqa: F401  (also imported from here by bench and user scripts)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESET_DIR = REPO_ROOT / "ds_configs"
+DEFAULT_CONFIG = "tiny-cpu"
 TRAIN_STATE_KEY = "ds_hybrid.train"  # the train loop's state in a checkpoint's client_state
 # Arguments a resumed run must share with the run that wrote the checkpoint: they
 # decide the model, the data stream and the optimizer's settings.
@@ -47,14 +47,35 @@ RESUME_MUST_MATCH = ("config", "data", "model", "seq_len", "seed", "max_corpus_b
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a run stopped by SIGINT
 
 
+class TrainParser(argparse.ArgumentParser):
+    """The help ends with the presets and the named models; the model names are read only when
+    the help is printed (``ds_hybrid.models`` imports transformers)."""
+
+    def format_help(self) -> str:
+        from .models import known_models
+        self.epilog = (f"presets (--config, in ds_configs/): {', '.join(preset_names())}\n"
+                       f"models (--model): {', '.join(known_models())}, or a transformers config JSON of a "
+                       "causal LM\n\nUnder the deepspeed launcher: deepspeed --num_gpus N --module ds_hybrid.train "
+                       "[options]")
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-hybrid train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="tiny-cpu",
-                   help="a ds_config JSON path, or the name of a preset in ds_configs/")
+    p = TrainParser(prog="ds-hybrid train", formatter_class=HelpFormatter,
+                    description="Train a transformers causal LM with ds_hybrid's PredictiveEngine (DeepSpeed plus "
+                                "predicted steps) and write summary.json, steps.jsonl and loss.png to --out.")
+    p.add_argument("--config", default=None, metavar="PRESET_OR_PATH",
+                   help=f"a ds_config file (JSON or hjson), or a preset name (list below) (default: {DEFAULT_CONFIG})")
+    p.add_argument("--deepspeed_config", default=None, metavar="PATH",
+                   help="the ds_config file, as DeepSpeed scripts take it (deepspeed.add_config_arguments): the same "
+                        "as --config; given both, they must name the same file")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted as DeepSpeed scripts accept it (a flag for user code); no effect: this job always "
+                        "trains with DeepSpeed")
     p.add_argument("--data", default=None,
                    help="a text file or a directory of them (default: the Python standard library's source)")
-    p.add_argument("--model", default="gpt2-tiny", help="a named model size or a transformers config JSON")
+    p.add_argument("--model", default="gpt2-tiny",
+                   help="a named model (list below) or a transformers config JSON of a causal LM")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps to train")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--seed", type=int, default=1234, help="seed for weights and data order")
@@ -84,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-model", default=None, metavar="PATH",
                    help="write the trained model's weights (a torch state dict) here at the end (rank 0)")
     p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="record memory every step (ds_hybrid.memory.MemoryProfiler; ~10 us per step): "
+                   help="record memory every step (ds_hybrid.memory.MemoryProfiler; 0.2-0.3 ms per step on a CPU): "
                         "memory.csv, memory_report.txt, memory.png, and per-phase peaks in summary.json")
     p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
                    help="cap this process's CUDA allocator at SIZE (16GB, 16GiB, ...) with "
@@ -108,18 +129,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_config(name_or_path: str) -> tuple[dict, Path]:
-    """A ds_config dict from a path or a preset name; the error names ``--config``."""
-    from .engine import load_ds_config
-    path = Path(name_or_path)
-    if not path.is_file():
-        preset = PRESET_DIR / (name_or_path if name_or_path.endswith(".json") else f"{name_or_path}.json")
-        if preset.is_file():
-            path = preset
-        else:
-            known = sorted(q.stem for q in PRESET_DIR.glob("*.json")) if PRESET_DIR.is_dir() else []
-            raise SystemExit(f"--config: '{name_or_path}' is neither a file nor a preset (presets: {known})")
-    return load_ds_config(path), path
+def config_source(args: argparse.Namespace) -> str:
+    """The ds_config to use: ``--config`` or ``--deepspeed_config`` (DeepSpeed's name for it), the
+    ``tiny-cpu`` preset when neither is given. Given both, they must name the same file."""
+    given = {flag: value for flag, value in (("--config", args.config), ("--deepspeed_config", args.deepspeed_config))
+             if value is not None}
+    if len(given) == 2:
+        try:
+            paths = {flag: find_preset(value, flag).resolve() for flag, value in given.items()}
+        except InputError as err:
+            raise SystemExit(str(err)) from None
+        if paths["--config"] != paths["--deepspeed_config"]:
+            raise SystemExit(f"--config {args.config!r} and --deepspeed_config {args.deepspeed_config!r} name "
+                             f"different ds_configs ({paths['--config']} and {paths['--deepspeed_config']}); "
+                             "give one of them")
+    return args.config or args.deepspeed_config or DEFAULT_CONFIG
+
+
+def check_model(name: str, seq_len: int) -> None:
+    """An unknown ``--model``, a config JSON that is not a causal LM, or too few positions for
+    ``--seq-len`` fail here, before the corpus is read or a model is built."""
+    from .models import model_config
+    try:
+        model_config(name, vocab_size=256, seq_len=seq_len)
+    except ValueError as err:
+        raise SystemExit(f"--model: {err}") from None
 
 
 def apply_run_length(ds_config: dict, steps: int) -> None:
@@ -185,10 +219,9 @@ def parse_gpu_cap(text: str | None) -> int | None:
     """``--gpu-mem-cap`` in bytes (None: no cap), checked before anything is built."""
     if text is None:
         return None
-    from .memory.planner import PlanError, parse_size
     try:
         cap = parse_size(text, "--gpu-mem-cap")
-    except PlanError as err:
+    except InputError as err:
         raise SystemExit(str(err)) from None
     if cap <= 0:
         raise SystemExit(f"--gpu-mem-cap: must be more than 0 (got {text!r})")
@@ -329,10 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Everything that can be wrong with the input fails here, before a model is built.
     check_checkpoint_flags(args)
-    try:
-        ds_config, config_path = resolve_config(args.config)
-    except ValueError as err:  # a file that is not JSON: the message names it
-        raise SystemExit(f"--config: {err}") from None
+    flag = "--deepspeed_config" if args.config is None and args.deepspeed_config else "--config"
+    args.config = config_source(args)   # one name from here on (a resumed run checks it)
+    ds_config, config_path = resolve_config(args.config, flag)
     from .config import ConfigError, parse_hybrid_config
     if args.baseline:
         ds_config.setdefault("hybrid_predict", {})["enabled"] = False
@@ -358,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)
+    check_model(args.model, args.seq_len)
     from .data import ByteDataset, DataError, train_batches, val_batches
     try:
         train_data, val_data = ByteDataset.load(args.data, args.max_corpus_bytes).split(seq_len=args.seq_len)
@@ -368,8 +401,12 @@ def main(argv: list[str] | None = None) -> dict:
     import deepspeed
     import ds_hybrid
     from .models import build_model, count_parameters, layer_groups
+    from .op_build import check_op_builds, watch_build_locks
     from .plotting import plot_loss_with_phases
 
+    # DeepSpeed compiles some ops on first use, and waits silently on a build lock: say so first.
+    say = (lambda line: print(line, flush=True)) if args.local_rank == 0 else (lambda line: None)
+    locks = check_op_builds(ds_config, deepspeed.get_accelerator().device_name(), say)
     ensure_distributed_env()
     quiet_logs(args.verbose)
     if gpu_cap is not None:
@@ -385,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict:
         # in backward (transformers' non-reentrant checkpointing; run here on ZeRO 1 and 3).
         enable_checkpointing(model)
     params = layer_groups(model, args.layer_groups) if args.layer_groups > 1 else model.parameters()
-    engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
+    with watch_build_locks(locks, say):
+        engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
     rank, world = engine.global_rank, engine.world_size
     is_main = rank == 0
     gas = engine.gradient_accumulation_steps()
@@ -600,6 +638,8 @@ def format_summary(summary: dict) -> str:
                  f"{st['backward_skipped'] + st['backward_passes']} ({st['backward_skipped_pct']:.1f}%)"
                  + (f"; partial: {st['partial_backward']} (left out {100 * st['partial_backward_share']:.0f}% "
                     "of the parameters each on average)" if st.get("partial_backward") else ""))
+    if st.get("idle_steps"):
+        lines.append(f"real steps without the predictor's bookkeeping (lazy_bookkeeping): {st['idle_steps']}")
     if st.get("held_back"):
         lines.append("Predict held back: " + ", ".join(f"{n} steps by {HELD_BACK.get(k, k)}"
                                                        for k, n in st["held_back"].items()))

@@ -640,14 +640,18 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
-                     keep: bool = False) -> torch.Tensor:
+                     keep: bool = False, moments: bool = True) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
     per unit LR). ``before`` holds the masters from before the step (``capture_weights``);
     ``lrs`` the LR of each param group in that step. ``groups``: fold only these param groups
     (a layer-group Predict step's real ones); ``keep``: leave ``before`` marked as a weight
-    snapshot (it is the predicted groups' rollback point)."""
+    snapshot (it is the predicted groups' rollback point). ``moments=False`` leaves the
+    columns only the layer-group planner and the dynamics encoder read (``master_sq``,
+    ``m_abs``, ``v_sqrt``) at 0: three passes over the masters and the Adam state saved, which
+    is about half the fold's time (the whole-model predictor reads ``dot``, ``old_sq`` and
+    ``new_sq`` only)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     if before.holds != "weights":
         return out
@@ -677,7 +681,9 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
             # fp32 views of the stored velocity are updated in place; bf16 / int8 go through a copy.
             v_old = buf.data[s:e] if buf.dtype == "fp32" else buf.load(s, e, out=v_work)
             # Statistics in fp32 (torch's reductions accumulate pairwise): 4 passes, no fp64 copies.
-            sums += torch.stack([torch.dot(d, v_old), torch.dot(v_old, v_old), torch.dot(d, d), torch.dot(w, w)])
+            sums[:3] += torch.stack([torch.dot(d, v_old), torch.dot(v_old, v_old), torch.dot(d, d)])
+            if moments:
+                sums[3] += torch.dot(w, w)
             if first:
                 torch.mul(d, 1.0 / lr, out=v_old)
             else:
@@ -687,7 +693,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
         sums *= torch.tensor([1.0 / lr, 1.0, 1.0 / lr ** 2, 1.0], dtype=torch.float64, device=sums.device)
         for col, val in enumerate(sums.tolist()):
             row[col] += val
-        if "exp_avg" in part.state:
+        if moments and "exp_avg" in part.state:
             row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
             row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())

@@ -1,6 +1,6 @@
 // State encoder: the 39 window features (features 0-38 of the 64) from the histories.
 //
-// Reference: ds_hybrid/dynamics/encoder.py, window_features(hist [8, 32] float64,
+// Reference: ds_hybrid/dynamics/window.py, window_features(hist [8, 32] float64,
 // counts [8] int32) -> [39] float64 (ds_hybrid.kernels.window_features dispatches here
 // or to it). Same feature table, same channels; computed in fp64.
 //

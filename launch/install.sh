@@ -2,7 +2,7 @@
 # Install ds_hybrid into a virtual environment (default .venv, or $VENV).
 #
 #   bash launch/install.sh          # the package: torch, deepspeed, transformers, ...
-#   bash launch/install.sh --dev    # plus pytest and tensorboard, for the tests
+#   bash launch/install.sh --dev    # plus pytest, tensorboard and accelerate (HF Trainer), for the tests
 #
 # torch goes in first, and only where none is installed: a bare `torch` requirement
 # would otherwise pull the newest CUDA build (GBs). Set TORCH_SPEC to choose another

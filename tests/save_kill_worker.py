@@ -36,13 +36,14 @@ for step in range(1, 4):
 engine.train_step(batches.step())
 
 if args.hold == "deepspeed-files":
-    write = engine.checkpoint_engine.save
+    # DeepSpeed's checkpoint engine writes its files through this (hashing them as they are written)
+    write = ckpt.torch_save_hashed
 
-    def save_then_hold(state_dict, path):
-        write(state_dict, path)
+    def save_then_hold(obj, path, **kwargs):
+        write(obj, path, **kwargs)
         hold()
 
-    engine.checkpoint_engine.save = save_then_hold
+    ckpt.torch_save_hashed = save_then_hold
 elif args.hold == "before-publish":
     ckpt.publish = lambda *a, **k: hold()
 else:

@@ -43,7 +43,19 @@ def test_cost_of_step_kinds():
     assert bench.cost_of("predict", profile) == 0.02
     assert bench.cost_of("predict+forward", profile) == pytest.approx(0.32)   # a rejected run's check
     assert bench.cost_of("partial_3", profile) == 1.02                         # not profiled: a real step
+    assert bench.cost_of("real_idle", profile) == 1.02                         # an older profile: a real step
+    assert bench.cost_of("real_idle", dict(profile, cost=dict(profile["cost"], real_idle=0.99))) == 0.99
     assert bench.cost_of("real", None) == 1.0
+
+
+def test_step_kinds_cost_lazy_steps_apart(tmp_path):
+    """A real step that lazy_bookkeeping left bare is a ``real_idle`` step; plain runs stay plain."""
+    from ds_hybrid.compare import step_kinds
+    rows = [{"phase": "warmup", "bookkeeping": False}, {"phase": "warmup", "bookkeeping": True},
+            {"phase": "full"}, {"phase": "predict"}, {"phase": "full", "bookkeeping": False, "checked": False}]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict", "real_idle+forward"]
+    assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
 
 
 def _row(points, seconds_per_step=1.0, kinds=None, stats=None):
@@ -97,6 +109,18 @@ def _result(tmp_path):
     path = tmp_path / "result.json"
     path.write_text(json.dumps(result))
     return dict(result, json_path=str(path), png_path=None)
+
+
+def test_headline_gives_the_default_in_equivalents_and_seconds_only_from_one_sitting(tmp_path):
+    result = _result(tmp_path)
+    ms = lambda m: {"mean": m, "std": 0.0, "min": m, "max": m, "n": 3}
+    result["analysis"]["arms"]["default"] = {"aggregate": {"full_budget": {
+        "final_gap_pct": ms(0.2), "equivalents_ratio": ms(0.995), "time_ratio": ms(0.9)}}}
+    line = bench_report.headline(result)
+    assert "+0.20 ± +0.00% from plain DeepSpeed's final loss in 0.995 ± 0.000x its Full-step equivalents " \
+           "(0.900 ± 0.000x in seconds)" in line
+    line = bench_report.headline(dict(result, reused_runs=12))   # runs from another sitting: no seconds ratio
+    assert "0.995 ± 0.000x its Full-step equivalents (seconds not comparable" in line and "0.900" not in line
 
 
 def test_report_and_readme_update(tmp_path):
@@ -203,6 +227,10 @@ def test_quick_bench_end_to_end(tmp_path):
     prof = saved["profile"]
     assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < prof["cost"]["forward"] < 1
     assert 0 < prof["cost"]["partial_1"] and prof["partial_share"]["partial_2"] > 0
+    # Whole hybrid real steps are costed against the plain work inside them (more than none of it).
+    for kind in bench.PAIRED_KINDS:
+        assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]
+        assert prof["unpaired_cost"][kind] == pytest.approx(prof["seconds"][kind] / prof["seconds"]["plain"])
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert "Full-step equivalents" in (out / "result.md").read_text()
     # --reuse keeps every finished run whose config and arguments match: nothing retrains.

@@ -289,3 +289,88 @@ def test_latest_only_names_a_finite_state_and_a_nonfinite_one_will_not_load(tmp_
         other.load_checkpoint(str(tmp_path), tag="bad")
     path, _ = other.load_checkpoint(str(tmp_path))   # latest: the good one
     assert path is not None and "good" in path and ckpt.params_finite(other)
+
+
+# ------------------------------------------------------------------ content digests (issue 17)
+def _flip_bit(path, at=None) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_the_digest_taken_while_writing_is_the_files(tmp_path):
+    """HashingWriter: the XXH3-64 of the bytes torch.save wrote is that of the file on disk
+    (zip and legacy formats, a tensor written in many 1 MiB pieces, the atomic rank-file path)."""
+    import io
+    import xxhash
+    obj = {"big": torch.arange(3 << 20, dtype=torch.float32), "small": [1, 2.0, "x"]}   # 12 MiB of data
+    for zip_format in (True, False):
+        path = tmp_path / f"zip{zip_format}.pt"
+        digest = ckpt.torch_save_hashed(obj, path, _use_new_zipfile_serialization=zip_format)
+        assert digest == xxhash.xxh3_64(path.read_bytes()).hexdigest() == ckpt.digest_file(path)
+        assert torch.equal(torch.load(path)["big"], obj["big"])
+    path = tmp_path / "atomic.pt"
+    assert ckpt.torch_save_atomic(obj, path) == ckpt.digest_file(path)
+    with open(tmp_path / "holes.bin", "wb") as fh:   # a seek: the digest is not known without a read-back
+        writer = ckpt.HashingWriter(fh)
+        writer.write(b"abc")
+        writer.seek(10, io.SEEK_CUR)
+        writer.write(b"d")
+    assert writer.hexdigest() is None
+
+
+def test_a_save_hashes_its_files_while_writing_them(tmp_path, monkeypatch):
+    """Every digest in the manifest is the file's, and no .pt file was read back to take it."""
+    read_back = []
+    real = ckpt.digest_file
+    monkeypatch.setattr(ckpt, "digest_file", lambda p: read_back.append(p.name) or real(p))
+    engine = make_engine(ds_config(stage=2, hybrid=EAGER))
+    engine.train_step(Batches().step())
+    engine.save_checkpoint(tmp_path, "t")
+    files = json.loads((tmp_path / "t" / ckpt.MANIFEST_FILE).read_text())["files"]
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "hybrid_rank0.pt"} <= set(files)
+    for rel, entry in files.items():
+        assert entry[ckpt.DIGEST_KEY] == real(tmp_path / "t" / rel) and entry["rank"] == 0, rel
+    assert not [n for n in read_back if n.endswith(".pt")], f"read back after the save: {read_back}"
+
+
+def test_files_written_another_way_are_hashed_by_reading_them_back(tmp_path, monkeypatch):
+    """A replaced checkpoint-engine save (or another engine) cannot be hashed while writing: its files
+    are read back after the save, and a flipped bit in one still fails the load naming it."""
+    read_back = []
+    real = ckpt.digest_file
+    monkeypatch.setattr(ckpt, "digest_file", lambda p: read_back.append(p.name) or real(p))
+    cfg = ds_config(stage=2, hybrid=EAGER)
+    engine = make_engine(cfg)
+    engine.train_step(Batches().step())
+    engine.checkpoint_engine.save = engine.checkpoint_engine.save   # an instance attribute: "replaced"
+    engine.save_checkpoint(tmp_path, "t")
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= set(read_back)
+    assert "hybrid_rank0.pt" not in read_back   # ours: still hashed while written
+    make_engine(cfg).load_checkpoint(tmp_path, "t")
+    victim = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    _flip_bit(victim)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        make_engine(cfg).load_checkpoint(tmp_path, "t")
+    assert all(part in str(err.value) for part in (str(victim), "rank 0 wrote", "XXH3-64")), str(err.value)
+
+
+def test_an_old_crc32_manifest_still_loads_and_catches_a_flipped_bit(tmp_path):
+    """Manifests saved before XXH3-64 hold "crc32": they are checked with CRC-32."""
+    cfg = ds_config(stage=2, hybrid=EAGER)
+    engine = make_engine(cfg)
+    engine.train_step(Batches().step())
+    engine.save_checkpoint(tmp_path, "t")
+    tag_dir = tmp_path / "t"
+    manifest = json.loads((tag_dir / ckpt.MANIFEST_FILE).read_text())
+    for rel, entry in manifest["files"].items():   # what the earlier code wrote
+        del entry[ckpt.DIGEST_KEY]
+        entry["crc32"] = ckpt.crc32_file(tag_dir / rel)
+    (tag_dir / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    path, _ = make_engine(cfg).load_checkpoint(tmp_path, "t")
+    assert path is not None
+    victim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    _flip_bit(victim)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        make_engine(cfg).load_checkpoint(tmp_path, "t")
+    assert all(part in str(err.value) for part in (str(victim), "rank 0 wrote", "CRC-32")), str(err.value)

@@ -13,7 +13,8 @@ from ds_hybrid.dynamics.bandit import LinUCBHorizon, horizon_arms, run_reward
 from ds_hybrid.dynamics.calibration import ConfidenceCalibrator
 from ds_hybrid.dynamics.corrector import ResidualCorrector
 from ds_hybrid.dynamics.divergence import DivergenceMonitor, Level
-from ds_hybrid.dynamics.encoder import NUM_FEATURES, Observation, StateEncoder, window_features
+from ds_hybrid.dynamics.encoder import NUM_FEATURES, Observation, StateEncoder
+from ds_hybrid.dynamics.window import window_features
 from ds_hybrid.dynamics.predictor import RSSMPredictor
 from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape, sequence_loss
 
@@ -298,6 +299,14 @@ def test_batch_difficulty_tracks_predictability_and_saves_state():
     easy_ce, n = d.measure([{"input_ids": pattern}])
     hard_ce, m = d.measure([{"input_ids": torch.randint(0, 256, (4, 32), generator=g)}])
     assert n == m == 4 * 31 and easy_ce / n < 0.5 * hard_ce / m
+    # The row totals kept as pairs are counted are the rows' sums (counts are small integers
+    # plus the smoothing: the running sum and a fresh one agree to rounding).
+    torch.testing.assert_close(d.rows, d.counts.sum(1), rtol=1e-12, atol=0)
+    grown = BatchDifficulty(vocab=16)
+    grown.measure([{"input_ids": pattern}])
+    grown.measure([{"input_ids": torch.tensor([[3, 40, 3, 40]])}])   # a token past the table: it grows
+    assert grown.vocab == 41 and grown.rows.shape == (41,)
+    torch.testing.assert_close(grown.rows, grown.counts.sum(1), rtol=1e-12, atol=0)
     assert d.measure([{"labels": pattern}]) is None  # needs input_ids
     e = BatchDifficulty()
     e.load_state_dict(d.state_dict())

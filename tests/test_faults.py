@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -516,9 +517,16 @@ def test_corrupt_checkpoints_are_rejected_naming_the_file(saved):
         at = len(data) // 3
         data[at:at + 4096] = os.urandom(min(4096, len(data) - at))
         return bytes(data)
+    def bit_flipped(p: Path) -> bytes:   # one bit, in the middle of the file
+        data = bytearray(originals[p])
+        data[len(data) // 2] ^= 0x01
+        return bytes(data)
+    # model-states: DeepSpeed's weights and our shared hybrid state (client_state); per-rank: hybrid_rank0.pt
     for label, path in (("model-states", model_file), ("optimizer", optim_file), ("per-rank", rank_file)):
         observe_rejection(f"4 KB changed inside the {label} file (same size)", damaged(path, flipped(path)),
-                          [str(path), "rank 0 wrote", "CRC-32"])
+                          [str(path), "rank 0 wrote", "XXH3-64"])
+        observe_rejection(f"one bit flipped in the {label} file", damaged(path, bit_flipped(path)),
+                          [str(path), "rank 0 wrote", "XXH3-64"])
     manifest.unlink()
     observe_rejection("manifest deleted", _load(save_dir, cfg), [str(tag_dir), "no hybrid_manifest.json",
                                                                  "verify=False"])
@@ -548,6 +556,30 @@ def test_mismatched_checkpoints_are_rejected(saved, two_rank_faults):
     observe_rejection("checkpoint of another world size (2 ranks into 1)",
                       _load(two_rank_dir, ds_config(stage=1, hybrid=EAGER), tag="final"),
                       [str(two_rank_dir / "final" / ckpt.MANIFEST_FILE), "2 data-parallel rank", "ds_to_universal"])
+
+
+@pytest.mark.slow
+def test_bit_flips_on_two_ranks_name_the_file_and_the_rank_that_wrote_it(two_rank_faults, tmp_path):
+    """The 2-rank checkpoint: one bit flipped in each of its files in turn (each rank's optimizer
+    partition and per-rank state, rank 0's model states) fails the check with that file and its rank."""
+    _, two_rank_dir = two_rank_faults
+    tag_dir = tmp_path / "final"
+    shutil.copytree(two_rank_dir / "final", tag_dir)
+    files = json.loads((tag_dir / ckpt.MANIFEST_FILE).read_text())["files"]
+    assert files["hybrid_rank1.pt"]["rank"] == 1 and files["zero_pp_rank_1_mp_rank_00_optim_states.pt"]["rank"] == 1
+    for rel, entry in sorted(files.items()):
+        path = tag_dir / rel
+        original = path.read_bytes()
+        data = bytearray(original)
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        try:
+            observe_rejection(f"one bit flipped in {rel} (2 ranks, written by rank {entry['rank']})",
+                              lambda: ckpt.verify_files(tag_dir), [str(path), f"rank {entry['rank']} wrote",
+                                                                   "XXH3-64"])
+        finally:
+            path.write_bytes(original)
+    ckpt.verify_files(tag_dir)   # and intact again
 
 
 def test_resume_with_a_truncated_checkpoint_fails_before_training(tmp_path, monkeypatch):

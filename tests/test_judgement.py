@@ -129,19 +129,25 @@ def test_the_engine_judges_kept_runs_and_the_verdict_stops_harmful_prediction(mo
     cfg = dict(HARM, judge=dict(HARM["judge"], gate=gate))
     engine = make_engine(ds_config(stage=1, hybrid=cfg))
     b = Batches()
-    phases = [engine.train_step(b.step()).phase for _ in range(130)]
+    results = [engine.train_step(b.step()) for _ in range(130)]
+    phases = [r.phase for r in results]
     j = engine.statistics()["judgement"]
     assert j["judged_runs"] >= 3 and j["placebos"] >= 3 and j["net_effect"] > 0 and j["harmful"]
     assert j["stopped_predict"] is gate
     last_predict = max(i for i, p in enumerate(phases) if p == Phase.PREDICT.value)
     if gate:
         assert last_predict < 100, "Predict stopped once the verdict was in"
+        # Predict is off for good: the real steps after it leave the velocity bookkeeping out.
+        bare = [not r.bookkeeping for r in results]
+        first = bare.index(True)
+        assert first > last_predict and all(bare[first:]) and engine.statistics()["idle_steps"] == sum(bare) > 20
         # A resume keeps the verdict.
         engine2 = make_engine(ds_config(stage=1, hybrid=cfg))
         engine2.load_hybrid_state_dict(engine.hybrid_state_dict())
         assert engine2.statistics()["judgement"] == j and engine2._judge_stopped
     else:
         assert last_predict > 110, "judge-only: Predict goes on"
+        assert all(r.bookkeeping for r in results)
 
 
 @pytest.mark.slow

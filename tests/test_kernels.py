@@ -17,7 +17,7 @@ import torch
 
 from ds_hybrid import kernels, zero_access
 from ds_hybrid.config import ConfigError, HybridPredictConfig, parse_hybrid_config
-from ds_hybrid.dynamics.encoder import window_features as window_features_ref
+from ds_hybrid.dynamics.window import window_features as window_features_ref
 from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape
 
 UPDATE_KW = dict(lr=2e-3, scale=0.6, beta1=0.9, beta2=0.999, eps=1e-8, step=5, weight_decay=0.05, decoupled=True)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ds_hybrid import kernels
-from ds_hybrid.dynamics.encoder import window_features as window_features_ref
+from ds_hybrid.dynamics.window import window_features as window_features_ref
 from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape
 
 ROOT = Path(__file__).resolve().parent.parent

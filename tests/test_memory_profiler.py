@@ -163,9 +163,10 @@ def test_plot_with_gpu_columns(tmp_path):
 # ------------------------------------------------------------ the train job
 def test_train_job_writes_memory_outputs(tmp_path):
     from ds_hybrid import train
+    from ds_hybrid.arguments import PRESET_DIR
     corpus = tmp_path / "c.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n\n" * 400)
-    cfg = json.loads((train.PRESET_DIR / "tiny-cpu.json").read_text())
+    cfg = json.loads((PRESET_DIR / "tiny-cpu.json").read_text())
     cfg["hybrid_predict"].update({"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0,
                                   "min_predict_steps": 2, "max_predict_steps": 3, "predict_lr_fraction": 1.0})
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
+from ds_hybrid.arguments import InputError, parse_size, resolve_config
 from ds_hybrid.memory import planner as pl
 from ds_hybrid.models import build_model, count_parameters
-from ds_hybrid.train import resolve_config
 
 GB, GiB = 10 ** 9, 2 ** 30
 
@@ -16,13 +16,13 @@ GB, GiB = 10 ** 9, 2 ** 30
     ("24GB", 24 * GB), ("24GiB", 24 * GiB), ("24G", 24 * GiB), ("500G", 500 * GiB), ("1.5TB", 1.5e12),
     ("512MiB", 512 * 2 ** 20), ("128 gb", 128 * GB), ("25769803776", 25769803776), (1024, 1024), ("0", 0)])
 def test_parse_size(text, expected):
-    assert pl.parse_size(text, "--gpu-mem") == int(expected)
+    assert parse_size(text, "--gpu-mem") == int(expected)
 
 
 @pytest.mark.parametrize("text", ["24XB", "GB", "", "-3GB", "24 G B", "nan"])
 def test_parse_size_errors_name_the_flag(text):
-    with pytest.raises(pl.PlanError, match="--cpu-mem"):
-        pl.parse_size(text, "--cpu-mem")
+    with pytest.raises(InputError, match="--cpu-mem"):
+        parse_size(text, "--cpu-mem")
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -7,7 +7,7 @@ from deepspeed.runtime import config as ds_config_module
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from ds_hybrid.config import parse_hybrid_config
-from ds_hybrid.train import resolve_config
+from ds_hybrid.arguments import resolve_config
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRESETS = sorted(PRESET_DIR.glob("*.json"))

@@ -62,8 +62,10 @@ def test_the_run_summary_counts_skipped_backward_passes_and_held_back_steps():
     st = {"steps_per_phase": {"full": 10, "predict": 2}, "mean_step_seconds": {"full": 0.1, "predict": 0.001},
           "seconds_per_phase": {"full": 1.0, "predict": 0.002}, "predict_accepted": 2, "predict_rolled_back": 0,
           "verifications": 1, "backward_skipped": 2, "backward_passes": 10, "backward_skipped_pct": 16.7,
-          "partial_backward": 4, "partial_backward_share": 0.49, "held_back": {"lr_gate": 24, "predictor": 8}}
+          "partial_backward": 4, "partial_backward_share": 0.49, "held_back": {"lr_gate": 24, "predictor": 8},
+          "idle_steps": 3}
     text = format_summary({"statistics": st, "final_val_loss": 1.5, "val_points": [[12, 1.5]],
                            "train_seconds_excluding_eval": 1.0})
     assert "backward passes skipped: 2 of 12 (16.7%); partial: 4 (left out 49%" in text
     assert "Predict held back: 24 steps by the LR gate (predict_lr_fraction), 8 steps by the predictor" in text
+    assert "real steps without the predictor's bookkeeping (lazy_bookkeeping): 3" in text

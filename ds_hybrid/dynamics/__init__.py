@@ -3,6 +3,7 @@
 | module | job |
 |---|---|
 | ``encoder.py`` | 64 features of the training state, normalised online |
+| ``window.py`` | features 0-38: statistics over windows of history (the reference of ``kernels/encoder.cu``) |
 | ``rssm.py`` | GRU + Gaussian-latent RSSM ensemble with loss and step-scale heads |
 | ``corrector.py`` | online residual regression on the forecasts |
 | ``calibration.py`` | confidence as an observed acceptance frequency |

@@ -39,8 +39,9 @@ from .bandit import LinUCBHorizon, horizon_arms, run_reward
 from .calibration import ConfidenceCalibrator
 from .corrector import LOSS_INPUTS, ResidualCorrector
 from .divergence import DivergenceMonitor, Level
-from .encoder import CH_LOSS, Observation, StateEncoder
+from .encoder import Observation, StateEncoder
 from .rssm import ACTION_DIM, RSSMEnsemble, RSSMShape, sequence_loss
+from .window import CH_LOSS
 
 # Encoded features the bandit sees (indices into the 64; see encoder.py's table).
 BANDIT_FEATURES = (13, 35, 37, 26, 29, 32, 34, 51)

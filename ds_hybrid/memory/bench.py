@@ -10,8 +10,10 @@ steps, with the Predict direction and velocity storage of ``VARIANTS``. The memo
 process had before the model was built** (interpreter, libraries, corpus) and the GPU peak.
 On a GPU each run is also set beside the planner's GPU estimate for it.
 
-    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256), CPU
-    ds-hybrid memory-bench --models gpt2-tiny --variants full drift-int8 --json runs/memory-bench/result.json
+    ds-hybrid memory-bench                      # gpt2-tiny and gpt2-124m (~86M at vocabulary 256), CPU:
+                                                # runs/memory-bench/result.json
+    ds-hybrid memory-bench --models gpt2-tiny --variants full drift-int8 --out runs/mb-tiny
+    ds-hybrid memory-bench --json docs/results/memory-cpu.json     # the CPU tables in docs/memory.md
     ds-hybrid memory-bench --preset gpt2-124m --models gpt2-124m --seq-len 1024 --micro-batch 16 \
         --steps 30 --variants full adam drift-fp32 drift-int8 drift-int8-park --json docs/results/memory-gpu.json
     ds-hybrid memory-bench --preset 1b-16gb --models llama-1b --gpu-mem-cap 16GB ...   # a 16 GB card
@@ -29,7 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .planner import REPO_ROOT, _child_env
+from ..arguments import HelpFormatter, resolve_config
+from .planner import _child_env
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,7 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
     """``preset`` with the given micro batch and accumulation and a phase cycle short enough for a
     few steps; ``precision`` other than ``preset`` replaces its bf16 / fp16 sections."""
     from ..bench import deep_merge
-    from ..train import resolve_config
-    cfg, _ = resolve_config(preset)
+    cfg, _ = resolve_config(preset, "--preset")
     if precision != "preset":
         cfg["bf16"] = {"enabled": precision == "bf16"}
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16} if precision == "fp16" else {"enabled": False}
@@ -257,11 +259,12 @@ def _gpu_name() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="ds-hybrid memory-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ds-hybrid memory-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--models", nargs="+", default=["gpt2-tiny", "gpt2-124m"],
                    help=f"models to run (known step budgets: {', '.join(DEFAULT_MODELS)}; others get 20 steps)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=sorted(VARIANTS),
-                   help="runs per model: full (plain DeepSpeed), adam, drift-fp32, drift-bf16, drift-int8")
+                   metavar="VARIANT", help=f"runs per model, of: {', '.join(sorted(VARIANTS))} (full: plain DeepSpeed)")
     p.add_argument("--steps", type=int, default=None, help="override every model's step budget")
     p.add_argument("--micro-batch", type=int, default=None, help="override every model's micro batch")
     p.add_argument("--seq-len", type=int, default=None, help="override every model's sequence length (128)")
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
                    help="cap each run's CUDA allocator (ds-hybrid train --gpu-mem-cap), e.g. 16GB")
     p.add_argument("--out", default="runs/memory-bench", help="run folders go here")
-    p.add_argument("--json", default=str(REPO_ROOT / "docs" / "results" / "memory-cpu.json"),
-                   help="write the result here (the hybrid runs' memory.png are copied next to it)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the result here; the hybrid runs' memory.png are copied next to it (default: "
+                        "--out's result.json)")
     p.add_argument("--live", action="store_true", help="show the runs' output")
     p.add_argument("--retable", type=Path, default=None, metavar="JSON",
                    help="run nothing: re-derive a saved result's per-run figures and rewrite its tables")
@@ -289,8 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be at least 1 (got {v})")
-    from ..train import resolve_config
-    resolve_config(args.preset)   # a bad --preset fails before any run
+    resolve_config(args.preset, "--preset")   # a bad --preset fails before any run
     start = time.time()
     out = Path(args.out)
     rows, runs = [], []
@@ -340,15 +343,14 @@ def main(argv: list[str] | None = None) -> dict:
               "measure": "per-step peak RSS (VmHWM reset every step) minus the RSS before the model was built; "
                          "on a GPU also torch.cuda.max_memory_allocated, reset every step",
               "rows": rows, "runs": runs, "table_markdown": table}
-    if args.json:
-        jp = Path(args.json)
-        jp.parent.mkdir(parents=True, exist_ok=True)
-        jp.write_text(json.dumps(result, indent=2))
-        for r in runs:
-            png = Path(r["out"]) / "memory.png"
-            if r["run"] != "full" and png.is_file():
-                shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}-{r['run']}.png")
-        print(f"wrote {jp} ({result['seconds']:.0f} s)")
+    jp = Path(args.json) if args.json else out / "result.json"
+    jp.parent.mkdir(parents=True, exist_ok=True)
+    jp.write_text(json.dumps(result, indent=2))
+    for r in runs:
+        png = Path(r["out"]) / "memory.png"
+        if r["run"] != "full" and png.is_file():
+            shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}-{r['run']}.png")
+    print(f"wrote {jp} ({result['seconds']:.0f} s)")
     return result
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import subprocess
 import sys
 import tempfile
@@ -42,9 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-PRESET_DIR = REPO_ROOT / "ds_configs"
-KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
+from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
+                         resolve_config)
 
 # ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
 CUDA_CONTEXT_BYTES = 1 * GiB          # CUDA context + cuBLAS / cuDNN workspaces + NCCL buffers per process
@@ -64,41 +62,15 @@ PREDICTOR_BYTES = 16 * MiB
 # DeepSpeed's own CPU-side safety factor in its estimators (additional_buffer_factor).
 DS_BUFFER_FACTOR = 1.5
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_UNITS = {"": 1, "b": 1,
-          "k": KiB, "kib": KiB, "ki": KiB, "kb": 10 ** 3,
-          "m": MiB, "mib": MiB, "mi": MiB, "mb": 10 ** 6,
-          "g": GiB, "gib": GiB, "gi": GiB, "gb": 10 ** 9,
-          "t": 2 ** 40, "tib": 2 ** 40, "ti": 2 ** 40, "tb": 10 ** 12}
-
-
-class PlanError(ValueError):
+class PlanError(InputError):
     """Bad planner input; the message names the flag."""
-
-
-def parse_size(text: str | int | float, flag: str = "size") -> int:
-    """Bytes from ``'24GB'`` (10**9), ``'24GiB'`` / ``'24G'`` (2**30), ``'500M'``, ``'1.5TB'`` or a
-    plain number of bytes. SI suffixes (kB, MB, GB, TB) are powers of 10; IEC ones (KiB, MiB,
-    GiB, TiB) and bare letters (K, M, G, T) are powers of 2. Errors name ``flag``."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise PlanError(f"{flag}: cannot read {text!r} as a memory size "
-                            f"(examples: 24GB, 24GiB, 500G, 1.5TB, 25769803776)")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    out = value * _UNITS[unit]
-    if not math.isfinite(out) or out < 0:
-        raise PlanError(f"{flag}: a memory size must be 0 or more (got {text!r})")
-    return int(out)
 
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
-    if n >= 2 ** 40:
-        return f"{n / 2 ** 40:.2f} TiB"
+    if n >= TiB:
+        return f"{n / TiB:.2f} TiB"
     if n >= GiB:
         return f"{n / GiB:.1f} GiB"
     return f"{n / MiB:.0f} MiB"
@@ -243,15 +215,7 @@ def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
     """Every preset in ds_configs/ (or the named ones, by name or path)."""
     paths: list[Path]
     if names:
-        paths = []
-        for n in names:
-            p = Path(n)
-            if not p.is_file():
-                p = PRESET_DIR / (n if n.endswith(".json") else f"{n}.json")
-            if not p.is_file():
-                known = sorted(q.stem for q in PRESET_DIR.glob("*.json"))
-                raise PlanError(f"--presets: '{n}' is neither a file nor a preset (presets: {known})")
-            paths.append(p)
+        paths = [find_preset(n, "--presets") for n in names]
     else:
         paths = sorted(PRESET_DIR.glob("*.json"))
     out = []
@@ -587,7 +551,6 @@ def validate_cpu(models: Iterable[str] = ("gpt2-tiny", "gpt2-124m"), steps: int 
     ``estimate(..., accelerator="cpu")``: model states, the gradient bucket, activations,
     the rollback snapshot, the predictor and the engine overhead measured once on gpt2-test.
     """
-    from ..train import resolve_config
     base, _ = resolve_config("tiny-cpu")
     base["zero_optimization"] = {"stage": stage}
     base["train_micro_batch_size_per_gpu"] = micro_batch
@@ -654,7 +617,7 @@ def _child_env() -> dict:
 # ============================================================== CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-hybrid plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="a named model (ds_hybrid.models, e.g. llama-7b) or a "
                                                  "transformers config JSON")
     p.add_argument("--gpu-mem", default=None, help="memory per GPU: 24GB (10^9), 24GiB or 24G (2^30), or bytes")
@@ -704,7 +667,7 @@ def main(argv: list[str] | None = None) -> Plan | list[dict]:
             raise PlanError(f"--seq-len: {args.seq_len} is more than {args.model}'s {shape.max_positions} positions")
         plan = make_plan(shape, presets, gpu_mem, cpu_mem, nvme, args.gpus, args.nodes, args.seq_len,
                          args.micro_batch, args.zero_init)
-    except PlanError as err:
+    except InputError as err:   # PlanError, or a size or preset that cannot be read
         raise SystemExit(f"ds-hybrid plan: {err}") from None
     print(format_plan(plan))
     if args.json:

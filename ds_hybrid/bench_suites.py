@@ -1,0 +1,62 @@
+"""The bench's suites: model, preset, budget, data and the systems each compares.
+
+Apart from ``bench`` so that ``bench_report`` (which names a result by its suite's default
+model) and ``bench`` (which runs them) both read it without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A benchmark: model, preset, budget, data and the systems it compares."""
+
+    name: str
+    doc: str                              # what it answers, shown in the README section
+    model: str                            # ds_hybrid.models name or config JSON
+    config: str                           # ds_configs preset the runs start from
+    steps: int                            # optimizer steps of the full budget
+    seq_len: int
+    seeds: tuple[int, ...]
+    lr_multipliers: tuple[float, ...]     # baseline LR sweep around the preset's LR
+    eval_every: int                       # resolution of the validation curves
+    val_batches: int
+    arms: tuple[str, ...] = ("baseline", "predict", "predict-skip", "groups", "default")
+    budgets: tuple[float, ...] = (0.75, 0.875, 1.0, 1.25, 1.5)   # each arm runs those of its own it lists
+    needs_gpu: bool = False
+    overrides: dict = field(default_factory=dict)   # merged into the preset (nested dicts)
+    data: str | None = None               # corpus: a path, "transformers-source", or None (stdlib)
+    pretrain_steps: int = 0               # > 0: start every run from a model pre-trained this long on stdlib
+    layer_groups: int = 4
+    budgets_for_all: bool = False         # --budgets: every arm runs every budget (the default arm: 1 only)
+
+
+SUITES: dict[str, Suite] = {
+    "cpu-small": Suite(
+        name="cpu-small",
+        doc="GPT-2 0.84M parameters pre-trained from scratch on the Python standard library's source, 2 CPU "
+            "cores, ZeRO 1 fp32",
+        model="gpt2-tiny", config="tiny-cpu", steps=500, seq_len=128, seeds=(1, 2, 3),
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8),
+    "cpu-finetune": Suite(
+        name="cpu-finetune",
+        doc="the same model pre-trained for 1000 steps on the standard library's source, then trained on the "
+            "`transformers` package's own Python source (a library's code base: what a user fine-tunes on), "
+            "2 CPU cores, ZeRO 1 fp32",
+        model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8, data="transformers-source",
+        pretrain_steps=1000),
+    "gpu-gpt2": Suite(
+        name="gpu-gpt2",
+        doc="GPT-2 124M (byte-level vocabulary) on one GPU, ZeRO 1 bf16",
+        model="gpt2-124m", config="gpt2-124m", steps=2000, seq_len=512, seeds=(1, 2, 3),
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=100, val_batches=16, needs_gpu=True),
+    "offload": Suite(
+        name="offload",
+        doc="optimizer in CPU memory (ZeRO-Offload): hybrid against ZeRO-Offload and DeepSpeed's ZenFlow",
+        model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
+        arms=("baseline", "predict", "zenflow"),
+        overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+}

@@ -1,0 +1,341 @@
+"""The ``ds-hybrid`` command line follows DeepSpeed's habits: ``--deepspeed_config`` / ``--deepspeed``,
+presets and models in ``--help``, one-line errors for bad input, no writes into the current directory or
+the repository unless asked, ``--version``, help that states each default once, and a word about
+DeepSpeed's op builds (and a build lock that an interrupted build left behind)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import ds_hybrid
+from ds_hybrid import arguments, attn_bench, cli, compare, kernel_bench, op_build, train
+from ds_hybrid.memory import bench as mbench
+from ds_hybrid.memory import planner
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "def add(a, b):\n    return a + b\n\n" * 400
+T5 = {"model_type": "t5", "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "vocab_size": 256}
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):   # its own world of 1
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "ds_hybrid.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd or ROOT, timeout=300)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def exit_message(call) -> str:
+    with pytest.raises(SystemExit) as err:
+        call()
+    message = str(err.value)
+    assert message and "\n" not in message and "Traceback" not in message
+    return message
+
+
+# ------------------------------------------------------------ --deepspeed_config / --deepspeed
+def test_train_takes_deepspeeds_config_flags_as_deepspeed_defines_them():
+    import deepspeed
+    argv = ["--deepspeed", "--deepspeed_config", "ds_config.json"]
+    theirs, _ = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_known_args(argv)
+    ours = train.build_parser().parse_args(argv)
+    assert (ours.deepspeed, ours.deepspeed_config) == (theirs.deepspeed, theirs.deepspeed_config) == (True,
+                                                                                                      "ds_config.json")
+    assert train.build_parser().parse_args([]).deepspeed is False
+
+
+def test_config_source_takes_either_flag_and_rejects_two_that_disagree(tmp_path):
+    parse = train.build_parser().parse_args
+    preset = arguments.PRESET_DIR / "tiny-cpu.json"
+    other = tmp_path / "other.json"
+    other.write_text(preset.read_text())
+    assert train.config_source(parse([])) == "tiny-cpu"
+    assert train.config_source(parse(["--deepspeed_config", str(other)])) == str(other)
+    assert train.config_source(parse(["--config", "tiny-cpu", "--deepspeed_config", str(preset)])) == "tiny-cpu"
+    message = exit_message(lambda: train.config_source(parse(["--config", "tiny-cpu", "--deepspeed_config",
+                                                              str(other)])))
+    assert "--config 'tiny-cpu' and --deepspeed_config" in message and str(other) in message
+    message = exit_message(lambda: train.config_source(parse(["--config", "tiny-cpu", "--deepspeed_config",
+                                                              "missing.json"])))
+    assert message.startswith("--deepspeed_config: 'missing.json' is neither a file nor a preset")
+    message = exit_message(lambda: train.main(["--deepspeed_config", str(tmp_path / "nope.json"), "--no-progress"]))
+    assert message.startswith("--deepspeed_config: ")
+
+
+def test_train_runs_from_deepspeed_config(corpus, tmp_path):
+    cfg = json.loads((arguments.PRESET_DIR / "tiny-cpu.json").read_text())
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    summary = train.main(["--deepspeed", "--deepspeed_config", str(tmp_path / "ds.json"), "--data", str(corpus),
+                          "--model", "gpt2-test", "--steps", "2", "--seq-len", "16", "--eval-every", "2",
+                          "--val-batches", "1", "--out", str(tmp_path / "run"), "--no-progress", "--no-plot",
+                          "--no-memory-profile"])
+    assert summary["config_file"] == str(tmp_path / "ds.json") and summary["steps_done"] == 2
+    assert summary["args"]["config"] == str(tmp_path / "ds.json")   # what a --resume compares
+
+
+# ------------------------------------------------------------ --help and --version
+def test_train_help_lists_presets_and_models():
+    from ds_hybrid.models import known_models
+    text = train.build_parser().format_help()
+    for name in arguments.preset_names() + known_models():
+        assert name in text, name
+    assert set(arguments.preset_names()) >= {"tiny-cpu", "gpt2-124m"}
+    assert "--deepspeed_config" in text
+
+
+def option_blocks(help_text: str) -> dict[str, str]:
+    """Each option's help, joined over its wrapped lines."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif current and line.startswith("      "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def help_of(main, capsys) -> str:
+    with pytest.raises(SystemExit) as err:
+        main(["--help"])
+    assert err.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "memory-bench", "attn-bench", "kernel-bench"])
+def test_help_states_each_default_once_and_no_repository_path(command, capsys):
+    main = {"train": train.main, "plan": planner.main, "memory-bench": mbench.main, "attn-bench": attn_bench.main,
+            "kernel-bench": kernel_bench.main}[command]
+    text = help_of(main, capsys)
+    blocks = option_blocks(text)
+    assert len(blocks) > 3
+    for flag, block in blocks.items():
+        assert block.count("(default") <= 1, block
+        assert "(default: None)" not in block and "(default: False)" not in block, block
+        assert "docs/results" not in block, block   # the repository's results only where a flag names them
+    if command == "train":
+        assert "(default: 600)" in blocks["--steps"] and "(default: tiny-cpu)" in blocks["--config"]
+
+
+def test_train_help_matches_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    defaults = train.build_parser().parse_args([])
+    assert f"for {defaults.steps} steps" in readme and "runs/train/summary.json" in readme
+    assert defaults.out == "runs/train"
+    assert f"{defaults.steps} steps" in cli.COMMANDS["train"] and "0.84M parameters" in cli.COMMANDS["train"]
+    assert "0.84M parameters" in readme
+
+
+def test_version(capsys):
+    cli.main(["--version"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"ds-hybrid {ds_hybrid.__version__} (deepspeed {metadata.version('deepspeed')}, torch ")
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == line
+
+
+# ------------------------------------------------------------ one-line errors
+def test_unknown_model_and_a_model_that_is_not_a_causal_lm(tmp_path):
+    message = exit_message(lambda: train.main(["--model", "gpt5-huge", "--no-progress"]))
+    assert message.startswith("--model: unknown model 'gpt5-huge'") and "gpt2-tiny" in message
+    t5 = tmp_path / "t5.json"
+    t5.write_text(json.dumps(T5))
+    message = exit_message(lambda: train.main(["--model", str(t5), "--no-progress"]))
+    assert message.startswith("--model: ") and "'t5' is not a causal language model" in message
+    message = exit_message(lambda: planner.main(["--model", str(t5), "--gpu-mem", "24GB", "--cpu-mem", "64GB"]))
+    assert "--model: " in message and "causal language model" in message
+    message = exit_message(lambda: attn_bench.main(["--models", f"gpt2-test,{t5}", "--seq-lens", "16"]))
+    assert message.startswith("--models: ") and "causal language model" in message
+    message = exit_message(lambda: attn_bench.main(["--models", "gpt2-test", "--seq-lens", "16,lots"]))
+    assert message.startswith("--seq-lens: expected comma-separated integers")
+
+
+def test_bad_model_from_the_command_line_is_one_line_and_a_failure():
+    done = run_cli("train", "--model", "gpt5-huge")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("--model: unknown model 'gpt5-huge'")
+
+
+def test_compare_rejects_files_that_are_not_summaries(tmp_path):
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello")
+    other_json = tmp_path / "other.json"
+    other_json.write_text(json.dumps({"rows": []}))
+    message = exit_message(lambda: compare.main([str(not_json)]))
+    assert message.startswith(f"compare: {not_json} is not a ds-hybrid train summary.json (not JSON")
+    message = exit_message(lambda: compare.main([str(other_json)]))
+    assert message.startswith(f"compare: {other_json} is not a ds-hybrid train summary.json (no args, ds_config")
+    done = run_cli("compare", str(other_json))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == message
+
+
+# ------------------------------------------------------------ where results go
+def test_attn_bench_writes_under_runs_unless_told(tmp_path, monkeypatch):
+    repo_result = ROOT / "docs" / "results" / "attention-cpu.json"
+    before = repo_result.read_bytes() if repo_result.exists() else None
+    monkeypatch.chdir(tmp_path)
+    attn_bench.main(["--models", "gpt2-test", "--seq-lens", "16", "--batch", "1", "--repeat", "1", "--device", "cpu"])
+    result = json.loads((tmp_path / "runs" / "attn-bench" / "attention-cpu.json").read_text())
+    assert [r["seq_len"] for r in result["rows"]] == [16, 16]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert (repo_result.read_bytes() if repo_result.exists() else None) == before
+
+
+def test_kernel_bench_writes_under_runs_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_bench, "time_cpu", lambda fn, **k: (fn(), 1e-3)[1])
+    monkeypatch.chdir(tmp_path)
+    kernel_bench.main(["--cpu-reference", "--quick"])
+    result = json.loads((tmp_path / "runs" / "kernel-bench" / "kernels-cpu-reference.json").read_text())
+    assert result["kernels_run"] is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_memory_bench_writes_its_result_into_its_out_folder(tmp_path, monkeypatch):
+    phase = {"steps": 4, "rss_peak_mb": 900.0, "rss_peak_mean_mb": 890.0, "rss_mean_mb": 880.0,
+             "step_time_mean_s": 0.01}
+    summary = {"memory": {"baseline_rss_mb": 800.0, "phases": {"full": phase}, "setup_peak_rss_mb": 850.0,
+                          "process_peak_rss_mb": 900.0, "overhead_fraction": 0.001, "overhead_us_per_step": 200.0,
+                          "spikes": []},
+               "parameters": 38_000, "statistics": {"steps_per_phase": {"full": 4}}, "host": {"accelerator": "cpu"}}
+    ran = []
+
+    def fake_run(spec, kind, out, *rest):   # stands in for the training subprocess
+        ran.append((spec.name, kind, out))
+        out.mkdir(parents=True)
+        return summary
+
+    monkeypatch.setattr(mbench, "run_one", fake_run)
+    repo_result = ROOT / "docs" / "results" / "memory-cpu.json"
+    before = repo_result.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    result = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4"])
+    assert ran == [("gpt2-test", "full", Path("runs/memory-bench/gpt2-test-full"))]
+    written = json.loads((tmp_path / "runs" / "memory-bench" / "result.json").read_text())
+    assert written["table_markdown"] == result["table_markdown"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert repo_result.read_bytes() == before
+    message = exit_message(lambda: mbench.main(["--preset", "no-such-preset"]))
+    assert message.startswith("--preset: 'no-such-preset' is neither a file nor a preset")
+
+
+# ------------------------------------------------------------ DeepSpeed's op builds
+TINY = json.loads((arguments.PRESET_DIR / "tiny-cpu.json").read_text())
+
+
+def test_ops_each_config_makes_deepspeed_build():
+    presets = {n: json.loads((arguments.PRESET_DIR / f"{n}.json").read_text()) for n in arguments.preset_names()}
+    assert op_build.ops_for_config(TINY, "cpu") == ["deepspeed_shm_comm", "fused_adam"]
+    assert op_build.ops_for_config(presets["gpt2-124m"], "cuda") == ["fused_adam"]
+    assert op_build.ops_for_config(presets["1b-16gb"], "cuda") == ["cpu_adam"]
+    assert op_build.ops_for_config(presets["50b-24gb-nvme"], "cuda") == ["cpu_adam", "async_io"]
+    torch_adam = {**TINY, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    assert op_build.ops_for_config(torch_adam, "cuda") == []
+
+
+def test_extensions_root_is_torchs(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(os, "makedirs", lambda *a, **k: None)   # torch's lookup would create the folder
+
+    def torchs() -> Path:
+        return Path(cpp_extension._get_build_directory("fused_adam", False)).parent
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert op_build.extensions_root() == torchs()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert op_build.extensions_root() == tmp_path == torchs()
+
+
+def test_first_run_says_deepspeed_builds_its_ops(tmp_path):
+    said = []
+    assert op_build.check_op_builds(TINY, "cpu", said.append, root=tmp_path) == []
+    assert said == [f"DeepSpeed builds its deepspeed_shm_comm, fused_adam ops for this machine now: a minute or two, "
+                    f"once (kept in {tmp_path})"]
+    for name in ("deepspeed_shm_comm", "fused_adam"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    said.clear()
+    op_build.check_op_builds(TINY, "cpu", said.append, root=tmp_path)
+    assert said == []
+
+
+def test_a_stale_build_lock_is_named_with_what_to_delete(tmp_path):
+    folder = tmp_path / "fused_adam"
+    folder.mkdir()
+    for name in ("fused_adam.so", "build.ninja", "lock"):
+        (folder / name).write_bytes(b"")
+        old = time.time() - 2 * op_build.STALE_AFTER_S
+        os.utime(folder / name, (old, old))
+    message = exit_message(lambda: op_build.check_op_builds(TINY, "cpu", print, root=tmp_path))
+    assert str(folder / "lock") in message and f"rm {folder / 'lock'}" in message
+    assert "op fused_adam; nothing in its folder changed for 20 min" in message
+
+
+def test_a_live_build_lock_is_noted_and_watched(tmp_path):
+    folder = tmp_path / "fused_adam"
+    folder.mkdir()
+    (folder / "fused_adam.so").write_bytes(b"")
+    (folder / "lock").write_bytes(b"")   # just now: another process may be building
+    said = []
+    locks = op_build.check_op_builds(TINY, "cpu", said.append, root=tmp_path)
+    assert [lock.path for lock in locks] == [folder / "lock"] and not locks[0].stale
+    assert len(said) == 2 and f"lock {folder / 'lock'} exists: another process is building or loading fused_adam" \
+        in said[1]
+    said.clear()
+    with op_build.watch_build_locks(locks, said.append, after_s=0.05):
+        time.sleep(0.5)
+    assert said == [f"still waiting on DeepSpeed's op build lock {folder / 'lock'} after 0 s; "
+                    f"{locks[0].advice()}"]
+    said.clear()
+    (folder / "lock").unlink()
+    with op_build.watch_build_locks(locks, said.append, after_s=0.05):
+        time.sleep(0.2)
+    assert said == []
+
+
+def test_train_stops_on_a_stale_build_lock_before_building_anything(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    folder = tmp_path / "ext" / "fused_adam"
+    folder.mkdir(parents=True)
+    (folder / "lock").write_bytes(b"")
+    old = time.time() - 2 * op_build.STALE_AFTER_S
+    os.utime(folder / "lock", (old, old))
+    message = exit_message(lambda: train.main(["--data", str(corpus), "--model", "gpt2-test", "--steps", "2",
+                                               "--out", str(tmp_path / "run"), "--no-progress"]))
+    assert f"rm {folder / 'lock'}" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_initialize_names_a_stale_build_lock_instead_of_waiting_on_it(tmp_path, monkeypatch):
+    """A script calling ds_hybrid.initialize directly gets the same error, before DeepSpeed starts
+    building (which would wait on the lock forever)."""
+    import ds_hybrid
+    from ds_hybrid.models import build_model
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    folder = tmp_path / "ext" / "fused_adam"
+    folder.mkdir(parents=True)
+    (folder / "lock").write_bytes(b"")
+    old = time.time() - 2 * op_build.STALE_AFTER_S
+    os.utime(folder / "lock", (old, old))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(RuntimeError, match=f"rm {folder / 'lock'}"):
+        ds_hybrid.initialize(model=build_model("gpt2-test", vocab_size=256, seq_len=16), config=cfg)
