@@ -312,13 +312,19 @@ def test_a_live_build_lock_is_noted_and_watched(tmp_path):
     assert said == []
 
 
-def test_train_stops_on_a_stale_build_lock_before_building_anything(corpus, tmp_path, monkeypatch):
+def _stale_fused_adam_lock(tmp_path, monkeypatch):
+    """An extensions folder (TORCH_EXTENSIONS_DIR) whose fused_adam build left a lock long ago."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     folder = tmp_path / "ext" / "fused_adam"
     folder.mkdir(parents=True)
     (folder / "lock").write_bytes(b"")
     old = time.time() - 2 * op_build.STALE_AFTER_S
     os.utime(folder / "lock", (old, old))
+    return folder
+
+
+def test_train_stops_on_a_stale_build_lock_before_building_anything(corpus, tmp_path, monkeypatch):
+    folder = _stale_fused_adam_lock(tmp_path, monkeypatch)
     message = exit_message(lambda: train.main(["--data", str(corpus), "--model", "gpt2-test", "--steps", "2",
                                                "--out", str(tmp_path / "run"), "--no-progress"]))
     assert f"rm {folder / 'lock'}" in message
@@ -330,12 +336,7 @@ def test_initialize_names_a_stale_build_lock_instead_of_waiting_on_it(tmp_path, 
     building (which would wait on the lock forever)."""
     import ds_hybrid
     from ds_hybrid.models import build_model
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    folder = tmp_path / "ext" / "fused_adam"
-    folder.mkdir(parents=True)
-    (folder / "lock").write_bytes(b"")
-    old = time.time() - 2 * op_build.STALE_AFTER_S
-    os.utime(folder / "lock", (old, old))
+    folder = _stale_fused_adam_lock(tmp_path, monkeypatch)
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     with pytest.raises(RuntimeError, match=f"rm {folder / 'lock'}"):
         ds_hybrid.initialize(model=build_model("gpt2-test", vocab_size=256, seq_len=16), config=cfg)
