@@ -161,13 +161,14 @@ def headline(result: dict) -> str:
     d = result["analysis"]["arms"].get("default", {}).get("aggregate", {}).get("full_budget", {})
     # The default's time in Full-step equivalents first: its seconds share a sitting with plain
     # DeepSpeed's only when neither was reused (--reuse), and the equivalents never depend on it.
-    seconds = (f"{_ms(d.get('time_ratio'), '{:.3f}')}x in seconds" if not result.get("reused_runs")
-               else "seconds not comparable: runs reused from another sitting")
-    default = (f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's final "
-               f"loss in {_ms(d.get('equivalents_ratio'), '{:.3f}')}x its Full-step equivalents ({seconds})"
-               if d.get("equivalents_ratio", {}).get("n") else
-               f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's final "
-               f"loss in {_ms(d.get('time_ratio'), '{:.3f}')}x its time") if d else ""
+    default = ""
+    if d:
+        seconds = (f"{_ms(d.get('time_ratio'), '{:.3f}')}x in seconds" if not result.get("reused_runs")
+                   else "seconds not comparable: runs reused from another sitting")
+        time = (f"{_ms(d.get('equivalents_ratio'), '{:.3f}')}x its Full-step equivalents ({seconds})"
+                if (d.get("equivalents_ratio") or {}).get("n") else f"{_ms(d.get('time_ratio'), '{:.3f}')}x its time")
+        default = (f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's "
+                   f"final loss in {time}")
     return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
             f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
             f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents, from a profile of the step kinds in one process), "

@@ -218,14 +218,18 @@ class HashingWriter:
         return self._hasher.hexdigest() if self._sequential else None
 
 
+def _save_hashing(obj: Any, fh: Any, **save_kwargs: Any) -> str | None:
+    writer = HashingWriter(fh)
+    torch.save(obj, writer, **save_kwargs)
+    return writer.hexdigest()
+
+
 def torch_save_hashed(obj: Any, path: str | os.PathLike, **save_kwargs: Any) -> str | None:
     """``torch.save(obj, path)``, hashing the bytes while they are written; returns their digest
     (None: hash the file by reading it back). The zip archive's inner folder is named ``archive``
     (torch's name for a file object) instead of after the file; ``torch.load`` does not care."""
     with open(path, "wb") as fh:
-        writer = HashingWriter(fh)
-        torch.save(obj, writer, **save_kwargs)
-    return writer.hexdigest()
+        return _save_hashing(obj, fh, **save_kwargs)
 
 
 def torch_save_atomic(obj: Any, path: Path) -> str | None:
@@ -233,12 +237,11 @@ def torch_save_atomic(obj: Any, path: Path) -> str | None:
     taken while it was written (None if it could not be: see ``HashingWriter``)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as fh:
-        writer = HashingWriter(fh)
-        torch.save(obj, writer)
+        digest = _save_hashing(obj, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return writer.hexdigest()
+    return digest
 
 
 def validate_tag(tag: Any) -> str:
