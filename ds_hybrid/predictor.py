@@ -12,8 +12,9 @@ What it learns, and from what:
   ``<d_new, d_old> / |d_old|^2`` is how much of the old direction the next real
   step keeps. Its running mean, times ``predictor.step_scale``, is the scale.
 * **Predicted loss**: a least-squares line through the last ``loss_window``
-  real-step losses, extrapolated to the step being predicted; the spread of
-  the residuals is the noise band used by verification.
+  real-step losses, extrapolated to the step being predicted, or the window's
+  mean where the line rises (a Predict run is not expected to raise the loss);
+  the spread of the residuals is the noise band used by verification.
 * **Confidence**: the running cosine between consecutive real Adam directions
   (a direction that keeps turning cannot be extrapolated) times the share of
   verified Predict steps accepted so far, ``(accepted + 1) / (accepted + rejected + 1)``.
@@ -103,7 +104,12 @@ class AdamDirectionPredictor:
         if len(self.losses) < 3:
             return self.losses[-1][1], float("nan")
         slope, intercept, std, _ = self._trend()
-        return intercept + min(slope, 0.0) * step, std
+        if slope >= 0.0:
+            # Held flat, the least-squares line is the window's mean. (Clamping the slope alone
+            # left the fitted intercept, the line's value at step 0: on a rising window that sat
+            # far below every recent loss and rejected whatever came next.)
+            return sum(v for _, v in self.losses) / len(self.losses), std
+        return intercept + slope * step, std
 
     def accept(self, observed: float, step: int, div: DivergenceConfig, difficulty: float | None = None,
                progress: float | None = None) -> tuple[bool, float]:

@@ -237,3 +237,55 @@ def test_quick_bench_end_to_end(tmp_path):
     again = bench.main(["--quick", "--arms", "predict", "groups", "default", "--out", str(out), "--reuse",
                         "--no-profile"])
     assert again["runs"]["predict"]["1"]["1"]["train_seconds"] == runs["predict"]["1"]["1"]["train_seconds"]
+
+
+def _predict_sweep():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "predict_sweep.py"
+    spec = importlib.util.spec_from_file_location("predict_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_predict_sweep_variants_parse_and_change_only_their_keys():
+    """benchmarks/predict_sweep.py: every variant is the bench's `predict` arm with its own changes."""
+    from ds_hybrid.config import parse_hybrid_config
+    from ds_hybrid.arguments import resolve_config
+    sweep = _predict_sweep()
+    preset, _ = resolve_config("tiny-cpu")
+    assert sweep.section_of("predict", preset) == bench.ARMS["predict"].hybrid
+    assert sweep.section_of("default", preset) == preset["hybrid_predict"]
+    for name, (doc, base, changes, budgets) in sweep.VARIANTS.items():
+        parsed = parse_hybrid_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                      "hybrid_predict": sweep.section_of(name, preset)})
+        assert doc and budgets and all(b >= 1 for b in budgets)
+        if "full_steps" in changes:
+            assert parsed.full_steps == changes["full_steps"]
+        if "predictor__step_scale" in changes:
+            assert parsed.predictor.step_scale == parsed.predictor.max_step_scale == changes["predictor__step_scale"]
+        assert parsed.check == "next_step" and parsed.predictor.direction == "drift"
+
+
+def test_predict_sweep_scores_against_the_plain_frontier():
+    """A run's own-loss ratio is its equivalents over plain DeepSpeed's frontier time to its final
+    loss; the frontier ratio takes the variant's best budget."""
+    sweep = _predict_sweep()
+    plain = [{"eq_curve": [(0.0, 3.0), (50.0, 2.5), (100.0, 2.0)]}]
+    result = {"runs": {"baseline": {"1": {"1": plain[0]}}},  # plain's full budget: 100 equivalents
+              "analysis": {"targets": {"1": {"target": 2.0, "target+1%": 2.02, "target+2%": 2.04}}}}
+
+    def row(curve, predicted=30.0):
+        return {"final_val_loss": curve[-1][1], "eq_curve": curve, "eq_total": curve[-1][0],
+                "predicted_pct": predicted, "real_steps": 70, "rolled_back_pct": 10.0, "steps": 100}
+    runs = {"scale-3": {"1": {"1.25": row([(0.0, 3.0), (40.0, 2.5)]),          # plain takes 50 to 2.5
+                              "1.5": row([(0.0, 3.0), (60.0, 2.1), (80.0, 2.0)])}}}
+    a = sweep.analyse(runs, result)["scale-3"]
+    assert a["per_seed"]["1"]["budgets"]["1.25"]["own_loss_ratio"] == pytest.approx(40 / 50)
+    assert a["per_seed"]["1"]["budgets"]["1.5"]["own_loss_ratio"] == pytest.approx(80 / 100)
+    assert a["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(80 / 100)
+    assert a["aggregate"]["frontier"]["target"]["mean"] == pytest.approx(0.8)
+    assert a["per_seed"]["1"]["budgets"]["1.25"]["gap_pct"] == pytest.approx(25.0)
+    assert a["per_seed"]["1"]["budgets"]["1.5"]["equivalents_ratio"] == pytest.approx(0.8)
+    assert "scale-3" in sweep.table({"scale-3": a})

@@ -1,0 +1,214 @@
+"""How far and how often: the whole-model drift Predict run's knobs, swept on ``cpu-small``
+against the bench's own plain DeepSpeed frontier; and the default preset, re-measured.
+
+The bench's ``predict`` arm takes 2 drift steps after every 4 real ones, at a step scale of at
+most 1, each run checked by the next real step's forward. Each variant here changes that arm's
+``hybrid_predict`` section in one way (``VARIANTS``): a predicted step that goes further
+(``predictor.step_scale`` / ``max_step_scale``) or Predict runs twice as often
+(``full_steps``); ``default`` is the preset's own section as shipped (the bench's ``default``
+arm). Everything else is the bench's: model, corpus, tuned LR (the
+sweep's 2e-3), seeds, warmup-cosine schedule per budget, evaluation.
+
+Scored against the committed bench result (``--result``, default
+``docs/results/cpu-small.json``): its targets per seed, its plain DeepSpeed runs' validation
+curves in Full-step equivalents (budgets 0.75, 0.875, 1) and its step-kind profile, which costs
+every step of these runs too. So every figure is in Full-step equivalents (machine noise
+cannot move them; seconds from this script would come from another sitting than plain
+DeepSpeed's). Per variant and seed:
+
+* ``gap_pct`` and ``equivalents_ratio``: its final loss against plain DeepSpeed's at the full budget
+  (the target) and its equivalents against that run's (the default's bar);
+* ``own_loss_ratio``: the run's equivalents over plain DeepSpeed's frontier time to the run's
+  own final loss (under 1: it got there sooner than plain DeepSpeed could);
+* the frontier ratio at each bench target over the variant's budgets (``None``: not reached).
+
+    .venv/bin/python benchmarks/predict_sweep.py --json docs/results/predict-sweep.json
+
+Runs go to ``--out`` (default ``/tmp/predict-sweep``); a finished run with the same config and
+arguments is reused. ``--jobs 2`` runs two at a time with one thread each (losses do not
+depend on it: the runs are deterministic). Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_hybrid import frontier as fr  # noqa: E402
+from ds_hybrid.arguments import resolve_config  # noqa: E402
+from ds_hybrid.bench import ARMS, _with, child_env, cost_of  # noqa: E402
+from ds_hybrid.compare import load_run  # noqa: E402
+
+# name -> (what it changes, the section it starts from: the bench's `predict` arm or the preset's
+# own, changes to that section, budgets)
+VARIANTS: dict[str, tuple[str, str, dict, tuple[float, ...]]] = {
+    "predict": ("the bench's arm: 2 drift steps after every 4 real ones from step 50, scale <= 1", "predict", {},
+                (1.25, 1.5)),
+    "scale-3": ("each predicted step goes up to 3x as far (step_scale 3, max_step_scale 3)", "predict",
+                {"predictor__step_scale": 3.0, "predictor__max_step_scale": 3.0}, (1.25, 1.5)),
+    "dense": ("2 drift steps after every 2 real ones (half the steps predicted)", "predict", {"full_steps": 2},
+              (1.5, 1.75)),
+    "default": ("the preset's own section (the no-argument `ds-hybrid train`)", "preset", {}, (1.0,)),
+    "default-sparse": ("the preset's section with a Predict run after every 48 real steps instead of 24",
+                       "preset", {"full_steps": 48}, (1.0,)),
+}
+
+
+def section_of(name: str, preset: dict) -> dict:
+    """A variant's ``hybrid_predict`` section."""
+    _, base, changes, _ = VARIANTS[name]
+    return _with(ARMS["predict"].hybrid if base == "predict" else preset["hybrid_predict"], **changes)
+
+
+def run_args(out: Path, seed: int, steps: int, lr: float) -> list[str]:
+    """The arguments the bench gives a cpu-small run (``bench.Runner.args_for``)."""
+    return ["--config", str(out / "ds_config.json"), "--model", "gpt2-tiny", "--steps", str(steps),
+            "--seq-len", "128", "--seed", str(seed), "--lr", repr(lr), "--eval-every", "25",
+            "--val-batches", "8", "--out", str(out), "--no-plot", "--layer-groups", "4", "--no-progress"]
+
+
+def run_one(out: Path, cfg: dict, args: list[str]) -> Path:
+    """One ``ds_hybrid.train`` run, or the finished one already in ``out`` with the same config
+    and arguments."""
+    try:
+        same = (json.loads((out / "ds_config.json").read_text()) == cfg
+                and json.loads((out / "sweep_args.json").read_text()) == args
+                and (out / "summary.json").is_file())
+    except (OSError, ValueError):
+        same = False
+    if same:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    env = dict(child_env(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "ds_hybrid.train", *args], stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {out} failed (exit {proc.returncode}); see {out / 'train.log'}")
+    (out / "sweep_args.json").write_text(json.dumps(args))
+    return out
+
+
+def score(row: dict, profile: dict) -> dict:
+    """The run's validation curve in Full-step equivalents (the bench's costing)."""
+    eq = fr.step_costs_curve(row["val_points"], [cost_of(k, profile) for k in row["step_kinds"]])
+    st = row["statistics"]
+    done = (st.get("predict_accepted") or 0) + (st.get("predict_rolled_back") or 0)
+    return {"final_val_loss": row["final_val_loss"], "steps": row["steps"], "eq_curve": eq, "eq_total": eq[-1][0],
+            "predicted_pct": row["predicted_pct"],
+            "real_steps": row["steps"] - (st["steps_per_phase"].get("predict") or 0),
+            "rolled_back_pct": 100.0 * (st.get("predict_rolled_back") or 0) / done if done else 0.0}
+
+
+def analyse(runs: dict, result: dict) -> dict:
+    """Per variant: per seed, each budget's run and the frontier ratios; over seeds, mean and spread."""
+    base = {seed: list(by_b.values()) for seed, by_b in result["runs"]["baseline"].items()}
+    plain_full = {seed: by_b["1"]["eq_curve"][-1][0] for seed, by_b in result["runs"]["baseline"].items()}
+    targets = result["analysis"]["targets"]
+    out = {}
+    for name, by_seed in runs.items():
+        per_seed = {}
+        for seed, by_budget in by_seed.items():
+            rows = list(by_budget.values())
+            per_seed[seed] = {
+                "budgets": {b: {**{k: v for k, v in r.items() if k != "eq_curve"},
+                                "own_loss_ratio": _own_ratio(r, base[seed]),
+                                "gap_pct": 100 * (r["final_val_loss"] / targets[seed]["target"] - 1),
+                                "equivalents_ratio": r["eq_total"] / plain_full[seed]}
+                            for b, r in by_budget.items()},
+                "frontier": fr.ratios(rows, base[seed], targets[seed], "eq_curve")}
+        budgets = sorted({b for s in per_seed.values() for b in s["budgets"]}, key=float)
+        agg = {"budgets": {b: {k: fr.mean_spread([s["budgets"][b][k] for s in per_seed.values() if b in s["budgets"]])
+                               for k in ("final_val_loss", "gap_pct", "own_loss_ratio", "equivalents_ratio",
+                                         "predicted_pct", "rolled_back_pct", "real_steps")} for b in budgets},
+               "frontier": {t: dict(fr.mean_spread([s["frontier"][t]["ratio"] for s in per_seed.values()]),
+                                    seeds=len(per_seed))
+                            for t in next(iter(per_seed.values()))["frontier"]}}
+        out[name] = {"doc": VARIANTS[name][0], "base": VARIANTS[name][1], "changes": VARIANTS[name][2],
+                     "per_seed": per_seed, "aggregate": agg}
+    return out
+
+
+def _own_ratio(row: dict, base_rows: list[dict]) -> float | None:
+    t = fr.frontier_time(base_rows, row["final_val_loss"], "eq_curve")
+    return row["eq_total"] / t if t else None
+
+
+def table(analysis: dict) -> str:
+    def ms(d: dict, f: str = "{:.3f}") -> str:
+        if not d or d.get("mean") is None:
+            return "-"
+        return f.format(d["mean"]) + (" ± " + f.format(d["std"]) if d.get("n", 0) > 1 else "") + \
+            (f" ({d['n']} seeds)" if d.get("n") not in (None, 3) else "")
+    lines = ["| variant | budget | real steps | predicted | rolled back | final val loss | gap to plain DeepSpeed's "
+             "final loss | equivalents over plain DeepSpeed's full budget | equivalents over plain DeepSpeed's to "
+             "the same loss | frontier ratio: target / +1% / +2% |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in analysis.items():
+        front = " / ".join(ms(a["aggregate"]["frontier"][t], "{:.2f}") for t in ("target", "target+1%", "target+2%"))
+        for i, (b, agg) in enumerate(a["aggregate"]["budgets"].items()):
+            lines.append(f"| {'`' + name + '`' if i == 0 else ''} | {float(b):g} | {ms(agg['real_steps'], '{:.0f}')} | "
+                         f"{ms(agg['predicted_pct'], '{:.0f}')}% | {ms(agg['rolled_back_pct'], '{:.0f}')}% | "
+                         f"{ms(agg['final_val_loss'], '{:.4f}')} | {ms(agg['gap_pct'], '{:+.2f}')}% | "
+                         f"{ms(agg['equivalents_ratio'], '{:.3f}')}x | {_below(agg['own_loss_ratio'])} | "
+                         f"{front if i == 0 else ''} |")
+    return "\n".join(lines)
+
+
+def _below(d: dict) -> str:
+    """The own-loss ratio, or where no plain DeepSpeed run reached that loss, say so."""
+    if d.get("n"):
+        return f"{d['mean']:.3f}" + (f" ± {d['std']:.3f}" if d["n"] > 1 else "") + "x" + \
+            ("" if d["n"] == 3 else f" ({d['n']} seeds; the others below plain DeepSpeed's best)")
+    return "below plain DeepSpeed's best"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--result", default=str(ROOT / "docs/results/cpu-small.json"),
+                   help="the cpu-small bench result whose plain DeepSpeed frontier, targets and profile score the runs")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--out", default="/tmp/predict-sweep")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the analysis here")
+    a = p.parse_args(argv)
+    result = json.loads(Path(a.result).read_text())
+    if result["suite"]["name"] != "cpu-small" or result.get("quick"):
+        raise SystemExit(f"--result: {a.result} is not a full cpu-small bench result")
+    missing = [s for s in a.seeds if str(s) not in result["analysis"]["targets"]]
+    if missing:
+        raise SystemExit(f"--seeds: {missing} not in {a.result}'s seeds {sorted(result['analysis']['targets'])}")
+    preset, _ = resolve_config(result["suite"]["config"])
+    lr, steps = float(result["best_lr"]), int(result["suite"]["steps"])
+    jobs = []
+    for name in a.variants:
+        cfg = dict(json.loads(json.dumps(preset)), hybrid_predict=section_of(name, preset))
+        for seed in a.seeds:
+            for b in VARIANTS[name][3]:
+                out = Path(a.out) / f"{name}-b{b:g}-s{seed}"
+                jobs.append((name, seed, f"{b:g}", out, cfg, run_args(out, seed, int(round(steps * b)), lr)))
+    with ThreadPoolExecutor(max_workers=max(a.jobs, 1)) as pool:
+        dirs = list(pool.map(lambda j: run_one(j[3], j[4], j[5]), jobs))
+    runs: dict = {}
+    for (name, seed, b, *_), d in zip(jobs, dirs):
+        runs.setdefault(name, {}).setdefault(str(seed), {})[b] = score(load_run(d), result["profile"])
+    analysis = analyse(runs, result)
+    print(table(analysis))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"command": "benchmarks/predict_sweep.py " + " ".join(argv or sys.argv[1:]),
+                                            "result": a.result, "lr": lr, "analysis": analysis}, indent=1))
+        print("wrote", a.json)
+    return analysis
+
+
+if __name__ == "__main__":
+    main()
