@@ -257,6 +257,7 @@ def test_predict_sweep_variants_parse_and_change_only_their_keys():
     preset, _ = resolve_config("tiny-cpu")
     assert sweep.section_of("predict", preset) == bench.ARMS["predict"].hybrid
     assert sweep.section_of("default", preset) == preset["hybrid_predict"]
+    assert sweep.section_of("default-every-24", preset)["full_steps"] == 24
     for name, (doc, base, changes, budgets) in sweep.VARIANTS.items():
         parsed = parse_hybrid_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                       "hybrid_predict": sweep.section_of(name, preset)})
