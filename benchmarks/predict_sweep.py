@@ -24,8 +24,9 @@ DeepSpeed's). Per variant and seed:
 
     .venv/bin/python benchmarks/predict_sweep.py --json docs/results/predict-sweep.json
 
-Runs go to ``--out`` (default ``/tmp/predict-sweep``); a finished run with the same config and
-arguments is reused. ``--jobs 2`` runs two at a time with one thread each (losses do not
+Runs go to ``--out`` (default ``/tmp/predict-sweep``), made by the bench's own runner; a finished
+run with the same config and arguments is reused (as ``ds-hybrid bench --reuse``). ``--jobs 2``
+runs two at a time with one thread each unless ``OMP_NUM_THREADS`` says otherwise (losses do not
 depend on it: the runs are deterministic). Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -33,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,14 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid import frontier as fr  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.bench import ARMS, _with, child_env, cost_of  # noqa: E402
-from ds_hybrid.compare import load_run  # noqa: E402
+from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of  # noqa: E402
+from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 # name -> (what it changes, the section it starts from: the bench's `predict` arm or the preset's
 # own, changes to that section, budgets)
 VARIANTS: dict[str, tuple[str, str, dict, tuple[float, ...]]] = {
     "predict": ("the bench's arm: 2 drift steps after every 4 real ones from step 50, scale <= 1", "predict", {},
-                (1.25, 1.5)),
+                (1.25, 1.375, 1.5)),
     "scale-3": ("each predicted step goes up to 3x as far (step_scale 3, max_step_scale 3)", "predict",
                 {"predictor__step_scale": 3.0, "predictor__max_step_scale": 3.0}, (1.25, 1.5)),
     "dense": ("2 drift steps after every 2 real ones (half the steps predicted)", "predict", {"full_steps": 2},
@@ -66,36 +65,6 @@ def section_of(name: str, preset: dict) -> dict:
     """A variant's ``hybrid_predict`` section."""
     _, base, changes, _ = VARIANTS[name]
     return _with(ARMS["predict"].hybrid if base == "predict" else preset["hybrid_predict"], **changes)
-
-
-def run_args(out: Path, seed: int, steps: int, lr: float) -> list[str]:
-    """The arguments the bench gives a cpu-small run (``bench.Runner.args_for``)."""
-    return ["--config", str(out / "ds_config.json"), "--model", "gpt2-tiny", "--steps", str(steps),
-            "--seq-len", "128", "--seed", str(seed), "--lr", repr(lr), "--eval-every", "25",
-            "--val-batches", "8", "--out", str(out), "--no-plot", "--layer-groups", "4", "--no-progress"]
-
-
-def run_one(out: Path, cfg: dict, args: list[str]) -> Path:
-    """One ``ds_hybrid.train`` run, or the finished one already in ``out`` with the same config
-    and arguments."""
-    try:
-        same = (json.loads((out / "ds_config.json").read_text()) == cfg
-                and json.loads((out / "sweep_args.json").read_text()) == args
-                and (out / "summary.json").is_file())
-    except (OSError, ValueError):
-        same = False
-    if same:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ds_config.json").write_text(json.dumps(cfg, indent=2))
-    env = dict(child_env(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    with open(out / "train.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "ds_hybrid.train", *args], stdout=log,
-                              stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {out} failed (exit {proc.returncode}); see {out / 'train.log'}")
-    (out / "sweep_args.json").write_text(json.dumps(args))
-    return out
 
 
 def score(row: dict, profile: dict) -> dict:
@@ -190,18 +159,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--seeds: {missing} not in {a.result}'s seeds {sorted(result['analysis']['targets'])}")
     preset, _ = resolve_config(result["suite"]["config"])
     lr, steps = float(result["best_lr"]), int(result["suite"]["steps"])
-    jobs = []
+    # The bench's own runner: the same arguments as its runs, and --reuse's check of a finished run.
+    runner = Runner(SUITES["cpu-small"], Path(a.out), None, None, live=False, reuse=True)
+    todo = []
     for name in a.variants:
         cfg = dict(json.loads(json.dumps(preset)), hybrid_predict=section_of(name, preset))
         for seed in a.seeds:
             for b in VARIANTS[name][3]:
-                out = Path(a.out) / f"{name}-b{b:g}-s{seed}"
-                jobs.append((name, seed, f"{b:g}", out, cfg, run_args(out, seed, int(round(steps * b)), lr)))
+                label = f"{name}-b{b:g}-s{seed}"
+                todo.append(Run(label, name, seed, lr, b, cfg, Path(a.out) / label, int(round(steps * b)), False))
+    runner.total = len(todo)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")   # runs side by side on 2 cores: one thread each
     with ThreadPoolExecutor(max_workers=max(a.jobs, 1)) as pool:
-        dirs = list(pool.map(lambda j: run_one(j[3], j[4], j[5]), jobs))
+        rows = list(pool.map(runner, todo))
     runs: dict = {}
-    for (name, seed, b, *_), d in zip(jobs, dirs):
-        runs.setdefault(name, {}).setdefault(str(seed), {})[b] = score(load_run(d), result["profile"])
+    for run, row in zip(todo, rows):
+        runs.setdefault(run.arm, {}).setdefault(str(run.seed), {})[f"{run.budget:g}"] = score(row, result["profile"])
     analysis = analyse(runs, result)
     print(table(analysis))
     if a.json:
