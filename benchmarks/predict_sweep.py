@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid import frontier as fr  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of  # noqa: E402
+from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of, profile_steps  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 # name -> (what it changes, the section it starts from: the bench's `predict` arm or the preset's
@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="/tmp/predict-sweep")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the analysis here")
+    p.add_argument("--reprofile", action="store_true",
+                   help="profile the step kinds now, with this tree's code, and cost the runs with that profile "
+                        "instead of --result's (plain DeepSpeed's steps cost 1 in either; run it on a quiet machine)")
     a = p.parse_args(argv)
     result = json.loads(Path(a.result).read_text())
     if result["suite"]["name"] != "cpu-small" or result.get("quick"):
@@ -161,6 +164,11 @@ def main(argv: list[str] | None = None) -> dict:
     lr, steps = float(result["best_lr"]), int(result["suite"]["steps"])
     # The bench's own runner: the same arguments as its runs, and --reuse's check of a finished run.
     runner = Runner(SUITES["cpu-small"], Path(a.out), None, None, live=False, reuse=True)
+    profile = result["profile"]
+    if a.reprofile:   # before any run starts: the machine is quiet
+        print("profiling the step kinds ...", flush=True)
+        profile = profile_steps(SUITES["cpu-small"], lr, None, None)
+        print("step costs:", {k: round(v, 4) for k, v in profile["cost"].items()}, flush=True)
     todo = []
     for name in a.variants:
         cfg = dict(json.loads(json.dumps(preset)), hybrid_predict=section_of(name, preset))
@@ -174,12 +182,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows = list(pool.map(runner, todo))
     runs: dict = {}
     for run, row in zip(todo, rows):
-        runs.setdefault(run.arm, {}).setdefault(str(run.seed), {})[f"{run.budget:g}"] = score(row, result["profile"])
+        runs.setdefault(run.arm, {}).setdefault(str(run.seed), {})[f"{run.budget:g}"] = score(row, profile)
     analysis = analyse(runs, result)
     print(table(analysis))
     if a.json:
         Path(a.json).write_text(json.dumps({"command": "benchmarks/predict_sweep.py " + " ".join(argv or sys.argv[1:]),
-                                            "result": os.path.relpath(a.result, ROOT), "lr": lr, "analysis": analysis}, indent=1))
+                                            "result": os.path.relpath(a.result, ROOT), "lr": lr,
+                                            "profile": profile if a.reprofile else "the result's",
+                                            "analysis": analysis}, indent=1))
         print("wrote", a.json)
     return analysis
 

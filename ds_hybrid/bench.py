@@ -460,6 +460,15 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     if init:
         load_init_weights(model, init)
     engine, *_ = initialize(model=model, model_parameters=layer_groups(model, suite.layer_groups), config=cfg)
+    # DeepSpeed's own engine beside it (no ds_hybrid code): how far the unit, the bench's plain
+    # DeepSpeed step (the hybrid's engine with the hybrid off: its non-finite guard included), is from it.
+    import deepspeed
+    torch.manual_seed(0)
+    ds_model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
+    if init:
+        load_init_weights(ds_model, init)
+    ds_engine, *_ = deepspeed.initialize(model=ds_model, model_parameters=layer_groups(ds_model, suite.layer_groups),
+                                         config={k: v for k, v in cfg.items() if k != "hybrid_predict"})
     train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
     stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     gas = engine.gradient_accumulation_steps()
@@ -496,6 +505,13 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     def plain():
         engine._real_step(batches(), default_loss)
 
+    def deepspeed_step():
+        for b in batches():
+            loss = default_loss(ds_engine, b)
+            ds_engine.backward(loss)
+            ds_engine.step()
+        loss.item()
+
     def full(k: int, with_planner: bool = True, phase: Phase = Phase.FULL):
         ctl.phase, ctl.remaining = phase, 10**6   # (a warmup step this far from its end: an idle one)
         engine._next_groups, engine._check_groups = k, None
@@ -518,7 +534,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         engine.predictor.accept = lambda observed, step, div, *more: (True, observed)
         engine.train_step(batches())
 
-    kinds = {"plain": plain,
+    kinds = {"plain": plain, "deepspeed": deepspeed_step,
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
              "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP),

@@ -112,7 +112,8 @@ def markdown(result: dict) -> str:
                   "", "| step kind | ms | cost |", "|---|---|---|"]
         for kind, sec in prof["seconds"].items():
             share = prof.get("partial_share", {}).get(kind)
-            label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else "")
+            label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else
+                            " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)

@@ -227,6 +227,7 @@ def test_quick_bench_end_to_end(tmp_path):
     prof = saved["profile"]
     assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < prof["cost"]["forward"] < 1
     assert 0 < prof["cost"]["partial_1"] and prof["partial_share"]["partial_2"] > 0
+    assert prof["cost"]["deepspeed"] > 0   # DeepSpeed's own engine timed beside the unit
     # Whole hybrid real steps are costed against the plain work inside them (more than none of it).
     for kind in bench.PAIRED_KINDS:
         assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]

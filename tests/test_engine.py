@@ -279,3 +279,40 @@ def test_offload_warning_applies_to_host_masters_beside_a_gpu(zero, device, warn
     fake = SimpleNamespace(_config=SimpleNamespace(_param_dict={"zero_optimization": zero}),
                            device=torch.device(device))
     assert PredictiveEngine._host_masters_beside_an_accelerator(fake) is warns
+
+
+class _GradientOf(torch.autograd.Function):
+    """A finite loss (0) whose gradient for ``w`` is ``values``: a bad gradient behind a good loss."""
+
+    @staticmethod
+    def forward(ctx, w, values):
+        ctx.save_for_backward(values)
+        return (w * 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.saved_tensors[0].view(1, -1) * grad, None
+
+
+@pytest.mark.parametrize("values, bad", [
+    ([1.0, -2.0, 3.0], False),
+    ([1.0, float("nan"), 3.0], True),
+    ([float("inf"), 0.0, 1.0], True),
+    ([float("inf"), float("-inf"), 1.0], True),   # Inf - Inf in the running sum is NaN: still caught
+], ids=["finite", "nan", "inf", "inf-and-minus-inf"])
+def test_nonfinite_guard_sees_any_bad_gradient_element(values, bad):
+    """The guard's hook adds each gradient's fp32 sum to one running total (one reduction per
+    gradient): one non-finite element anywhere, in any parameter, flags the step."""
+    from ds_hybrid.engine import _NonFiniteGuard
+    module = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 1, bias=False), "b": torch.nn.Linear(3, 1, bias=False)})
+    guard = _NonFiniteGuard(module)
+    x = torch.tensor(values)
+    loss = module["a"](torch.ones(1, 3)).sum() + _GradientOf.apply(module["b"].weight, x)
+    guard.record_loss(loss)
+    loss.backward()
+    assert math.isfinite(float(loss)) and torch.equal(module["b"].weight.grad.isfinite().all(), torch.tensor(not bad))
+    assert guard.collect()[2] is bad
+    assert guard.collect() == (0, 0, False)   # collect resets
+    guard.remove()
+    _GradientOf.apply(module["b"].weight, torch.full((3,), float("nan"))).backward()
+    assert guard.collect()[2] is False         # hooks off: nothing recorded
