@@ -126,10 +126,10 @@ class _NonFiniteGuard:
 
     Each hook adds the gradient's fp32 sum to a running total: one reduction, no boolean
     temporaries and no sync inside the backward. A NaN or Inf anywhere makes the total
-    non-finite (Inf - Inf is NaN). The check per element it replaced (``isfinite().all()``,
-    two passes and two allocations per gradient) made every real step 2-8% slower than
-    DeepSpeed's own on ``cpu-small`` (``benchmarks/guard_cost.py``). The total can also
-    overflow, only for gradients summing past 3.4e38, and such a step is skipped as well."""
+    non-finite (Inf - Inf is NaN). It replaced a check per element (``isfinite().all()``: two
+    passes and two allocations per gradient); on ``cpu-small`` both cost a real step about 1%,
+    within the machine's noise (``benchmarks/guard_cost.py``). The total can also overflow,
+    only for gradients summing past 3.4e38, and such a step is skipped as well."""
 
     def __init__(self, module: torch.nn.Module):
         self._losses: list[torch.Tensor] = []

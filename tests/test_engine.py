@@ -214,10 +214,11 @@ def test_direction_comparison_sums():
     new = [za.adam_direction(p) for p in engine._masters.partitions()]
     sums = za.compare_direction(engine._masters, engine._snapshot)
     dot = sum(float((n.double() * o.double()).sum()) for n, o in zip(new, old))
-    # fp32 dots per 16 MiB chunk (pairwise), summed in fp64: within 1e-6 of an fp64 computation
-    assert sums[:, 0].sum().item() == pytest.approx(dot, rel=1e-6)
-    assert sums[:, 1].sum().item() == pytest.approx(sum(float(o.double().pow(2).sum()) for o in old), rel=1e-6)
-    assert sums[:, 2].sum().item() == pytest.approx(sum(float(n.double().pow(2).sum()) for n in new), rel=1e-6)
+    # fp32 dots per 16 MiB chunk, summed in fp64: within 1e-5 of an fp64 computation. torch.dot
+    # goes to BLAS, whose accumulation order follows the thread count (one thread: 1.6e-6 off).
+    assert sums[:, 0].sum().item() == pytest.approx(dot, rel=1e-5)
+    assert sums[:, 1].sum().item() == pytest.approx(sum(float(o.double().pow(2).sum()) for o in old), rel=1e-5)
+    assert sums[:, 2].sum().item() == pytest.approx(sum(float(n.double().pow(2).sum()) for n in new), rel=1e-5)
 
 
 def _aio_available() -> bool:
