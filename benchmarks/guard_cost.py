@@ -43,15 +43,17 @@ VARIANTS = ("guard", "guard-previous", "no-guard", "deepspeed")
 class PreviousGuard(E._NonFiniteGuard):
     """The guard's hook before 2026-11-24: an element-wise finiteness check per gradient."""
 
+    def __init__(self, module: torch.nn.Module):
+        self._grad_bad: torch.Tensor | None = None
+        super().__init__(module)
+
     def _check_grad(self, grad: torch.Tensor) -> None:
         bad = ~torch.isfinite(grad).all()
-        self._grad_bad = bad.clone() if getattr(self, "_grad_bad", None) is None else \
-            self._grad_bad | bad.to(self._grad_bad.device)
+        self._grad_bad = bad.clone() if self._grad_bad is None else self._grad_bad | bad.to(self._grad_bad.device)
 
     def collect(self):
         loss_sum, count, bad = super().collect()
-        flag = getattr(self, "_grad_bad", None)
-        self._grad_bad = None
+        flag, self._grad_bad = self._grad_bad, None
         return loss_sum, count, bad or bool(flag is not None and flag)
 
 
@@ -89,13 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ours = build(initialize, cfg)
     plain = build(deepspeed.initialize, plain_cfg)
-    guards = {"guard": E._NonFiniteGuard, "guard-previous": PreviousGuard, "no-guard": None}
-
     def use(name: str) -> None:
         """Put the variant's guard on the one hybrid-off engine."""
         ours._guard.remove()
-        ours._guard = (guards[name] or E._NonFiniteGuard)(ours.module)
-        if guards[name] is None:
+        ours._guard = (PreviousGuard if name == "guard-previous" else E._NonFiniteGuard)(ours.module)
+        if name == "no-guard":
             ours._guard.remove()   # collect() still runs at the boundary, over the losses alone
 
     train, _ = ByteDataset.load(None).split(seq_len=suite.seq_len)
