@@ -211,6 +211,26 @@ class MemoryConfig(_Section):
     they apply: synchronous, and they empty the CUDA cache, which also lowers the device's
     reserved memory during the run."""
 
+    offload_predict: Literal["auto", "host", "device"] = "auto"
+    """Where a Predict step's drift update goes when the fp32 masters live in host memory
+    (``zero_optimization.offload_optimizer``, ZeRO 1-3). ``host``: into the masters, then
+    propagated to the 16-bit parameters (a host pass and a parameter copy per step, a host
+    snapshot per run). ``device``: into the 16-bit parameters from a copy of the velocity
+    beside them, with no host-master read or write and no snapshot; the masters take the
+    run's displacement once, when the next real step's check keeps it (bit for bit the host
+    path's masters), and a rejected run is undone by re-propagating the untouched masters
+    (``ds_hybrid/device_predict.py``). Needs ``predictor.direction: drift``. ``auto``:
+    ``device`` where the masters are in host memory beside a GPU."""
+
+    fold_source: Literal["auto", "snapshot", "optimizer_state"] = "auto"
+    """Where a real step's update for the drift velocity comes from. ``snapshot``: a copy of
+    the masters taken before the step (4 bytes per parameter of the rank's partition, in the
+    masters' memory: host memory under ``offload_optimizer``). ``optimizer_state``: read back
+    after the step from the Adam moments and the new weights (no copy; equal up to fp32
+    rounding; Adam/AdamW without ``amsgrad``). Steps of layer-group Predict keep the snapshot
+    (it is their rollback point). ``auto``: ``optimizer_state`` with the device-side Predict
+    path (``offload_predict``), which then keeps no fp32 copy of the masters at all."""
+
     predict_autocast: Literal["none", "bf16", "fp16"] = "none"
     """Precision of the Predict phase's no-grad forwards (verification and progress):
     ``none`` runs them as the model is, ``bf16`` / ``fp16`` under ``torch.autocast``

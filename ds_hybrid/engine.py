@@ -42,6 +42,8 @@ from . import checkpoint as ckpt
 from . import kernels
 from . import zero_access as za
 from .config import HybridPredictConfig, parse_hybrid_config
+from .device_predict import DevicePredict, offload_predict_on_device
+from .device_predict import unsupported as device_unsupported
 from .dist_env import ensure_distributed_env
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
@@ -197,6 +199,9 @@ class PredictiveEngine(DeepSpeedEngine):
         self._step_groups: frozenset = frozenset()
         self._check_groups: frozenset | None = None
         self._check_run = False     # the pending check is of a whole-model Predict run (check: next_step)
+        self._device_predict: DevicePredict | None = None   # memory.offload_predict: device
+        self._saved_device_run: dict | None = None
+        self._fold_from_state = False   # memory.fold_source resolved
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -207,7 +212,12 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
-        if self.global_rank == 0 and self._host_masters_beside_an_accelerator():
+        self._device_predict = self._make_device_predict()
+        self._fold_from_state = self._resolve_fold_source()
+        if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
+            self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda
+                                        for i in range(len(self._masters.group_indices())))
+        if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and self._device_predict is None:
             # Measured (README, "GPU memory per phase"): with the masters in host memory every
             # Predict step and every real step's bookkeeping runs on the host copies.
             logger.warning("hybrid_predict with zero_optimization.offload_optimizer: the snapshot, the velocity "
@@ -335,6 +345,10 @@ class PredictiveEngine(DeepSpeedEngine):
             out["snapshot_bytes"] = self._snapshot.nbytes()
             out["velocity_bytes"] = self._velocity.nbytes() if self._velocity is not None else 0
             out["direction"] = self.hybrid_config.predictor.direction
+            out["offload_predict"] = "device" if self._device_predict is not None else "host"
+            out["fold_source"] = "optimizer_state" if self._fold_from_state else "snapshot"
+            if self._device_predict is not None:
+                out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
             if self._parking is not None:
                 out["moment_parking"] = self._parking.mode
             out["confidence"] = self.predictor.confidence()
@@ -422,13 +436,17 @@ class PredictiveEngine(DeepSpeedEngine):
             # First the check of the last predicted update (the snapshot still holds its
             # rollback point), then this step's own snapshot.
             redo = self._check_predicted_update(loss, batch, checked)
-            if drift or predicted:
+            if self._device_predict is not None and self._device_predict.pending:
+                with self._timed("commit"):   # (a run kept without a check: its masters catch up here)
+                    self._device_predict.commit(self._velocity)
+            if predicted or (drift and not self._fold_from_state):
                 # The masters before the step (into the snapshot buffer, free outside Predict
                 # runs): the update per unit LR feeds the velocity, and for predicted groups it is
-                # the rollback point the next step's check may return to.
+                # the rollback point the next step's check may return to. (fold_source:
+                # optimizer_state reads a whole step's update back from the Adam state instead.)
                 with self._timed("capture"):
                     za.capture_weights(self._masters, self._snapshot)
-            elif probe:
+            elif probe and not drift:
                 with self._timed("stash"):
                     za.stash_direction(self._masters, self._snapshot)
             return redo
@@ -443,7 +461,8 @@ class PredictiveEngine(DeepSpeedEngine):
         if drift and applied:
             real = None if not predicted else set(range(self._masters.num_groups())) - predicted
             with self._timed("fold"):
-                groups = za.fold_real_update(self._masters, self._snapshot, self._velocity, lrs,
+                before = None if self._fold_from_state and not predicted else self._snapshot
+                groups = za.fold_real_update(self._masters, before, self._velocity, lrs,
                                              cfg.predictor.drift_beta, int(self.global_steps), groups=real,
                                              keep=bool(predicted), moments=self._learns_from_every_step())
         elif probe and not drift and not predicted:
@@ -555,10 +574,17 @@ class PredictiveEngine(DeepSpeedEngine):
             self._pending = 0
         else:
             self._stats.group_checks += 1
+        device = self._device_predict if run else None
         if accepted:
+            if device is not None:
+                with self._timed("commit"):
+                    device.commit(self._velocity)   # before this step's optimizer reads the masters
             return False
         with self._timed("restore"):
-            za.restore_weights(self._masters, self._snapshot, groups=set(groups))
+            if device is not None:
+                device.discard()
+            else:
+                za.restore_weights(self._masters, self._snapshot, groups=set(groups))
         if not run:
             self._stats.group_rolled_back += 1
         return True
@@ -566,10 +592,12 @@ class PredictiveEngine(DeepSpeedEngine):
     def _predict_step(self, batches: list, loss_fn: LossFn) -> StepResult:
         ctl, cfg = self.controller, self.hybrid_config
         next_step = cfg.check == "next_step"
+        device = self._device_predict
         if ctl.predict_index == 0:
             if self._check_groups is None:
-                with self._timed("snapshot"):
-                    za.capture_weights(self._masters, self._snapshot)
+                if device is None:   # (device-side runs leave the masters at the last good point)
+                    with self._timed("snapshot"):
+                        za.capture_weights(self._masters, self._snapshot)
                 self._pending = 0
             # (else: a run straight after a run whose check is still pending; the snapshot stays
             # the last good point and the next real step checks both runs together)
@@ -595,6 +623,10 @@ class PredictiveEngine(DeepSpeedEngine):
         def predicted_update() -> None:
             if cfg.predictor.direction == "none":
                 return   # the control: the step advances the schedule and moves nothing
+            if device is not None:   # into the 16-bit copies, gathered; the masters wait for the check
+                with self._timed("predicted_update"):
+                    device.apply(self._velocity, scales)
+                return
             with self._timed("predicted_update"):
                 if self._velocity is not None:
                     za.apply_velocity_update(self._masters, self._velocity, scales)
@@ -633,12 +665,18 @@ class PredictiveEngine(DeepSpeedEngine):
             self.predictor.record_verification(self.global_steps, predicted, observed, Phase.PREDICT.value, accepted)
             if accepted:
                 self._stats.predict_accepted += self._pending
-                if ctl.predict_index + 1 < ctl.horizon:
+                if device is not None:
+                    with self._timed("commit"):
+                        device.commit(self._velocity)   # the masters become the new last good point
+                elif ctl.predict_index + 1 < ctl.horizon:
                     with self._timed("snapshot"):
                         za.capture_weights(self._masters, self._snapshot)  # the new last good point
             else:
                 with self._timed("restore"):
-                    za.restore_weights(self._masters, self._snapshot)
+                    if device is not None:
+                        device.discard()
+                    else:
+                        za.restore_weights(self._masters, self._snapshot)
                 undone = self._pending
                 self._stats.predict_rolled_back += undone
             self._pending = 0
@@ -954,7 +992,8 @@ class PredictiveEngine(DeepSpeedEngine):
                       planner=None if self._planner is None else self._planner.state_dict(),
                       difficulty=None if self._difficulty is None else self._difficulty.state_dict(),
                       judge=None if self._judge is None else self._judge.state_dict(),
-                      judge_stopped=self._judge_stopped)
+                      judge_stopped=self._judge_stopped,
+                      device_predict=None if self._device_predict is None else self._device_predict.state_dict())
         return sd
 
     def load_hybrid_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
@@ -987,6 +1026,7 @@ class PredictiveEngine(DeepSpeedEngine):
         if self._judge is not None and sd.get("judge") is not None:
             self._judge.load_state_dict(sd["judge"])
         self._judge_stopped = bool(sd.get("judge_stopped", False))
+        self._saved_device_run = sd.get("device_predict")   # applied with the rank state (it needs the velocity)
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: its RNG states and, in the middle of a Predict run, the
@@ -1007,6 +1047,8 @@ class PredictiveEngine(DeepSpeedEngine):
             else:
                 logger.warning(f"{source}: no drift velocity for this rank in the checkpoint; it is rebuilt from "
                                "the next real steps")
+        if self.hybrid_config.enabled and self._load_device_run(sd, source):
+            return
         if not self.hybrid_config.enabled or not self._snapshot_needed():
             return
         saved = None if sd is None else sd.get("snapshot")
@@ -1020,6 +1062,32 @@ class PredictiveEngine(DeepSpeedEngine):
                        f"not apply here; the loaded weights become the last good point ({self._pending} unverified "
                        "Predict steps can no longer be rolled back)")
 
+    def _load_device_run(self, sd: dict | None, source: Any) -> bool:
+        """A Predict run saved or loaded on the device path (``memory.offload_predict``). The
+        loaded masters are its last good point; True when nothing else is left to restore."""
+        saved, self._saved_device_run = self._saved_device_run, None
+        pending = (saved or {}).get("pending") or []
+        if self._device_predict is not None:
+            self._device_predict.load_state_dict(saved)
+            if pending:   # the 16-bit copies from the masters, then the run's updates again
+                self._device_predict.replay(self._velocity)
+            elif sd is not None and sd.get("snapshot") is not None:
+                logger.warning(f"{source}: saved in the middle of a host-path Predict run; on the device path the "
+                               f"loaded weights become the last good point ({self._pending} unverified Predict "
+                               "steps can no longer be rolled back)")
+            return True
+        if not pending:
+            return False
+        # Saved by a device-side run, loaded on the host path: the masters are the rollback
+        # snapshot, then they take the run, which is where the host path would hold them.
+        za.capture_weights(self._masters, self._snapshot)
+        run = DevicePredict(self._masters)
+        run.load_state_dict(saved)
+        run.commit(self._velocity)
+        self._masters.lp_current = False
+        self._masters.propagate()
+        return True
+
     def _host_masters_beside_an_accelerator(self) -> bool:
         """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""
         zo = self._config._param_dict.get("zero_optimization") or {}
@@ -1030,8 +1098,37 @@ class PredictiveEngine(DeepSpeedEngine):
         # Inside a Predict run the snapshot is the last good point a rejection returns to, and
         # after a partial step it is the predicted groups' rollback point until the next step's
         # check; at every other step boundary it is retaken (or unused) before it is read.
+        # Device-side Predict runs leave the masters at the last good point: no snapshot.
+        if self._device_predict is not None:
+            return self._check_groups is not None and not self._check_run
         return (self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0) \
             or self._check_groups is not None
+
+    def _resolve_fold_source(self) -> bool:
+        """``memory.fold_source``: True where real steps read their update back from the Adam
+        state instead of a pre-step copy of the masters."""
+        setting = self.hybrid_config.memory.fold_source
+        if setting == "snapshot" or (setting == "auto" and self._device_predict is None):
+            return False
+        amsgrad = any(g.get("amsgrad") for g in self._masters.base.param_groups)
+        if amsgrad and setting == "optimizer_state":
+            raise ValueError("hybrid_predict.memory.fold_source: optimizer_state reads the update back from Adam's "
+                             "moments, which amsgrad's max does not allow; set it to snapshot")
+        return not amsgrad
+
+    def _make_device_predict(self) -> "DevicePredict | None":
+        """``memory.offload_predict``: the device-side Predict path, or None (the host path)."""
+        setting = self.hybrid_config.memory.offload_predict
+        if not offload_predict_on_device(setting, self._host_masters_beside_an_accelerator()):
+            return None
+        why = device_unsupported(self._masters, self.hybrid_config.predictor.direction)
+        if why is None:
+            return DevicePredict(self._masters)
+        if setting == "device":
+            raise ValueError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
+        if self.global_rank == 0:
+            logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
+        return None
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:
         if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):

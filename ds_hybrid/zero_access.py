@@ -136,6 +136,25 @@ class MasterAccess(abc.ABC):
         finally:
             del base.step
 
+    def group_indices(self) -> list[int]:
+        """The param group (layer group) of each master entry, in ``partitions()`` order."""
+        return [self._group_index(i) for i in range(self._count())]
+
+    def _group_index(self, i: int) -> int:
+        return self._entry(i)[2]
+
+    def device_shard(self, i: int) -> torch.Tensor | None:
+        """The low-precision (model dtype) copy of master entry ``i`` that this rank's optimizer
+        writes after its step, where the forward's parameters read it (ZeRO 1-3), any dtype and
+        device; None where there is none in memory. ``memory.offload_predict: device`` updates it
+        in place and then calls ``gather_device_shards``."""
+        return None
+
+    def gather_device_shards(self) -> None:
+        """After ``device_shard``\ s were written in place: what DeepSpeed does after its own
+        step to make every rank's parameters see them (an all-gather). Collective."""
+        raise NotImplementedError(f"{self.kind}: no device shards")
+
     def has_adam_state(self) -> bool:
         """True once a real optimizer step has created ``exp_avg`` / ``exp_avg_sq``."""
         return any(p.master.numel() and "exp_avg" in p.state and "exp_avg_sq" in p.state
@@ -281,6 +300,15 @@ class _Zero12Access(MasterAccess):
     def propagate(self):
         _propagate_lp(self, self.optimizer.bit16_groups_flat, self.optimizer.parallel_partitioned_bit16_groups)
 
+    def device_shard(self, i):
+        import deepspeed.comm as dist
+        opt = self.optimizer
+        return opt.parallel_partitioned_bit16_groups[i][dist.get_rank(group=opt.real_dp_process_group[i])]
+
+    def gather_device_shards(self):
+        self.lp_current = True   # the partitions hold the update: only the all-gather is left
+        self.propagate()
+
 
 def _lp_shard(partitions: list, group: Any, master: torch.Tensor) -> torch.Tensor | None:
     """This rank's low-precision partition (DeepSpeed's update_lp_params copies the master into
@@ -347,6 +375,21 @@ class _Zero3Access(MasterAccess):
         for i in range(self._count()):
             with self._resident(i):
                 opt._reassign_or_swap_out_partitioned_parameters(i)
+        opt.checkpoint_event_epilogue()
+
+    def _group_index(self, i):
+        return self.optimizer.sub_group_to_group_id[i]   # without swapping the master in
+
+    def device_shard(self, i):
+        return self.optimizer.fp16_partitioned_groups_flat[i]   # None: swapped out to NVMe
+
+    def gather_device_shards(self):
+        # DeepSpeed's own path after a step, without the fp32 -> 16-bit copy: the parameters'
+        # partitions point into the flat buffers again, then persistent parameters re-gather.
+        opt = self.optimizer
+        opt.checkpoint_event_prologue()
+        for i in range(self._count()):
+            opt._unflatten_partitioned_parameters(i)
         opt.checkpoint_event_epilogue()
 
 
@@ -638,7 +681,7 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 
 
 @torch.no_grad()
-def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: VelocityBuffers,
+def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
                      keep: bool = False, moments: bool = True) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
@@ -651,33 +694,58 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
     columns only the layer-group planner and the dynamics encoder read (``master_sq``,
     ``m_abs``, ``v_sqrt``) at 0: three passes over the masters and the Adam state saved, which
     is about half the fold's time (the whole-model predictor reads ``dot``, ``old_sq`` and
-    ``new_sq`` only)."""
+    ``new_sq`` only).
+
+    ``before=None`` (``memory.fold_source: optimizer_state``): no pre-step copy of the masters;
+    the step's update is read back from what the Adam step left, its moments and the weights
+    after it: ``w_after - w_before = -lr (a + wd w_before)`` with ``a = m_hat / (sqrt(v_hat) +
+    eps)`` and, with decoupled decay, ``w_before = (w_after + lr a) / (1 - lr wd)`` (with L2 decay
+    the decay is in the gradient, so in ``a``). Equal to the copy's difference up to fp32
+    rounding (``tests/test_device_predict.py`` measures how close)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
-    if before.holds != "weights":
+    from_state = before is None
+    if not from_state and before.holds != "weights":
         return out
     from .quant import scratch
     first, folded = vel.updates == 0, False
     for i, part in enumerate(access.partitions()):
         lr = float(lrs[part.group_index])
-        if part.master.numel() == 0 or lr <= 0 or i >= len(before.buffers):
+        if part.master.numel() == 0 or lr <= 0 or (not from_state and i >= len(before.buffers)):
+            continue
+        if from_state and "exp_avg" not in part.state:
             continue
         if groups is not None and part.group_index not in groups:
             continue
         folded = True
         buf = vel.buffer(i, part.master)
         gen = vel.generator(part.master.device, step, i)
-        master, old_w = _flat(part.master), _flat(before.buffers[i])
+        master = _flat(part.master)
         row = out[part.group_index]
         # Reused work buffers (no 16 MiB allocation per chunk) and the sums kept on the
         # masters' device, read once per partition (not one sync per chunk on a GPU).
-        d_work, v_work = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
+        # (_adam_direction_chunks works in slots 0 and 1.)
+        slots = (2, 3) if from_state else (0, 1)
+        d_work, v_work = scratch(master.device, slots[0], master.numel()), scratch(master.device, slots[1], master.numel())
+        if from_state:
+            directions = _adam_direction_chunks(part)
+            wd = float(part.group.get("weight_decay", 0.0) or 0.0) if access.decoupled_decay else 0.0
+        else:
+            old_w = _flat(before.buffers[i])
         sums = torch.zeros(4, dtype=torch.float64, device=master.device)
         for s, e in buf.chunks():
             w = master[s:e]
             # d = lr * delta (the update itself); the 1/lr goes into the sums and the fold below,
             # which saves a pass over the chunk.
             d = d_work[:e - s]
-            torch.sub(w, old_w[s:e].to(w.device, non_blocking=True), out=d)
+            if from_state:
+                a0, _, a = next(directions)   # the same CHUNK boundaries as buf.chunks()
+                assert a0 == s
+                if wd:   # (w + lr a) (-lr wd / (1 - lr wd)) - lr a = -lr (a + wd w_before)
+                    torch.add(w, a, alpha=lr, out=d).mul_(-lr * wd / (1.0 - lr * wd)).sub_(a, alpha=lr)
+                else:
+                    torch.mul(a, -lr, out=d)
+            else:
+                torch.sub(w, old_w[s:e].to(w.device, non_blocking=True), out=d)
             # fp32 views of the stored velocity are updated in place; bf16 / int8 go through a copy.
             v_old = buf.data[s:e] if buf.dtype == "fp32" else buf.load(s, e, out=v_work)
             # Statistics in fp32 (torch's reductions accumulate pairwise): 4 passes, no fp64 copies.
@@ -698,7 +766,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers, vel: Veloci
             row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
     vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
-    if not keep:
+    if not keep and not from_state:
         before.holds = None
     return out
 

@@ -44,6 +44,9 @@ parser.add_argument("--judge-harm", action="store_true",
                     help="whole-model runs checked by the next step, whose predicted updates also add noise to "
                          "this rank's masters (kept by a lenient band): the delayed judgement must stop Predict "
                          "on every rank at the same step")
+parser.add_argument("--offload-predict", choices=["host", "device"], default=None,
+                    help="offload_optimizer: cpu with drift runs checked by the next step, on this path "
+                         "(memory.offload_predict); with --faults rank 1's second check of a run sees its loss x 10")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -63,7 +66,14 @@ if args.group_predict:
 if args.judge_harm:
     from test_judgement import HARM
     hybrid = HARM
-engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid),
+offload = {}
+if args.offload_predict:
+    hybrid = {"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0, "min_predict_steps": 2,
+              "max_predict_steps": 2, "correction_steps": 0, "check": "next_step", "predictor": {"direction": "drift"},
+              "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
+              "memory": {"offload_predict": args.offload_predict}}
+    offload = {"offload_opt": "cpu"}
+engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload),
                      groups=4 if args.group_predict else 0)
 lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
 if args.copy_lp:
@@ -111,6 +121,12 @@ def loss_fn(eng, batch):
     loss = default_loss(eng, batch)
     if args.group_predict:
         if args.faults and rank == 1 and real and eng._check_groups is not None and not eng._check_run:
+            predict_verifications["seen"] += 1
+            if predict_verifications["seen"] == 2:
+                return loss * 10
+        return loss
+    if args.offload_predict:
+        if args.faults and rank == 1 and real and eng._check_groups is not None and eng._check_run:
             predict_verifications["seen"] += 1
             if predict_verifications["seen"] == 2:
                 return loss * 10

@@ -259,10 +259,13 @@ def test_predict_sweep_variants_parse_and_change_only_their_keys():
     assert sweep.section_of("predict", preset) == bench.ARMS["predict"].hybrid
     assert sweep.section_of("default", preset) == preset["hybrid_predict"]
     assert sweep.section_of("default-every-24", preset)["full_steps"] == 24
+    assert sweep.section_of("plain", preset) is None
     for name, (doc, base, changes, budgets) in sweep.VARIANTS.items():
+        assert doc and budgets and all(b >= 1 for b in budgets)
+        if base == "plain":
+            continue
         parsed = parse_hybrid_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                       "hybrid_predict": sweep.section_of(name, preset)})
-        assert doc and budgets and all(b >= 1 for b in budgets)
         if "full_steps" in changes:
             assert parsed.full_steps == changes["full_steps"]
         if "predictor__step_scale" in changes:
@@ -291,3 +294,8 @@ def test_predict_sweep_scores_against_the_plain_frontier():
     assert a["per_seed"]["1"]["budgets"]["1.25"]["gap_pct"] == pytest.approx(25.0)
     assert a["per_seed"]["1"]["budgets"]["1.5"]["equivalents_ratio"] == pytest.approx(0.8)
     assert "scale-3" in sweep.table({"scale-3": a})
+    # A longer plain DeepSpeed run joins plain's frontier: reaching 2.0 at 70, it makes the variant's 80 worth 80/70.
+    runs["plain"] = {"1": {"1.25": row([(0.0, 3.0), (70.0, 2.0), (125.0, 1.9)], predicted=0.0)}}
+    both = sweep.analyse(runs, result)
+    assert both["scale-3"]["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(80 / 70)
+    assert both["plain"]["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(1.0)

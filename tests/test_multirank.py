@@ -73,3 +73,28 @@ def test_bf16_shards_written_by_the_update_are_gathered_like_deepspeeds_copy(tmp
     assert [r["lp_written_propagations"] for r in copying] == [0, 0]
     assert fused[0]["record"] == copying[0]["record"]
     assert {r["weights_sha256"] for r in fused + copying} == {fused[0]["weights_sha256"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_device_side_predict_under_offload_agrees_with_the_host_path(stage, tmp_path):
+    """offload_optimizer: cpu, 2 ranks: Predict runs that write each rank's 16-bit partition and
+    all-gather (memory.offload_predict: device) take the same phases, losses and rollbacks as the
+    host path, and every rank of both ends with the same weights. Rank 1's spike at the second
+    check of a run rolls it back on both ranks."""
+    runs = {}
+    for where in ("host", "device"):
+        (tmp_path / where).mkdir()
+        runs[where] = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
+                                                        "--offload-predict", where], 2, tmp_path / where)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
+    host0 = runs["host"][0]["record"]
+    for where, ranks in runs.items():
+        for rep in ranks:
+            assert [tuple(s[c] for c in cols) for s in rep["record"]] == [tuple(s[c] for c in cols) for s in host0], \
+                f"{where} rank differs from the host path's rank 0"
+            assert rep["statistics"]["offload_predict"] == where
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
+    stats = {where: ranks[0]["statistics"] for where, ranks in runs.items()}
+    for key in ("predict_rolled_back", "predict_accepted"):
+        assert stats["device"][key] == stats["host"][key] > 0, key

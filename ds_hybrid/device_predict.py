@@ -1,0 +1,180 @@
+"""Predict steps under ``offload_optimizer`` that stay on the device (``memory.offload_predict``).
+
+With ZeRO-Offload the fp32 masters and the Adam state live in host memory. The host path
+(``zero_access.apply_velocity_update`` + ``propagate``) adds each predicted update to the host
+masters and copies them to the GPU's 16-bit parameters: a host pass and a PCIe transfer of the
+parameters per Predict step, plus a host snapshot per run. Here instead:
+
+* **Predict step**: the drift update ``coef * v`` is added to the 16-bit shard each rank's
+  optimizer owns on the device (``MasterAccess.device_shard``: ZeRO 1/2's partition of the
+  flat 16-bit group, ZeRO 3's flat 16-bit sub-group partition), from a copy of the velocity
+  on that device (int8 at 1 byte per parameter of the partition, uploaded once per run, not
+  per step), then gathered as DeepSpeed gathers after its own step. The host masters are
+  neither read nor written; only the coefficients (one per layer group per step) are kept.
+* **Accepted run**: the masters take the run's displacement once, before the next real
+  step's optimizer step, in one pass over each master chunk that adds the steps'
+  ``coef * v`` in order (``commit``): the same additions as the host path, so the masters end
+  bit for bit where the host path leaves them.
+* **Rejected run**: the masters never moved, so they are the rollback point: the 16-bit
+  copies are re-propagated from them (``discard``). No snapshot of the masters is taken for a
+  Predict run; the rollback is exact (the same as the host path's restore).
+* **Checkpoint in the middle of a run**: the masters (the last good point) and the
+  coefficients are saved; on load the 16-bit copies are propagated from the masters and the
+  run's updates re-applied (``replay``), bit for bit.
+
+What the 16-bit copies hold during a run: with fp32 parameters (ZeRO with no bf16/fp16) the
+device update is the host path's arithmetic on the same values, so the weights are bit for bit
+the host path's. With bf16/fp16 parameters each step rounds ``param + coef * v`` to 16 bits,
+where the host path rounds the fp32 master; the two differ within that rounding until the next
+real step's optimizer writes the 16-bit copies from the (committed, identical) masters.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .quant import CompactBuffer, scratch
+from .zero_access import MasterAccess, VelocityBuffers, _flat
+
+
+def unsupported(access: MasterAccess, direction: str) -> str | None:
+    """Why this setup cannot take device-side Predict steps (None: it can)."""
+    if direction not in ("drift", "none"):
+        return (f"predictor.direction is {direction!r}; device-side Predict steps move the weights along the drift "
+                "velocity (the Adam direction lives with the moments in host memory)")
+    if access.kind not in ("zero1-2", "zero3"):
+        return f"the optimizer is not a ZeRO 1-3 one ({access.kind}); there are no host masters to keep off"
+    for i, part in enumerate(access.partitions()):
+        shard = access.device_shard(i)
+        if shard is None:
+            return ("ZeRO 3 keeps this rank's 16-bit partition on NVMe (offload_param: nvme); device-side Predict "
+                    "steps need it in memory")
+        if shard.numel() != part.master.numel():
+            return (f"the 16-bit partition of master {i} has {shard.numel()} values, the master {part.master.numel()}"
+                    " (a DeepSpeed layout ds_hybrid does not know)")
+    return None
+
+
+class DevicePredict:
+    """The device-side Predict path of one engine: the velocity's device copy, the pending
+    run's coefficients, and the three ways a run ends (commit, discard, replay)."""
+
+    def __init__(self, access: MasterAccess):
+        self.access = access
+        # Per Predict step of the pending run: scale x LR of each layer group.
+        self.pending: list[list[float]] = []
+        self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
+        self._uploaded = -1   # vel.updates when the device copy was made
+
+    def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
+        """The velocity next to each 16-bit shard: the host buffer itself where they share a
+        device (DeepSpeed's CPU accelerator), else a copy made once per velocity state (the
+        velocity only changes at real steps, so a Predict run uploads it at most once)."""
+        if self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers):
+            return self._velocity
+        out: list[CompactBuffer | None] = []
+        for i, buf in enumerate(vel.buffers):
+            shard = self.access.device_shard(i) if buf is not None else None
+            if buf is None or shard is None or shard.device == buf.device:
+                out.append(buf)
+                continue
+            old = self._velocity[i] if i < len(self._velocity) else None
+            dev = old if old is not None and old.device == shard.device and old.numel == buf.numel \
+                and old.dtype == buf.dtype else CompactBuffer(buf.numel, buf.dtype, shard.device)
+            dev.data.copy_(buf.data, non_blocking=True)
+            if buf.dtype == "int8":
+                dev.scale.copy_(buf.scale, non_blocking=True)
+            out.append(dev)
+        self._velocity, self._uploaded = out, vel.updates
+        return out
+
+    def device_bytes(self) -> int:
+        """Bytes of velocity copies this path keeps beside the 16-bit shards."""
+        return sum(b.nbytes() for b in self._velocity if b is not None)
+
+    def coefficients(self, scales: "float | Sequence[float]") -> list[float]:
+        n = self.access.num_groups()
+        lrs = [float(g["lr"]) for g in self.access.base.param_groups]
+        return [float(scales if isinstance(scales, (int, float)) else scales[g]) * lrs[g] for g in range(n)]
+
+    @torch.no_grad()
+    def apply(self, vel: VelocityBuffers, scales: "float | Sequence[float]") -> None:
+        """One Predict step: ``coef * v`` into every 16-bit shard, then the gather. Collective."""
+        coefs = self.coefficients(scales)
+        self._add_to_shards(vel, [coefs])
+        self.pending.append(coefs)
+        self.access.gather_device_shards()
+
+    def _add_to_shards(self, vel: VelocityBuffers, steps: list[list[float]]) -> None:
+        dev_v = self._device_velocity(vel)
+        for i, gi in enumerate(self.access.group_indices()):
+            if i >= len(dev_v) or dev_v[i] is None:
+                continue
+            shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
+            if shard.numel() == 0:
+                continue
+            work, acc = scratch(shard.device, 0, shard.numel()), scratch(shard.device, 1, shard.numel())
+            for a, b in buf.chunks():
+                v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
+                if shard.dtype == torch.float32:
+                    for coefs in steps:   # the host path's own additions, in its order
+                        if coefs[gi] != 0.0:
+                            shard[a:b].add_(v, alpha=coefs[gi])
+                    continue
+                w = acc[:b - a]
+                for coefs in steps:   # each step rounds to 16 bits, as the weights were
+                    if coefs[gi] != 0.0:
+                        w.copy_(shard[a:b]).add_(v, alpha=coefs[gi])
+                        shard[a:b].copy_(w)
+
+    @torch.no_grad()
+    def commit(self, vel: VelocityBuffers) -> None:
+        """The run was kept: the masters take its displacement, each chunk once with every
+        step's ``coef * v`` added in order (bit for bit the host path's masters). The 16-bit
+        copies already hold the run; the next optimizer step writes them from the masters."""
+        if not self.pending:
+            return
+        steps, self.pending = self.pending, []
+        for part_i, part in enumerate(self.access.partitions()):
+            gi = part.group_index
+            if part_i >= len(vel.buffers) or vel.buffers[part_i] is None or part.master.numel() == 0:
+                continue
+            master, buf = _flat(part.master), vel.buffers[part_i]
+            work = scratch(master.device, 0, master.numel())
+            for a, b in buf.chunks():
+                v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
+                for coefs in steps:
+                    if coefs[gi] != 0.0:
+                        master[a:b].add_(v, alpha=coefs[gi])
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """The run was rejected: forget it and write the 16-bit copies from the masters, which
+        never left the last good point (an exact rollback). Collective."""
+        self.pending = []
+        self.access.lp_current = False
+        self.access.propagate()
+
+    @torch.no_grad()
+    def replay(self, vel: VelocityBuffers) -> None:
+        """After a checkpoint load in the middle of a run: the 16-bit copies from the loaded
+        masters, then the run's updates again, as they were made. Collective."""
+        self.access.lp_current = False
+        self.access.propagate()
+        if self.pending:
+            self._add_to_shards(vel, self.pending)   # element-wise: step by step or all at once is the same
+            self.access.gather_device_shards()
+
+    def state_dict(self) -> dict:
+        return {"pending": [list(c) for c in self.pending]}
+
+    def load_state_dict(self, sd: dict | None) -> None:
+        self.pending = [list(map(float, c)) for c in (sd or {}).get("pending", [])]
+
+
+def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool) -> bool:
+    """``memory.offload_predict``: ``device`` and ``host`` as said; ``auto`` is the device path
+    where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU)."""
+    return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
+
