@@ -27,6 +27,9 @@
 #                                                            -> OUT/memory-gpu-fp16.json
 #   mem1b    llama-1b on the 1b-16gb preset under a 16 GB allocator cap, plain and hybrid
 #                                                            -> OUT/memory-gpu-1b.json
+#   off1b    the same, the hybrid's host path (masters moved every Predict step, snapshots) against
+#            the device path (memory.offload_predict: device, fold_source: optimizer_state): step
+#            time per phase and the bookkeeping timers    -> OUT/offload-gpu-1b.json
 #
 # On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
 # ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
@@ -104,7 +107,13 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
         --gpu-mem-cap 16GB --variants full drift-int8 --out /tmp/mb1b --json /tmp/res/memory-gpu-1b.json
       rc=$?; cp /tmp/res/memory-gpu-1b.json /tmp/res/memory-gpu-1b-llama-1b-drift-int8.png "$OUT/"
       stage_rc mem1b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b)"; status=2 ;;
+    off1b)
+      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
+        --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device --out /tmp/off1b \
+        --json /tmp/res/offload-gpu-1b.json
+      rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
+      stage_rc off1b $rc "$t0" ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b)"; status=2 ;;
   esac
 done
 exit $status

@@ -22,6 +22,10 @@ DeepSpeed's). Per variant and seed:
   own final loss (under 1: it got there sooner than plain DeepSpeed could);
 * the frontier ratio at each bench target over the variant's budgets (``None``: not reached).
 
+The ``plain`` variant is plain DeepSpeed itself at budgets longer than the bench's: its runs join
+the committed plain DeepSpeed frontier that every variant is scored on (a longer schedule's
+curve can cross the full budget's final loss before its end).
+
     .venv/bin/python benchmarks/predict_sweep.py --json docs/results/predict-sweep.json
 
 Runs go to ``--out`` (default ``/tmp/predict-sweep``), made by the bench's own runner; a finished
@@ -32,6 +36,7 @@ depend on it: the runs are deterministic). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -42,18 +47,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid import frontier as fr  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of, profile_steps  # noqa: E402
+from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of, deep_merge, pretrained, profile_steps, resolve_data  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 # name -> (what it changes, the section it starts from: the bench's `predict` arm or the preset's
 # own, changes to that section, budgets)
 VARIANTS: dict[str, tuple[str, str, dict, tuple[float, ...]]] = {
     "predict": ("the bench's arm: 2 drift steps after every 4 real ones from step 50, scale <= 1", "predict", {},
-                (1.25, 1.375, 1.5)),
+                (1.25, 1.375, 1.5, 1.75, 2.0)),
     "scale-3": ("each predicted step goes up to 3x as far (step_scale 3, max_step_scale 3)", "predict",
                 {"predictor__step_scale": 3.0, "predictor__max_step_scale": 3.0}, (1.25, 1.5)),
     "dense": ("2 drift steps after every 2 real ones (half the steps predicted)", "predict", {"full_steps": 2},
               (1.5, 1.75)),
+    # Plain DeepSpeed at budgets longer than the bench's: the hybrid's arms run up to 2x the steps, so
+    # plain DeepSpeed gets them too; its rows join the committed frontier that every variant is scored on.
+    "plain": ("plain DeepSpeed (the bench's baseline: `hybrid_predict.enabled: false`, its tuned LR) at longer "
+              "budgets, added to its frontier", "plain", {}, (1.125, 1.25, 1.375, 1.5)),
+    # The committed plain DeepSpeed run at the full budget, again: the same final loss says these runs
+    # start where the bench's did (the same pre-trained weights, data and code path).
+    "plain-check": ("plain DeepSpeed at the full budget, re-run: its final loss against the committed run's", "plain",
+                    {}, (1.0,)),
     "default": ("the preset's own section as shipped (the no-argument `ds-hybrid train`): a Predict run after every "
                 "48 real steps", "preset", {}, (1.0,)),
     "default-every-24": ("the same with a run after every 24 real steps (the preset until 2026-11-24, which the "
@@ -61,9 +74,11 @@ VARIANTS: dict[str, tuple[str, str, dict, tuple[float, ...]]] = {
 }
 
 
-def section_of(name: str, preset: dict) -> dict:
-    """A variant's ``hybrid_predict`` section."""
+def section_of(name: str, preset: dict) -> dict | None:
+    """A variant's ``hybrid_predict`` section (``None``: plain DeepSpeed)."""
     _, base, changes, _ = VARIANTS[name]
+    if base == "plain":
+        return None
     return _with(ARMS["predict"].hybrid if base == "predict" else preset["hybrid_predict"], **changes)
 
 
@@ -80,7 +95,9 @@ def score(row: dict, profile: dict) -> dict:
 
 def analyse(runs: dict, result: dict) -> dict:
     """Per variant: per seed, each budget's run and the frontier ratios; over seeds, mean and spread."""
-    base = {seed: list(by_b.values()) for seed, by_b in result["runs"]["baseline"].items()}
+    # Plain DeepSpeed's frontier: the committed runs, and this sweep's longer plain runs if any.
+    base = {seed: list(by_b.values()) + list(runs.get("plain", {}).get(seed, {}).values())
+            for seed, by_b in result["runs"]["baseline"].items()}
     plain_full = {seed: by_b["1"]["eq_curve"][-1][0] for seed, by_b in result["runs"]["baseline"].items()}
     targets = result["analysis"]["targets"]
     out = {}
@@ -144,7 +161,9 @@ def _below(d: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--result", default=str(ROOT / "docs/results/cpu-small.json"),
-                   help="the cpu-small bench result whose plain DeepSpeed frontier, targets and profile score the runs")
+                   help="the bench result whose plain DeepSpeed frontier, targets and profile score the runs (any "
+                        "CPU suite: the runs take its suite, model, data and pre-trained start)")
+    p.add_argument("--cache", default="runs/bench/cache", help="where the bench keeps pre-trained weights")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--out", default="/tmp/predict-sweep")
@@ -153,29 +172,44 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reprofile", action="store_true",
                    help="profile the step kinds now, with this tree's code, and cost the runs with that profile "
                         "instead of --result's (plain DeepSpeed's steps cost 1 in either; run it on a quiet machine)")
+    p.add_argument("--profile", default=None,
+                   help="cost the runs with the profile of an earlier sweep's JSON made with --reprofile")
     a = p.parse_args(argv)
     result = json.loads(Path(a.result).read_text())
-    if result["suite"]["name"] != "cpu-small" or result.get("quick"):
-        raise SystemExit(f"--result: {a.result} is not a full cpu-small bench result")
+    if result["suite"]["name"] not in SUITES or SUITES[result["suite"]["name"]].needs_gpu or result.get("quick"):
+        raise SystemExit(f"--result: {a.result} is not a full CPU bench result")
     missing = [s for s in a.seeds if str(s) not in result["analysis"]["targets"]]
     if missing:
         raise SystemExit(f"--seeds: {missing} not in {a.result}'s seeds {sorted(result['analysis']['targets'])}")
-    preset, _ = resolve_config(result["suite"]["config"])
+    # The result's suite as it ran (its model), its corpus and its pre-trained start (rebuilt
+    # into --cache if missing: plain DeepSpeed from seed 0, the same weights).
+    suite = dataclasses.replace(SUITES[result["suite"]["name"]], model=result["suite"]["model"])
+    preset, _ = resolve_config(suite.config)
+    preset = deep_merge(preset, suite.overrides)
     lr, steps = float(result["best_lr"]), int(result["suite"]["steps"])
+    data = resolve_data(suite.data)
+    init = pretrained(suite, preset, Path(a.cache), live=False)
     # The bench's own runner: the same arguments as its runs, and --reuse's check of a finished run.
-    runner = Runner(SUITES["cpu-small"], Path(a.out), None, None, live=False, reuse=True)
+    runner = Runner(suite, Path(a.out), data, init, live=False, reuse=True)
     profile = result["profile"]
     if a.reprofile:   # before any run starts: the machine is quiet
         print("profiling the step kinds ...", flush=True)
-        profile = profile_steps(SUITES["cpu-small"], lr, None, None)
+        profile = profile_steps(suite, lr, data, init)
         print("step costs:", {k: round(v, 4) for k, v in profile["cost"].items()}, flush=True)
+    elif a.profile:
+        profile = json.loads(Path(a.profile).read_text())["profile"]
+        if not isinstance(profile, dict):
+            raise SystemExit(f"--profile: {a.profile} has no profile of its own (it was made without --reprofile)")
     todo = []
     for name in a.variants:
-        cfg = dict(json.loads(json.dumps(preset)), hybrid_predict=section_of(name, preset))
+        section = section_of(name, preset)
+        # plain DeepSpeed: the preset as the bench's baseline arm runs it (`--baseline`)
+        cfg = dict(json.loads(json.dumps(preset)), **({} if section is None else {"hybrid_predict": section}))
         for seed in a.seeds:
             for b in VARIANTS[name][3]:
                 label = f"{name}-b{b:g}-s{seed}"
-                todo.append(Run(label, name, seed, lr, b, cfg, Path(a.out) / label, int(round(steps * b)), False))
+                todo.append(Run(label, name, seed, lr, b, cfg, Path(a.out) / label, int(round(steps * b)),
+                                section is None))
     runner.total = len(todo)
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # runs side by side on 2 cores: one thread each
     with ThreadPoolExecutor(max_workers=max(a.jobs, 1)) as pool:
@@ -184,6 +218,10 @@ def main(argv: list[str] | None = None) -> dict:
     for run, row in zip(todo, rows):
         runs.setdefault(run.arm, {}).setdefault(str(run.seed), {})[f"{run.budget:g}"] = score(row, profile)
     analysis = analyse(runs, result)
+    for seed, by_b in runs.get("plain-check", {}).items():
+        committed = result["runs"]["baseline"][seed]["1"]["final_val_loss"]
+        analysis["plain-check"]["per_seed"][seed]["committed_final_val_loss"] = committed
+        print(f"plain-check seed {seed}: final val loss {by_b['1']['final_val_loss']!r}, committed {committed!r}")
     print(table(analysis))
     if a.json:
         Path(a.json).write_text(json.dumps({"command": "benchmarks/predict_sweep.py " + " ".join(argv or sys.argv[1:]),

@@ -217,7 +217,7 @@ def test_quick_bench_end_to_end(tmp_path):
     # The sweep is extended while its best is at an edge (at most twice).
     assert len(sweep) == 4 or sweep[0] < saved["best_lr_multiplier"] < sweep[-1]
     runs = saved["runs"]
-    assert set(runs["baseline"]["1"]) == {"0.75", "1"} and set(runs["predict"]["2"]) == {"1", "1.25"}
+    assert set(runs["baseline"]["1"]) == {"0.75", "1", "1.25"} and set(runs["predict"]["2"]) == {"1", "1.25"}
     assert set(runs["default"]["1"]) == {"1"}
     for arm in ("predict", "groups", "default"):
         assert set(saved["analysis"]["arms"][arm]["per_seed"]) == {"1", "2"}

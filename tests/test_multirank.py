@@ -83,10 +83,19 @@ def test_device_side_predict_under_offload_agrees_with_the_host_path(stage, tmp_
     host path, and every rank of both ends with the same weights. Rank 1's spike at the second
     check of a run rolls it back on both ranks."""
     runs = {}
-    for where in ("host", "device"):
+    for where in ("host", "device"):   # both fold the velocity from the pre-step copy: comparable bit for bit
         (tmp_path / where).mkdir()
         runs[where] = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
                                                         "--offload-predict", where], 2, tmp_path / where)
+    # The device path as it ships (the fold read back from the Adam state): its ranks agree with each other.
+    (tmp_path / "auto").mkdir()
+    auto = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults", "--offload-predict",
+                                             "device", "--fold-source", "auto"], 2, tmp_path / "auto")
+    assert auto[0]["statistics"]["fold_source"] == "optimizer_state" and auto[0]["statistics"]["snapshot_bytes"] == 0
+    assert [s["phase"] for s in auto[1]["record"]] == [s["phase"] for s in auto[0]["record"]]
+    assert [s["loss"] for s in auto[1]["record"]] == [s["loss"] for s in auto[0]["record"]]
+    assert auto[0]["weights_sha256"] == auto[1]["weights_sha256"]
+    assert auto[0]["statistics"]["predict_accepted"] > 0
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
     host0 = runs["host"][0]["record"]
     for where, ranks in runs.items():

@@ -212,3 +212,23 @@ def test_cpu_estimate_is_within_20_percent_of_a_measured_run(tmp_path):
     (row,) = pl.validate_cpu(["gpt2-tiny"], steps=4, seq_len=128, micro_batch=8, out_dir=tmp_path)
     assert 0.8 <= row["ratio"] <= 1.2, row
     assert row["measured_bytes"] > 50 * 2 ** 20
+
+
+def test_device_side_predict_drops_the_host_snapshot_and_adds_a_gpu_velocity_copy():
+    """Under offload_optimizer on a GPU the offload presets take the device path
+    (memory.offload_predict auto) with the fold read back from the optimizer state: no fp32
+    snapshot in host memory, and the int8 velocity's copy beside the 16-bit shards on the GPU.
+    On the CPU accelerator (host path) and with fold_source: snapshot the snapshot stays."""
+    import dataclasses
+    shape = pl.model_shape("llama-1b")
+    (one,) = pl.load_presets(["1b-16gb"])
+    gpu = pl.estimate(shape, one, accelerator="cuda")
+    names = [i.what for i in gpu.items]
+    assert gpu.snapshot_bytes == 0 and not any("snapshot" in n for n in names)
+    copy = [i for i in gpu.items if "copy beside the 16-bit shards" in i.what]
+    host_v = [i for i in gpu.items if i.what.startswith("drift velocity (")]
+    assert len(copy) == 1 and copy[0].where == "gpu" and copy[0].bytes == pytest.approx(host_v[0].bytes)
+    cpu = pl.estimate(shape, one, accelerator="cpu")
+    assert cpu.snapshot_bytes > 0 and not any("copy beside" in i.what for i in cpu.items)
+    kept = pl.estimate(shape, dataclasses.replace(one, fold_source="snapshot"), accelerator="cuda")
+    assert kept.snapshot_bytes == cpu.snapshot_bytes and kept.cpu_bytes > gpu.cpu_bytes

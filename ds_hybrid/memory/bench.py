@@ -66,6 +66,14 @@ VARIANTS: dict[str, dict | None] = {
     "drift-int8-park-ds": {"predictor": {"direction": "drift"},
                            "memory": {"velocity_dtype": "int8", "park_optimizer_states": True,
                                       "park_overlap": False}},
+    # Under offload_optimizer: the host path (masters moved every Predict step, a snapshot of them
+    # for each run and before each real step) against the device path (the 16-bit shards moved,
+    # the masters caught up once per kept run, the fold read back from the Adam state: no copy).
+    "drift-int8-host": {"predictor": {"direction": "drift"},
+                        "memory": {"velocity_dtype": "int8", "offload_predict": "host", "fold_source": "snapshot"}},
+    "drift-int8-device": {"predictor": {"direction": "drift"},
+                          "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                     "fold_source": "optimizer_state"}},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

@@ -158,6 +158,22 @@ class PresetSpec:
     snapshot_device: str
     path: str = ""
     velocity_bytes_per_value: float = 0.0  # direction drift: 4 / 2 / ~1 bytes per parameter of the partition
+    offload_predict: str = "auto"     # hybrid_predict.memory.offload_predict
+    fold_source: str = "auto"         # hybrid_predict.memory.fold_source
+
+    def device_predict(self, accelerator: str) -> bool:
+        """Whether Predict steps take the device path (``engine._make_device_predict``'s rule)."""
+        masters_on_cpu = self.offload_optimizer != "none"
+        return bool(self.velocity_bytes_per_value) and self.stage >= 1 and (
+            self.offload_predict == "device"
+            or (self.offload_predict == "auto" and masters_on_cpu and accelerator != "cpu"))
+
+    def snapshot_kept(self, accelerator: str) -> bool:
+        """Whether the engine keeps an fp32 copy of the masters: not on the device path with the
+        fold read back from the optimizer state (``engine._resolve_fold_source``)."""
+        device = self.device_predict(accelerator)
+        from_state = self.fold_source == "optimizer_state" or (self.fold_source == "auto" and device)
+        return not (device and from_state)
 
     @property
     def speed_rank(self) -> tuple:
@@ -208,7 +224,8 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         optimizer_buffer_count=int(zero.offload_optimizer.buffer_count) if zero.offload_optimizer else 0,
         hybrid_enabled=bool(hybrid.enabled), snapshot_device=str(hybrid.snapshot_device), path=path,
         velocity_bytes_per_value=(VELOCITY_BYTES[hybrid.memory.velocity_dtype]
-                                  if hybrid.enabled and hybrid.predictor.direction == "drift" else 0.0))
+                                  if hybrid.enabled and hybrid.predictor.direction == "drift" else 0.0),
+        offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source)
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -440,13 +457,19 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
         part = 4 * P / (W if preset.stage >= 1 else 1)
         masters_on_cpu = preset.offload_optimizer != "none"
         snap_where = "cpu" if (accelerator == "cpu" or preset.snapshot_device == "cpu" or masters_on_cpu) else "gpu"
-        snap = part * (gpus if snap_where == "cpu" and accelerator != "cpu" else 1)
-        items.append(Item(snap_where, "rollback snapshot (fp32 master partition)", snap))
+        if preset.snapshot_kept(accelerator):
+            snap = part * (gpus if snap_where == "cpu" and accelerator != "cpu" else 1)
+            items.append(Item(snap_where, "rollback snapshot (fp32 master partition)", snap))
+        else:
+            snap_where = "-"   # device-side Predict, fold from the optimizer state: no copy of the masters
         if preset.velocity_bytes_per_value:
             # The drift velocity lives beside the masters (host memory under offload_optimizer).
             vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
             vel = preset.velocity_bytes_per_value * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
             items.append(Item(vel_where, "drift velocity (hybrid_predict.memory.velocity_dtype)", vel))
+            if preset.device_predict(accelerator) and vel_where == "cpu" and accelerator != "cpu":
+                items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
+                                  preset.velocity_bytes_per_value * part / 4))
         items.append(Item(dev, "predictor", PREDICTOR_BYTES))
 
     if accelerator == "cpu":
