@@ -65,7 +65,8 @@ class DevicePredict:
         # Per Predict step of the pending run: scale x LR of each layer group.
         self.pending: list[list[float]] = []
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
-        self._uploaded = -1   # vel.updates when the device copy was made
+        self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
+        self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
 
     def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -74,9 +75,11 @@ class DevicePredict:
         if self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers):
             return self._velocity
         out: list[CompactBuffer | None] = []
+        copies: list[bool] = []
         for i, buf in enumerate(vel.buffers):
             shard = self.access.device_shard(i) if buf is not None else None
-            if buf is None or shard is None or shard.device == buf.device:
+            copies.append(not (buf is None or shard is None or shard.device == buf.device))
+            if not copies[-1]:
                 out.append(buf)
                 continue
             old = self._velocity[i] if i < len(self._velocity) else None
@@ -86,12 +89,12 @@ class DevicePredict:
             if buf.dtype == "int8":
                 dev.scale.copy_(buf.scale, non_blocking=True)
             out.append(dev)
-        self._velocity, self._uploaded = out, vel.updates
+        self._velocity, self._copies, self._uploaded = out, copies, vel.updates
         return out
 
     def device_bytes(self) -> int:
         """Bytes of velocity copies this path keeps beside the 16-bit shards."""
-        return sum(b.nbytes() for b in self._velocity if b is not None)
+        return sum(b.nbytes() for b, copy in zip(self._velocity, self._copies) if copy)
 
     def coefficients(self, scales: "float | Sequence[float]") -> list[float]:
         n = self.access.num_groups()
@@ -171,6 +174,7 @@ class DevicePredict:
 
     def load_state_dict(self, sd: dict | None) -> None:
         self.pending = [list(map(float, c)) for c in (sd or {}).get("pending", [])]
+        self._uploaded = -1   # the velocity was loaded too: upload it again before the next use
 
 
 def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool) -> bool:

@@ -230,3 +230,36 @@ def test_device_path_keeps_no_fp32_copy_of_the_masters(stage):
     st = eng.statistics()
     assert st["fold_source"] == "optimizer_state" and phases.count("predict") >= 4 and st["predict_accepted"] >= 4
     assert st["velocity_bytes"] > 0
+    assert st["device_velocity_bytes"] == 0   # on the CPU accelerator the shards sit beside the host velocity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
+    """On a GPU with offload_optimizer: cpu and bf16 weights: offload_predict auto takes the device
+    path, the velocity is copied beside the GPU shards, the GPU weights move while the host
+    masters do not, and the commit adds each step's coef * v to them in order (the host path's
+    arithmetic). (Compared with a replay, not with a second engine: CUDA backwards need not be
+    bit-reproducible between two engines.)"""
+    dev = make_engine(ds_config(offload_opt="cpu", bf16=True, hybrid=_hybrid("auto"), **STAGES[stage]), seed=0)
+    assert dev.statistics()["offload_predict"] == "device"
+    b = Batches(seed=3, device=dev.device)
+    while dev.controller.phase.value != "predict":
+        dev.train_step(b.step())
+    masters, weights = master_copies(dev), full_params(dev)
+    while dev.controller.phase.value == "predict":
+        dev.train_step(b.step())
+    assert all(torch.equal(a, m) for a, m in zip(masters, master_copies(dev)))
+    assert any(not torch.equal(a, w) for a, w in zip(weights, full_params(dev)))
+    assert dev.statistics()["device_velocity_bytes"] > 0
+    run = dev._device_predict.pending
+    expected = []
+    for m, gi, buf in zip(masters, dev._masters.group_indices(), dev._velocity.buffers):
+        m = m.view(-1).clone()
+        for coefs in run:
+            m.add_(buf.load(), alpha=coefs[gi])
+        expected.append(m)
+    dev._device_predict.commit(dev._velocity)
+    for e, m in zip(expected, master_copies(dev)):
+        assert torch.equal(e, m.view(-1))
