@@ -10,10 +10,14 @@ data and config, round robin in one process (a slow stretch of the machine lands
 * ``guard-previous``: the same engine with the guard's earlier hook (``~isfinite(grad).all()`` per gradient, or-ed
   into a flag), which every bench figure before 2026-11-24 was measured with, the baseline's included;
 * ``no-guard``: the same engine with the guard's hooks taken off (what the rest of ``train_step`` costs);
+* ``direct``: the same engine with the guard as shipped, driven as DeepSpeed's own is (``engine(**batch).loss;
+  backward; step``) instead of through ``train_step``: what the wrapper's Python around the step costs;
 * ``deepspeed``: ``deepspeed.initialize``'s engine (no ds_hybrid code), ``engine(**batch).loss; backward; step``.
   A second engine holds its own copy of the model and optimizer state, placed elsewhere in memory; on this machine
   that alone moves a step's time by a few %, so only the first three, which swap guards on one engine, compare
-  closely.
+  closely;
+* ``deepspeed-2``: a second ``deepspeed.initialize`` engine, identical to the first: how far two identical engines'
+  steps differ by where they sit in memory alone.
 
     .venv/bin/python benchmarks/guard_cost.py --json docs/results/guard-cost.json
 
@@ -37,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid import engine as E  # noqa: E402
 
-VARIANTS = ("guard", "guard-previous", "no-guard", "deepspeed")
+VARIANTS = ("guard", "guard-previous", "no-guard", "direct", "deepspeed", "deepspeed-2")
 
 
 class PreviousGuard(E._NonFiniteGuard):
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ours = build(initialize, cfg)
     plain = build(deepspeed.initialize, plain_cfg)
+    plain2 = build(deepspeed.initialize, plain_cfg)
     def use(name: str) -> None:
         """Put the variant's guard on the one hybrid-off engine."""
         ours._guard.remove()
@@ -103,10 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [next(stream) for _ in range(args.steps)]
 
     def step(name: str, batch: dict) -> None:
-        if name == "deepspeed":
-            loss = plain(**batch).loss
-            plain.backward(loss)
-            plain.step()
+        if name in ("deepspeed", "deepspeed-2", "direct"):
+            eng = {"deepspeed": plain, "deepspeed-2": plain2, "direct": ours}[name]
+            loss = eng(**batch).loss
+            eng.backward(loss)
+            eng.step()
             loss.item()
         else:
             ours.train_step([batch])
@@ -115,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds + 2):
         order = VARIANTS if r % 2 else VARIANTS[::-1]
         for name in order:
-            if name != "deepspeed":
-                use(name)
+            if name not in ("deepspeed", "deepspeed-2"):
+                use("guard" if name == "direct" else name)
             t0 = time.perf_counter()
             for b in batches:
                 step(name, b)
