@@ -187,6 +187,19 @@ class DynamicsConfig(_Section):
     ``auto`` (``cuda`` when a GPU is present). Decisions are broadcast from rank 0 either way."""
 
 
+def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool) -> bool:
+    """``memory.offload_predict``: ``device`` and ``host`` as said; ``auto`` is the device path
+    where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU). (The
+    engine then checks the setup can take it; the planner estimates with the same rule.)"""
+    return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
+
+
+def fold_from_optimizer_state(setting: str, device_path: bool) -> bool:
+    """``memory.fold_source``: whether real steps read their update back from the Adam state
+    (``auto``: with the device-side Predict path). The engine also refuses it under amsgrad."""
+    return setting == "optimizer_state" or (setting == "auto" and device_path)
+
+
 class MemoryConfig(_Section):
     """Phase-aware memory: what the Predict phase keeps, where and in which precision."""
 

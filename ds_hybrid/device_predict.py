@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from .quant import CompactBuffer, scratch
-from .zero_access import MasterAccess, VelocityBuffers, _flat
+from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
 
 
 def unsupported(access: MasterAccess, direction: str) -> str | None:
@@ -97,9 +97,7 @@ class DevicePredict:
         return sum(b.nbytes() for b, copy in zip(self._velocity, self._copies) if copy)
 
     def coefficients(self, scales: "float | Sequence[float]") -> list[float]:
-        n = self.access.num_groups()
-        lrs = [float(g["lr"]) for g in self.access.base.param_groups]
-        return [float(scales if isinstance(scales, (int, float)) else scales[g]) * lrs[g] for g in range(n)]
+        return [_scale_of(scales, gi) * float(g["lr"]) for gi, g in enumerate(self.access.base.param_groups)]
 
     @torch.no_grad()
     def apply(self, vel: VelocityBuffers, scales: "float | Sequence[float]") -> None:
@@ -175,10 +173,4 @@ class DevicePredict:
     def load_state_dict(self, sd: dict | None) -> None:
         self.pending = [list(map(float, c)) for c in (sd or {}).get("pending", [])]
         self._uploaded = -1   # the velocity was loaded too: upload it again before the next use
-
-
-def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool) -> bool:
-    """``memory.offload_predict``: ``device`` and ``host`` as said; ``auto`` is the device path
-    where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU)."""
-    return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
 

@@ -41,8 +41,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import checkpoint as ckpt
 from . import kernels
 from . import zero_access as za
-from .config import HybridPredictConfig, parse_hybrid_config
-from .device_predict import DevicePredict, offload_predict_on_device
+from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
+from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .dist_env import ensure_distributed_env
 from .dynamics.batchstats import BatchDifficulty
@@ -215,8 +215,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._device_predict = self._make_device_predict()
         self._fold_from_state = self._resolve_fold_source()
         if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
-            self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda
-                                        for i in range(len(self._masters.group_indices())))
+            self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
         if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and self._device_predict is None:
             # Measured (README, "GPU memory per phase"): with the masters in host memory every
             # Predict step and every real step's bookkeeping runs on the host copies.
@@ -1108,7 +1107,7 @@ class PredictiveEngine(DeepSpeedEngine):
         """``memory.fold_source``: True where real steps read their update back from the Adam
         state instead of a pre-step copy of the masters."""
         setting = self.hybrid_config.memory.fold_source
-        if setting == "snapshot" or (setting == "auto" and self._device_predict is None):
+        if not fold_from_optimizer_state(setting, self._device_predict is not None):
             return False
         amsgrad = any(g.get("amsgrad") for g in self._masters.base.param_groups)
         if amsgrad and setting == "optimizer_state":

@@ -725,7 +725,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         # masters' device, read once per partition (not one sync per chunk on a GPU).
         # (_adam_direction_chunks works in slots 0 and 1.)
         slots = (2, 3) if from_state else (0, 1)
-        d_work, v_work = scratch(master.device, slots[0], master.numel()), scratch(master.device, slots[1], master.numel())
+        d_work, v_work = (scratch(master.device, k, master.numel()) for k in slots)
         if from_state:
             directions = _adam_direction_chunks(part)
             wd = float(part.group.get("weight_decay", 0.0) or 0.0) if access.decoupled_decay else 0.0

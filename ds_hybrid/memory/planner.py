@@ -162,18 +162,19 @@ class PresetSpec:
     fold_source: str = "auto"         # hybrid_predict.memory.fold_source
 
     def device_predict(self, accelerator: str) -> bool:
-        """Whether Predict steps take the device path (``engine._make_device_predict``'s rule)."""
-        masters_on_cpu = self.offload_optimizer != "none"
-        return bool(self.velocity_bytes_per_value) and self.stage >= 1 and (
-            self.offload_predict == "device"
-            or (self.offload_predict == "auto" and masters_on_cpu and accelerator != "cpu"))
+        """Whether Predict steps take the device path (the engine's rule; it needs the drift
+        velocity and ZeRO 1-3)."""
+        from ..config import offload_predict_on_device
+        beside = self.offload_optimizer != "none" and accelerator != "cpu"
+        return bool(self.velocity_bytes_per_value) and self.stage >= 1 and \
+            offload_predict_on_device(self.offload_predict, beside)
 
     def snapshot_kept(self, accelerator: str) -> bool:
         """Whether the engine keeps an fp32 copy of the masters: not on the device path with the
-        fold read back from the optimizer state (``engine._resolve_fold_source``)."""
+        fold read back from the optimizer state."""
+        from ..config import fold_from_optimizer_state
         device = self.device_predict(accelerator)
-        from_state = self.fold_source == "optimizer_state" or (self.fold_source == "auto" and device)
-        return not (device and from_state)
+        return not (device and fold_from_optimizer_state(self.fold_source, device))
 
     @property
     def speed_rank(self) -> tuple:
