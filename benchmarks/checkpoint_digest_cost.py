@@ -1,19 +1,26 @@
 """What the checkpoint's content digests cost: XXH3-64 taken while the files are written, against the whole save.
 
-Builds a model (default GPT-2 124M) under ZeRO 1 with AdamW on this machine's accelerator (CPU here), takes one
-optimizer step so the Adam state exists, saves one warm-up checkpoint (not counted), then ``--saves`` rounds of
-three saves each, in an order that rotates every round:
+Builds a model (default GPT-2 124M) under ZeRO ``--stage`` (default 1) with AdamW on this machine's accelerator
+(CPU here), takes one optimizer step so the Adam state exists, saves one warm-up checkpoint (not counted), then
+``--saves`` rounds of one save per variant, in an order that rotates every round:
 
 * ``xxh3``:   what ``save_checkpoint`` does: every file hashed (XXH3-64) while it is written (``HashingWriter``);
 * ``null``:   the same writes through the same writer, with a hasher that does nothing: the save without digests;
 * ``native``: DeepSpeed's own write (``torch.save`` to a path, torch's C++ file writer), no digests at all.
+
+The cost of the digests is each round's ``xxh3`` save over the same round's ``null`` save (paired by round, so a
+slow stretch of the machine hits both), minus 1.
 
 Each save is timed whole and in parts: DeepSpeed's save (its files), the rank file, the read-back of any file not
 hashed while written, ``write_manifest`` (fsync of every file, then the manifest) and ``publish`` (renames,
 ``latest``); for ``xxh3`` also the time spent inside the hasher. After each ``xxh3`` save the load's check of every
 file (``verify_files``) is timed with and without the digests. Every save's folder is removed after it.
 
-    .venv/bin/python benchmarks/checkpoint_digest_cost.py --json docs/results/checkpoint-digest-cost.json
+    .venv/bin/python benchmarks/checkpoint_digest_cost.py --saves 8 --json docs/results/checkpoint-digest-cost.json
+    .venv/bin/python benchmarks/checkpoint_digest_cost.py --model llama-1b --stage 0 --saves 3 \
+        --json docs/results/checkpoint-digest-cost-1b.json
+
+(The 1B model in fp32 under ZeRO 0 fits 24 GB of host memory: 4.4 GB of weights and 8.8 GB of Adam state.)
 
 Prints a table and writes JSON.
 """
@@ -59,6 +66,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-124m")
     p.add_argument("--saves", type=int, default=3, help="rounds (each: one save of every variant)")
+    p.add_argument("--stage", type=int, default=1, help="ZeRO stage")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the model's own)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length of the one training step")
     p.add_argument("--dir", type=Path, default=None, help="where to save (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -72,13 +82,17 @@ def main() -> None:
     ensure_distributed_env()
     quiet_logs(False)
     torch.manual_seed(0)
-    model = build_model(args.model, vocab_size=256, seq_len=128)
+    model = build_model(args.model, vocab_size=args.vocab, seq_len=args.seq)
+    vocab = model.config.vocab_size
+    n_params = sum(p.numel() for p in model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+           "zero_optimization": {"stage": args.stage}, "steps_per_print": 10**9}
     engine, *_ = ds_hybrid.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    x = torch.randint(0, 256, (1, 128), device=engine.device)
+    x = torch.randint(0, vocab, (1, args.seq), device=engine.device)
     engine.backward(engine(input_ids=x, labels=x).loss)
     engine.step()
+    for p_ in model.parameters():   # the gradients are not saved: free them (the 1B model then fits host memory)
+        p_.grad = None
 
     spent: dict[str, float] = {}
 
@@ -125,14 +139,15 @@ def main() -> None:
 
     def use(variant: str) -> None:
         vars(ce).pop("save", None)
-        ckpt.new_hasher = {"xxh3": TimedHasher, "null": NullHasher, "native": NullHasher}[variant]
+        ckpt.new_hasher = TimedHasher if variant == "xxh3" else NullHasher
         ckpt.digest_file = timed("read_back_s", real_digest_file if variant == "xxh3" else
                                  (lambda path: "0" * 16))
         if variant == "native":   # the engine's own save: an instance attribute, so not replaced by ours
             ce.save = ce.save
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="digest-cost-"))
-    order = [("warm-up", "native")] + [(i, VARIANTS[(j + i) % 3]) for i in range(args.saves) for j in range(3)]
+    k = len(VARIANTS)
+    order = [("warm-up", "native")] + [(i, VARIANTS[(j + i) % k]) for i in range(args.saves) for j in range(k)]
     rows = []
     for n, (round_, variant) in enumerate(order):
         use(variant)
@@ -165,17 +180,22 @@ def main() -> None:
     for v in VARIANTS:
         s = [r["save_s"] for r in counted if r["variant"] == v]
         summary[v] = {"saves": len(s), "save_mean_s": statistics.mean(s), "save_min_s": min(s), "save_max_s": max(s)}
+    by_round = {(r["round"], r["variant"]): r for r in counted}
     hashed = [r for r in counted if r["variant"] == "xxh3"]
+    # each round's save with the digests over the same round's save without (paired: a slow stretch hits both)
+    paired = [r["save_s"] / by_round[(r["round"], "null")]["save_s"] - 1 for r in hashed]
     summary["xxh3"].update(
         hash_mean_s=statistics.mean(r["hash_s"] for r in hashed),
         read_back_mean_s=statistics.mean(r["read_back_s"] for r in hashed),
         # the time inside the hasher over the same save's whole time, per save
-        hash_share_of_save_max=max(r["hash_s"] / r["save_s"] for r in hashed),
         hash_share_of_save_mean=statistics.mean(r["hash_s"] / r["save_s"] for r in hashed),
+        hash_share_of_save_max=max(r["hash_s"] / r["save_s"] for r in hashed),
+        vs_null_mean=statistics.mean(paired), vs_null_min=min(paired), vs_null_max=max(paired),
+        vs_null_sd=statistics.stdev(paired) if len(paired) > 1 else 0.0,
+        # the standard error of the mean: the paired cost is known to about twice this
+        vs_null_se=statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else 0.0,
         load_check_mean_s=statistics.mean(r["load_check_s"] for r in hashed),
         load_check_without_digests_mean_s=statistics.mean(r["load_check_without_digests_s"] for r in hashed))
-    # the same writes without hashing: the difference of the means (noisy: saves vary between runs)
-    summary["xxh3_minus_null_mean_s"] = summary["xxh3"]["save_mean_s"] - summary["null"]["save_mean_s"]
 
     print("| save | round | variant | GB | save s | DeepSpeed write s | rank file s | read-back s | fsync+manifest s "
           "| publish s | in the hasher s | dirty MB before | load check s (without digests) |")
@@ -189,11 +209,15 @@ def main() -> None:
         print(f"{v}: mean save {s['save_mean_s']:.2f} s ({s['save_min_s']:.2f}-{s['save_max_s']:.2f}, {s['saves']} saves)")
     h = summary["xxh3"]
     print(f"xxh3: {h['hash_mean_s']:.3f} s in the hasher per save, {100 * h['hash_share_of_save_mean']:.1f}% of the "
-          f"save (at most {100 * h['hash_share_of_save_max']:.1f}%); read back at save time {h['read_back_mean_s']:.3f} s;"
-          f" load check {h['load_check_mean_s']:.2f} s ({h['load_check_without_digests_mean_s']:.3f} s without)")
+          f"save (at most {100 * h['hash_share_of_save_max']:.1f}%); the save against the same round's null save "
+          f"{100 * h['vs_null_mean']:+.1f}% (standard error {100 * h['vs_null_se']:.1f}, sd {100 * h['vs_null_sd']:.1f}, "
+          f"{100 * h['vs_null_min']:+.1f} to {100 * h['vs_null_max']:+.1f}); read back at save time "
+          f"{h['read_back_mean_s']:.3f} s; load check {h['load_check_mean_s']:.2f} s "
+          f"({h['load_check_without_digests_mean_s']:.3f} s without)")
     if args.json:
         args.json.write_text(json.dumps({"command": "benchmarks/checkpoint_digest_cost.py " + " ".join(sys.argv[1:]),
-                                         "model": args.model, "device": str(engine.device), "digest": "xxh3_64",
+                                         "model": args.model, "parameters": n_params, "stage": args.stage,
+                                         "device": str(engine.device), "digest": "xxh3_64",
                                          "rows": rows, **summary}, indent=2))
         print(f"wrote {args.json}")
 
