@@ -151,7 +151,7 @@ def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t
               "complete": complete, "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - t0, 1),
               "threads": args.threads,
               "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
-                        "adam_scale": args.adam_scale, "drift_beta": 0.95, "starts": args.starts},
+                        "adam_scale": args.adam_scale, "drift_beta": args.drift_beta, "starts": args.starts},
               "rows": rows, "summary": summary, "table_markdown": table}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--directions", nargs="+", default=["adam", "drift", "skip"], choices=["adam", "drift", "skip"],
                    help="skip: the predicted steps move nothing (the same run with those steps skipped)")
     p.add_argument("--adam-scale", type=float, default=0.5, help="scale of the adam direction")
+    p.add_argument("--drift-beta", type=float, default=0.95,
+                   help="decay of the drift velocity (predictor.drift_beta; 0: the last real update)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--json", default=str(ROOT / "docs" / "results" / "direction-study.json"))
     args = p.parse_args(argv)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             full = train(seed, lr, args.steps, None, 0, 0, 0.0)
             for start in args.starts:
                 hybrids = [train(seed, lr, args.steps, d, args.F, args.H, args.adam_scale if d == "adam" else 1.0,
-                                 warm=start) for d in args.directions]
+                                 beta=args.drift_beta, warm=start) for d in args.directions]
                 real = hybrids[0]["real_steps"]
                 base = train(seed, lr, real, None, 0, 0, 0.0)
                 for h in hybrids:

@@ -299,3 +299,23 @@ def test_predict_sweep_scores_against_the_plain_frontier():
     both = sweep.analyse(runs, result)
     assert both["scale-3"]["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(80 / 70)
     assert both["plain"]["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(1.0)
+
+
+def test_the_stale_update_study_emulates_a_gradient_taken_behind_the_masters():
+    """benchmarks/stale_update_study.py: a gradient taken 0 updates behind is the synchronous step,
+    bit for bit; 1 behind is not; the last update, as a cover, moves the weights the gradient is
+    taken at towards the masters, and closer than the drift velocity does (which this early in
+    training, from a velocity of 30 updates, moves them further away)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "stale_update_study", Path(__file__).resolve().parent.parent / "benchmarks" / "stale_update_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sync = mod.train(1, 2e-3, 36, "sync", 0, 30)
+    assert mod.train(1, 2e-3, 36, "stale", 0, 30)["val_loss"] == sync["val_loss"]
+    behind = mod.train(1, 2e-3, 36, "stale", 1, 30)
+    assert behind["val_loss"] != sync["val_loss"] and behind["cover_residual_mean"] is None
+    drift = mod.train(1, 2e-3, 36, "cover", 1, 30)["cover_residual_mean"]
+    last = mod.train(1, 2e-3, 36, "cover-last", 1, 30)["cover_residual_mean"]
+    assert 0 < last < 1 and last < drift
