@@ -16,8 +16,8 @@ hashed while written, ``write_manifest`` (fsync of every file, then the manifest
 ``latest``); for ``xxh3`` also the time spent inside the hasher. After each ``xxh3`` save the load's check of every
 file (``verify_files``) is timed with and without the digests. Every save's folder is removed after it.
 
-    .venv/bin/python benchmarks/checkpoint_digest_cost.py --saves 8 --json docs/results/checkpoint-digest-cost.json
-    .venv/bin/python benchmarks/checkpoint_digest_cost.py --model llama-1b --stage 0 --saves 3 \
+    .venv/bin/python benchmarks/checkpoint_digest_cost.py --saves 30 --json docs/results/checkpoint-digest-cost.json
+    .venv/bin/python benchmarks/checkpoint_digest_cost.py --model llama-1b --stage 0 --saves 8 \
         --json docs/results/checkpoint-digest-cost-1b.json
 
 (The 1B model in fp32 under ZeRO 0 fits 24 GB of host memory: 4.4 GB of weights and 8.8 GB of Adam state.)

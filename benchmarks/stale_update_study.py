@@ -40,8 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from direction_study import add_flat, schedule, setup  # noqa: E402
 from ds_hybrid.data import val_batches  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @torch.no_grad()
 def set_flat(params: list, vec: torch.Tensor) -> None:
@@ -57,7 +55,7 @@ MODES = {"sync": None, "stale": None, "cover": 0.95, "cover-last": 0.0}   # mode
 
 def train(seed: int, lr: float, steps: int, mode: str, delay: int, start: int) -> dict:
     """One run. ``mode``: one of ``MODES`` (see the module docstring)."""
-    beta = MODES[mode] if MODES[mode] is not None else 0.95
+    beta = MODES[mode]   # None: no cover, so no velocity to keep
     model, params, opt, stream, val_data = setup(seed, lr)
     vb = val_batches(val_data, 128, 16, max_batches=16)
     lr_at = schedule(lr, steps)
@@ -73,12 +71,13 @@ def train(seed: int, lr: float, steps: int, mode: str, delay: int, start: int) -
             g["lr"] = lr_t
         now = flat()
         masters.append(now)
-        velocities.append(None if vel is None else vel.clone())
+        if beta is not None:
+            velocities.append(None if vel is None else vel.clone())
         behind = mode != "sync" and t >= start and len(masters) == delay + 1
         if behind:
             # The GPU's weights: the masters without the last `delay` updates (still on the CPU).
             set_flat(params, masters[0])
-            if mode.startswith("cover") and velocities[0] is not None:
+            if beta is not None and velocities[0] is not None:
                 # what the GPU knows: the velocity as of those masters, one lr_j x v per missing step
                 missing = sum(lr_at(j) for j in range(t - delay, t))
                 add_flat(params, velocities[0], missing)
@@ -90,7 +89,7 @@ def train(seed: int, lr: float, steps: int, mode: str, delay: int, start: int) -
             set_flat(params, now)   # the gradient goes to the current masters
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if lr_t > 0:
+        if beta is not None and lr_t > 0:
             delta = (flat() - now) / lr_t
             vel = delta if vel is None else vel.mul_(beta).add_(delta, alpha=1 - beta)
     seconds = time.perf_counter() - t0
