@@ -17,8 +17,14 @@ costs nothing here), at each peak learning rate. Directions:
 * ``skip``: nothing moves; the same run with its predicted steps skipped (they still advance the
   schedule). The gap between a direction and ``skip`` is the progress its predicted steps made.
 
+A predicted step's worth is read on plain AdamW's own scale (``worth_of``): 0 if the run ends where
+plain AdamW with as many real steps does, 1 if it ends where plain AdamW with every step real does.
+``--batch`` sets the sequences per step (the preset's 16): a larger batch gives less noisy real
+updates, so a different drift velocity to extrapolate.
+
     .venv/bin/python benchmarks/direction_study.py --lrs 2e-3            # ~35 min on 2 cores
     .venv/bin/python benchmarks/direction_study.py --lrs 2e-3 --seeds 1 --starts 50 --json /tmp/d.json
+    .venv/bin/python benchmarks/direction_study.py --batch 64 --lrs 2e-3 4e-3 --seeds 1 --starts 50 --directions drift skip
 
 Prints a table and writes JSON (default ``docs/results/direction-study.json``).
 """
@@ -50,14 +56,15 @@ def schedule(lr: float, steps: int):
     return lr_at
 
 
-def setup(seed: int, lr: float):
-    """The preset's model, AdamW and training stream (seeded), and the validation split."""
+def setup(seed: int, lr: float, batch: int = 16):
+    """The preset's model, AdamW and training stream (seeded; ``batch`` sequences a step, the
+    preset's 16 unless told), and the validation split."""
     torch.manual_seed(seed)
     train_data, val_data = ByteDataset.load(None).split(0.05, 128)
     model = build_model("gpt2-tiny", vocab_size=256, seq_len=128)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    return model, params, opt, train_batches(train_data, 128, 16, seed), val_data
+    return model, params, opt, train_batches(train_data, 128, batch, seed), val_data
 
 
 @torch.no_grad()
@@ -71,9 +78,9 @@ def add_flat(params: list, vec: torch.Tensor, alpha: float) -> None:
 
 
 def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
-          beta: float = 0.95, warm: int = 50) -> dict:
+          beta: float = 0.95, warm: int = 50, batch: int = 16) -> dict:
     """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
-    model, params, opt, stream, val_data = setup(seed, lr)
+    model, params, opt, stream, val_data = setup(seed, lr, batch)
     vb = val_batches(val_data, 128, 16, max_batches=16)
     lr_at = schedule(lr, steps)
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
@@ -116,11 +123,22 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
             "scale": scale, "val_loss": val, "train_seconds": seconds}
 
 
+def worth_of(row: dict) -> float | None:
+    """What one predicted step of a run was worth in real steps: plain AdamW's real steps (on
+    their own schedule) to reach the run's loss, read linearly between the equal-compute run
+    (``real_steps``) and the full schedule (``steps``), less the run's real steps, per predicted
+    step. 0: as good as skipping them with the schedule shortened; 1: as good as real steps.
+    ``None`` where plain AdamW gained nothing from the extra steps (no scale to read it on)."""
+    span = row["equal_compute_val"] - row["full_schedule_val"]
+    return (row["equal_compute_val"] - row["val_loss"]) / span if span > 0 else None
+
+
 def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t0: float, complete: bool) -> dict:
     """Summary table over the rows so far; written to ``args.json`` when set."""
     lines = ["| peak lr | predicted from step | direction | predicted share | val loss | plain AdamW, same real "
-             "steps | gap (mean ± sd) | gap to skipping them (mean ± sd) | plain AdamW, all steps real |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "steps | gap (mean ± sd) | gap to skipping them (mean ± sd) | plain AdamW, all steps real | "
+             "a predicted step's worth in real steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     skipped = {(r["lr"], r["start"], r["seed"]): r["val_loss"] for r in rows if r["direction"] == "skip"}
     summary = []
     for lr in args.lrs:
@@ -140,17 +158,22 @@ def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t
                            if (lr, start, r["seed"]) in skipped]
                 agg["vs_skip_mean"] = statistics.mean(vs_skip) if vs_skip else None
                 agg["vs_skip_sd"] = statistics.stdev(vs_skip) if len(vs_skip) > 1 else 0.0
+                worth = [w for w in (worth_of(r) for r in rs) if w is not None]
+                agg["worth_mean"] = statistics.mean(worth) if worth else None
+                agg["worth_sd"] = statistics.stdev(worth) if len(worth) > 1 else 0.0
                 summary.append(agg)
                 lines.append(f"| {lr:g} | {start} | {d} | {agg['predicted_share']:.0%} | {agg['val']:.4f} | "
                              f"{agg['equal_compute_val']:.4f} | {agg['gap_mean']:+.4f} ± {agg['gap_sd']:.4f} | "
                              + ("-" if agg["vs_skip_mean"] is None or d == "skip" else
                                 f"{agg['vs_skip_mean']:+.4f} ± {agg['vs_skip_sd']:.4f}")
-                             + f" | {agg['full_schedule_val']:.4f} |")
+                             + f" | {agg['full_schedule_val']:.4f} | "
+                             + ("-" if agg["worth_mean"] is None else
+                                f"{agg['worth_mean']:.2f} ± {agg['worth_sd']:.2f}") + " |")
     table = "\n".join(lines)
     result = {"command": "benchmarks/direction_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "complete": complete, "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - t0, 1),
               "threads": args.threads,
-              "setup": {"model": "gpt2-tiny", "batch": "16 x 128", "steps": args.steps, "F": args.F, "H": args.H,
+              "setup": {"model": "gpt2-tiny", "batch": f"{args.batch} x 128", "steps": args.steps, "F": args.F, "H": args.H,
                         "adam_scale": args.adam_scale, "drift_beta": args.drift_beta, "starts": args.starts},
               "rows": rows, "summary": summary, "table_markdown": table}
     if args.json:
@@ -174,20 +197,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--adam-scale", type=float, default=0.5, help="scale of the adam direction")
     p.add_argument("--drift-beta", type=float, default=0.95,
                    help="decay of the drift velocity (predictor.drift_beta; 0: the last real update)")
+    p.add_argument("--batch", type=int, default=16,
+                   help="sequences per step (the preset's 16); a larger batch makes each real update less noisy")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--json", default=str(ROOT / "docs" / "results" / "direction-study.json"))
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error(f"--batch: sequences per step, at least 1 (got {args.batch})")
     torch.set_num_threads(args.threads)
     t0 = time.time()
     rows: list[dict] = []
     for lr in args.lrs:
         for seed in args.seeds:
-            full = train(seed, lr, args.steps, None, 0, 0, 0.0)
+            full = train(seed, lr, args.steps, None, 0, 0, 0.0, batch=args.batch)
             for start in args.starts:
                 hybrids = [train(seed, lr, args.steps, d, args.F, args.H, args.adam_scale if d == "adam" else 1.0,
-                                 beta=args.drift_beta, warm=start) for d in args.directions]
+                                 beta=args.drift_beta, warm=start, batch=args.batch) for d in args.directions]
                 real = hybrids[0]["real_steps"]
-                base = train(seed, lr, real, None, 0, 0, 0.0)
+                base = train(seed, lr, real, None, 0, 0, 0.0, batch=args.batch)
                 for h in hybrids:
                     rows.append({**h, "start": start, "equal_compute_val": base["val_loss"],
                                  "full_schedule_val": full["val_loss"], "gap": h["val_loss"] - base["val_loss"]})

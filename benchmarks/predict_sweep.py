@@ -31,7 +31,8 @@ curve can cross the full budget's final loss before its end).
 Runs go to ``--out`` (default ``/tmp/predict-sweep``), made by the bench's own runner; a finished
 run with the same config and arguments is reused (as ``ds-hybrid bench --reuse``). ``--jobs 2``
 runs two at a time with one thread each unless ``OMP_NUM_THREADS`` says otherwise (losses do not
-depend on it: the runs are deterministic). Prints a table and writes JSON.
+depend on it: the runs are deterministic). ``--budgets predict=1.25,1.5,2`` runs a variant at other
+budget fractions than its own. Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", default="runs/bench/cache", help="where the bench keeps pre-trained weights")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--budgets", nargs="+", default=[], metavar="VARIANT=B,B",
+                   help="run a variant at these budget fractions instead of its own (e.g. predict=1.25,1.5,2)")
     p.add_argument("--out", default="/tmp/predict-sweep")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the analysis here")
@@ -175,6 +178,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", default=None,
                    help="cost the runs with the profile of an earlier sweep's JSON made with --reprofile")
     a = p.parse_args(argv)
+    budgets = {name: budgets for name, (_, _, _, budgets) in VARIANTS.items()}
+    for item in a.budgets:
+        name, _, values = item.partition("=")
+        try:
+            budgets[name] = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            raise SystemExit(f"--budgets: {item!r} is not VARIANT=B,B,... with numeric fractions") from None
+        if name not in VARIANTS or not budgets[name] or not all(0 < b <= 4 for b in budgets[name]):
+            raise SystemExit(f"--budgets: {item!r} needs a variant of {list(VARIANTS)} and fractions in (0, 4]")
     result = json.loads(Path(a.result).read_text())
     if result["suite"]["name"] not in SUITES or SUITES[result["suite"]["name"]].needs_gpu or result.get("quick"):
         raise SystemExit(f"--result: {a.result} is not a full CPU bench result")
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         # plain DeepSpeed: the preset as the bench's baseline arm runs it (`--baseline`)
         cfg = dict(json.loads(json.dumps(preset)), **({} if section is None else {"hybrid_predict": section}))
         for seed in a.seeds:
-            for b in VARIANTS[name][3]:
+            for b in budgets[name]:
                 label = f"{name}-b{b:g}-s{seed}"
                 todo.append(Run(label, name, seed, lr, b, cfg, Path(a.out) / label, int(round(steps * b)),
                                 section is None))

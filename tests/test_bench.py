@@ -319,3 +319,33 @@ def test_the_stale_update_study_emulates_a_gradient_taken_behind_the_masters():
     drift = mod.train(1, 2e-3, 36, "cover", 1, 30)["cover_residual_mean"]
     last = mod.train(1, 2e-3, 36, "cover-last", 1, 30)["cover_residual_mean"]
     assert 0 < last < 1 and last < drift
+
+
+@pytest.mark.parametrize("bad", ["predict=", "predict=1.25,x", "nope=1.5", "plain=0,1.5"])
+def test_predict_sweep_rejects_bad_budgets_naming_the_flag(bad):
+    """`--budgets VARIANT=B,B`: a bad item stops before any run, naming the flag and the item."""
+    sweep = _predict_sweep()
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--budgets", bad, "--out", "/nonexistent/never-made"])
+    assert "--budgets" in str(e.value) and bad in str(e.value)
+
+
+def test_the_direction_study_reads_a_predicted_steps_worth_and_takes_a_batch():
+    """benchmarks/direction_study.py: a predicted step's worth is read on plain AdamW's own scale
+    (0 at the equal-compute run's loss, 1 at the full schedule's), and ``--batch`` sets the
+    sequences per step."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "direction_study", Path(__file__).resolve().parent.parent / "benchmarks" / "direction_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = {"equal_compute_val": 2.0, "full_schedule_val": 1.8}
+    assert mod.worth_of({**row, "val_loss": 2.0}) == 0.0
+    assert mod.worth_of({**row, "val_loss": 1.8}) == pytest.approx(1.0)
+    assert mod.worth_of({**row, "val_loss": 1.95}) == pytest.approx(0.25)
+    assert mod.worth_of({**row, "full_schedule_val": 2.0, "val_loss": 1.9}) is None
+    _, _, _, stream, _ = mod.setup(1, 2e-3, batch=4)
+    assert next(stream)["input_ids"].shape == (4, 128)
+    with pytest.raises(SystemExit):
+        mod.main(["--batch", "0", "--json", ""])
