@@ -17,8 +17,8 @@ costs nothing here), at each peak learning rate. Directions:
 * ``skip``: nothing moves; the same run with its predicted steps skipped (they still advance the
   schedule). The gap between a direction and ``skip`` is the progress its predicted steps made.
 
-A predicted step's worth is read on plain AdamW's own scale (``worth_of``): 0 if the run ends where
-plain AdamW with as many real steps does, 1 if it ends where plain AdamW with every step real does.
+A predicted step's worth (``worth_of``, with ``skip`` among the directions) is the share of the
+loss gap between skipping the predicted steps and making them real that they recover.
 ``--batch`` sets the sequences per step (the preset's 16): a larger batch gives less noisy real
 updates, so a different drift velocity to extrapolate.
 
@@ -123,21 +123,22 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
             "scale": scale, "val_loss": val, "train_seconds": seconds}
 
 
-def worth_of(row: dict) -> float | None:
-    """What one predicted step of a run was worth in real steps: plain AdamW's real steps (on
-    their own schedule) to reach the run's loss, read linearly between the equal-compute run
-    (``real_steps``) and the full schedule (``steps``), less the run's real steps, per predicted
-    step. 0: as good as skipping them with the schedule shortened; 1: as good as real steps.
-    ``None`` where plain AdamW gained nothing from the extra steps (no scale to read it on)."""
-    span = row["equal_compute_val"] - row["full_schedule_val"]
-    return (row["equal_compute_val"] - row["val_loss"]) / span if span > 0 else None
+def worth_of(row: dict, skipped_val: float | None) -> float | None:
+    """What the run's predicted steps recovered of the loss gap between skipping them (the same
+    run with its predicted steps moving nothing, ``skipped_val``) and making them real (plain
+    AdamW with every step real): 0 no better than skipping, 1 as good as real steps. ``None``
+    without a skip run, or where the real steps gained nothing over skipping (no scale)."""
+    if skipped_val is None:
+        return None
+    span = skipped_val - row["full_schedule_val"]
+    return (skipped_val - row["val_loss"]) / span if span > 0 else None
 
 
 def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t0: float, complete: bool) -> dict:
     """Summary table over the rows so far; written to ``args.json`` when set."""
     lines = ["| peak lr | predicted from step | direction | predicted share | val loss | plain AdamW, same real "
              "steps | gap (mean ± sd) | gap to skipping them (mean ± sd) | plain AdamW, all steps real | "
-             "a predicted step's worth in real steps |",
+             "worth: share of skipping's gap to real steps recovered |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     skipped = {(r["lr"], r["start"], r["seed"]): r["val_loss"] for r in rows if r["direction"] == "skip"}
     summary = []
@@ -158,7 +159,7 @@ def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], t
                            if (lr, start, r["seed"]) in skipped]
                 agg["vs_skip_mean"] = statistics.mean(vs_skip) if vs_skip else None
                 agg["vs_skip_sd"] = statistics.stdev(vs_skip) if len(vs_skip) > 1 else 0.0
-                worth = [w for w in (worth_of(r) for r in rs) if w is not None]
+                worth = [w for w in (worth_of(r, skipped.get((lr, start, r["seed"]))) for r in rs) if w is not None]
                 agg["worth_mean"] = statistics.mean(worth) if worth else None
                 agg["worth_sd"] = statistics.stdev(worth) if len(worth) > 1 else 0.0
                 summary.append(agg)

@@ -331,20 +331,21 @@ def test_predict_sweep_rejects_bad_budgets_naming_the_flag(bad):
 
 
 def test_the_direction_study_reads_a_predicted_steps_worth_and_takes_a_batch():
-    """benchmarks/direction_study.py: a predicted step's worth is read on plain AdamW's own scale
-    (0 at the equal-compute run's loss, 1 at the full schedule's), and ``--batch`` sets the
-    sequences per step."""
+    """benchmarks/direction_study.py: a predicted step's worth is the share of the gap between
+    skipping it and a real step that it recovers (0 at the skip run's loss, 1 at the full
+    schedule's), and ``--batch`` sets the sequences per step."""
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
         "direction_study", Path(__file__).resolve().parent.parent / "benchmarks" / "direction_study.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    row = {"equal_compute_val": 2.0, "full_schedule_val": 1.8}
-    assert mod.worth_of({**row, "val_loss": 2.0}) == 0.0
-    assert mod.worth_of({**row, "val_loss": 1.8}) == pytest.approx(1.0)
-    assert mod.worth_of({**row, "val_loss": 1.95}) == pytest.approx(0.25)
-    assert mod.worth_of({**row, "full_schedule_val": 2.0, "val_loss": 1.9}) is None
+    row = {"full_schedule_val": 1.8}
+    assert mod.worth_of({**row, "val_loss": 2.0}, 2.0) == 0.0
+    assert mod.worth_of({**row, "val_loss": 1.8}, 2.0) == pytest.approx(1.0)
+    assert mod.worth_of({**row, "val_loss": 1.95}, 2.0) == pytest.approx(0.25)
+    assert mod.worth_of({**row, "val_loss": 1.9}, None) is None
+    assert mod.worth_of({"full_schedule_val": 2.0, "val_loss": 1.9}, 2.0) is None
     _, _, _, stream, _ = mod.setup(1, 2e-3, batch=4)
     assert next(stream)["input_ids"].shape == (4, 128)
     with pytest.raises(SystemExit):
