@@ -107,7 +107,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
 
 
 # ZenFlow: plain DeepSpeed with its own asynchronous CPU updates (the offload suite's comparator).
-ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`, its recommended settings)",
+# Its tutorial's settings but for the selection: "auto" means once per epoch of DeepSpeed's own
+# data loader, and without one (this loop feeds its batches) DeepSpeed never re-selects; so the
+# important columns are re-selected every 100 steps, from a top 10%, with the CPU step in line.
+# A 60-step check (gpt2-tiny, seed 1, offload suite's config): the tutorial's settings ended at
+# 3.22 in 211 ms/step, these at 3.02 in 151 ms/step (plain ZeRO-Offload 2.79, 172 ms/step).
+ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`: top 10% of columns updated "
+                      "every step, re-selected every 100, the rest every 4 on the CPU)",
                       {"__ds__": {"zero_optimization": {"zenflow": {
                           "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
                           "select_interval": 100, "full_warm_up_rounds": 0, "overlap_step": False}}}},

@@ -146,6 +146,21 @@ def judgement_table(result: dict, arm: str = "predict", control: str = "predict-
     return lines
 
 
+def _comparators(result: dict) -> str:
+    """DeepSpeed's own alternatives in the suite (arms that are a DeepSpeed feature, no hybrid, such
+    as ZenFlow): their ratio to 1% above plain DeepSpeed's final loss, for the headline."""
+    parts = []
+    for name, arm in result["arms"].items():
+        if "__ds__" not in (arm.get("hybrid") or {}) or name not in result["analysis"]["arms"]:
+            continue
+        a = result["analysis"]["arms"][name]["aggregate"]["seconds"]["target+1%"]
+        if a["reached"] == a["seeds"] and a["mean"] is not None:
+            parts.append(f"`{name}` reaches 1% above plain DeepSpeed's final loss in {_ms(a, '{:.2f}')}x its time")
+        else:
+            parts.append(f"`{name}` reaches 1% above it on {a['reached']} of {a['seeds']} seeds")
+    return ("; " + ", ".join(parts)) if parts else ""
+
+
 def headline(result: dict) -> str:
     """The README opening's sentence for this suite, whatever the result."""
     s = result["suite"]
@@ -153,7 +168,7 @@ def headline(result: dict) -> str:
     seeds = len(s["seeds"])
     if best is None:
         return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): no hybrid system reached 1% above plain "
-                f"DeepSpeed's final validation loss on every seed.")
+                f"DeepSpeed's final validation loss on every seed{_comparators(result)}.")
     name, a = best
     an = result["analysis"]["arms"][name]["aggregate"]
     t0, eq = an["seconds"]["target"], an["equivalents"]["target+1%"]
@@ -173,7 +188,7 @@ def headline(result: dict) -> str:
     return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
             f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
             f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents, from a profile of the step kinds in one process), "
-            f"{at_target}{default}.")
+            f"{at_target}{default}{_comparators(result)}.")
 
 
 def plot(result: dict, path: Path) -> None:

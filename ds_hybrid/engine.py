@@ -286,6 +286,13 @@ class PredictiveEngine(DeepSpeedEngine):
         """The phase the next ``train_step`` runs in."""
         return self.controller.phase if self.hybrid_config.enabled else Phase.FULL
 
+    def batches_per_step(self) -> int:
+        """Micro-batches per ``train_step``: ``gradient_accumulation_steps``, except under ZenFlow,
+        which sets that to its ``update_interval`` (how often the CPU part of the update lands)
+        while every micro-step is an optimizer step of its own (a selective update of the
+        important columns, and an LR scheduler step), so one batch is one step."""
+        return 1 if getattr(self, "zenflow", False) else self.gradient_accumulation_steps()
+
     def train_step(self, micro_batches: Any, loss_fn: LossFn | None = None) -> StepResult:
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
@@ -1136,7 +1143,7 @@ class PredictiveEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------ helpers
     def _as_micro_batches(self, micro_batches: Any) -> list:
-        gas = self.gradient_accumulation_steps()
+        gas = self.batches_per_step()
         batches = list(micro_batches) if isinstance(micro_batches, (list, tuple)) else [micro_batches]
         if len(batches) != gas:
             raise ValueError(f"train_step: got {len(batches)} micro-batches, but gradient_accumulation_steps "
@@ -1176,7 +1183,7 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _account(self, r: StepResult) -> None:
         s = self._stats
-        gas = self.gradient_accumulation_steps()
+        gas = self.batches_per_step()
         s.steps[r.phase] += 1
         s.seconds[r.phase] += r.step_time_s
         if r.backward_ran:
@@ -1266,6 +1273,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                           "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
                           "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
                           "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
+    if hybrid.enabled and (cfg_dict.get("zero_optimization") or {}).get("zenflow"):
+        # ZenFlow replaces the optimizer step (a selective update on the device every micro-step,
+        # the rest on the CPU every update_interval): the masters and Adam state the Predict
+        # steps read are not where the hybrid's accessors look.
+        from .config import ConfigError
+        raise ConfigError("zero_optimization.zenflow: ZenFlow runs its own selective and asynchronous updates and "
+                          "cannot be combined with hybrid_predict; set hybrid_predict.enabled to false to train with "
+                          "ZenFlow (ds-hybrid train --baseline), or drop the zenflow section")
 
     # An interrupted op build leaves a lock that DeepSpeed's next build of that op waits on
     # forever, in silence: name it instead (ds-hybrid train also says what is about to be built).

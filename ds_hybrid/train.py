@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
     rank, world = engine.global_rank, engine.world_size
     is_main = rank == 0
-    gas = engine.gradient_accumulation_steps()
+    gas = engine.batches_per_step()   # gradient_accumulation_steps; 1 under ZenFlow (a step per micro-batch)
     micro_bs = engine.train_micro_batch_size_per_gpu()
     stream = train_batches(train_data, args.seq_len, micro_bs, seed=args.seed, rank=rank, world_size=world)
     val_set = val_batches(val_data, args.seq_len, micro_bs, max_batches=args.val_batches)

@@ -123,6 +123,21 @@ def test_headline_gives_the_default_in_equivalents_and_seconds_only_from_one_sit
     assert "0.995 ± 0.000x its Full-step equivalents (seconds not comparable" in line and "0.900" not in line
 
 
+def test_headline_names_deepspeeds_own_alternatives(tmp_path):
+    """ZenFlow (a DeepSpeed feature, not a hybrid system) is never the best hybrid arm, but the
+    headline gives its ratio beside the hybrid's."""
+    result = _result(tmp_path)
+    raw = _raw()
+    raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=2.0)} for s in ("1", "2")}
+    result["analysis"] = bench.analyse(raw, None)
+    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    line = bench_report.headline(result)
+    assert "best hybrid system `predict`" in line and "`zenflow` reaches 1% above plain DeepSpeed's final loss in 2.00 ± 0.00x its time" in line
+    raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.5)])} for s in ("1", "2")}
+    result["analysis"] = bench.analyse(raw, None)
+    assert "`zenflow` reaches 1% above it on 0 of 2 seeds" in bench_report.headline(result)
+
+
 def test_report_and_readme_update(tmp_path):
     result = _result(tmp_path)
     md = bench_report.markdown(result)

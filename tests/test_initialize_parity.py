@@ -406,6 +406,35 @@ def test_documented_differences():
         _init(ds_hybrid.initialize, cfg, optimizer=lambda params: torch.optim.SGD(params, lr=1e-2))
     with pytest.raises(ValueError, match="hybrid_engine section cannot be combined"):
         _init(ds_hybrid.initialize, ds_config(stage=1, hybrid_engine={"enabled": True}))
+    zenflow = ds_config(stage=2, hybrid=EAGER)
+    zenflow["zero_optimization"].update(offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.1})
+    with pytest.raises(ds_hybrid.ConfigError, match="zero_optimization.zenflow: .* hybrid_predict"):
+        _init(ds_hybrid.initialize, zenflow)
+
+
+def test_zenflow_takes_one_batch_per_step():
+    """ZenFlow sets gradient_accumulation_steps to its update_interval, but every micro-step is an
+    optimizer step (a selective update, an LR scheduler step): ``train_step`` takes one batch and
+    trains exactly as DeepSpeed's own loop, one forward/backward/step per batch."""
+    cfg = ds_config(stage=2, offload_opt="cpu", hybrid={"enabled": False})
+    cfg["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
+                                           "select_interval": 4, "full_warm_up_rounds": 0, "overlap_step": False}
+    plain, *_ = _init(deepspeed.initialize, _without_section(cfg))
+    ours, *_ = _init(ds_hybrid.initialize, cfg)
+    assert ours.gradient_accumulation_steps() == 4 and ours.batches_per_step() == 1
+    with pytest.raises(ValueError, match="got 4 micro-batches"):
+        ours.train_step(Batches().step(4))
+    a, b, before = Batches(), Batches(), full_params(ours)
+    for _ in range(6):
+        ours.train_step(a.micro())
+        batch = b.micro()
+        plain.backward(plain(**batch).loss)
+        plain.step()
+    assert ours.get_lr() == plain.get_lr() and ours.get_lr()[0] > 0
+    for p, q in zip(full_params(ours), full_params(plain)):
+        assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(before, full_params(ours)))   # ZenFlow's updates landed
+    assert ours.statistics()["backward_passes"] == 6
 
 
 # --------------------------------------------------------------------------- no launcher
