@@ -151,7 +151,8 @@ def _comparators(result: dict) -> str:
     as ZenFlow): their ratio to 1% above plain DeepSpeed's final loss, for the headline."""
     parts = []
     for name, arm in result["arms"].items():
-        if "__ds__" not in (arm.get("hybrid") or {}) or name not in result["analysis"]["arms"]:
+        hybrid = arm.get("hybrid")
+        if not (isinstance(hybrid, dict) and "__ds__" in hybrid) or name not in result["analysis"]["arms"]:
             continue
         a = result["analysis"]["arms"][name]["aggregate"]["seconds"]["target+1%"]
         if a["reached"] == a["seeds"] and a["mean"] is not None:

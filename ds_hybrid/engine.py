@@ -1146,8 +1146,10 @@ class PredictiveEngine(DeepSpeedEngine):
         gas = self.batches_per_step()
         batches = list(micro_batches) if isinstance(micro_batches, (list, tuple)) else [micro_batches]
         if len(batches) != gas:
-            raise ValueError(f"train_step: got {len(batches)} micro-batches, but gradient_accumulation_steps "
-                             f"is {gas}; pass one batch per micro-step of the optimizer step")
+            per_step = (f"gradient_accumulation_steps is {gas}" if gas == self.gradient_accumulation_steps()
+                        else "ZenFlow: every micro-step is an optimizer step")
+            raise ValueError(f"train_step: got {len(batches)} micro-batches, but a step takes {gas} ({per_step}); "
+                             f"pass one batch per micro-step of the optimizer step")
         if self.micro_steps % gas != 0:
             raise RuntimeError("train_step: called in the middle of an accumulation cycle "
                                "(mixing engine.step() calls with train_step is not supported)")
