@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import bench_launch
 from . import bench_report as report
 from . import frontier as fr
 from .bench_suites import SUITES, Suite
@@ -221,8 +222,8 @@ class Runner:
             (run.out / "ds_config.json").write_text(json.dumps(run.config, indent=2))
             args = self.args_for(run)
             with open(run.out / "train.log", "w") as log:
-                proc = subprocess.run([sys.executable, "-m", "ds_hybrid.train", *args], stdout=log,
-                                      stderr=None if self.live else subprocess.STDOUT, env=child_env())
+                proc = subprocess.run(bench_launch.command(self.suite.launcher, "ds_hybrid.train", args),
+                                      stdout=log, stderr=None if self.live else subprocess.STDOUT, env=child_env())
             if proc.returncode != 0:
                 tail = (run.out / "train.log").read_text()[-2000:]
                 raise RuntimeError(f"bench run {run.name} failed (exit {proc.returncode}); see "
@@ -292,6 +293,9 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
     def run_of(arm: Arm, seed: int, budget: float, lr: float, name: str | None = None) -> Run:
         cfg, baseline = arm_config(base_cfg, arm, quick)
         steps = max(int(round(suite.steps * budget)), 2 * suite.eval_every)
+        # DeepSpeed's own forward / backward / step timers in every run, booked per kind of step
+        # (ds_hybrid.wall_clock): where a real step's time goes, read alike for every system.
+        cfg["wall_clock_breakdown"] = True
         name = name or f"{arm.name}-b{budget:g}-s{seed}"
         return Run(name, arm.name, seed, lr, budget, cfg, out / name, steps, baseline)
 
@@ -419,6 +423,31 @@ def analyse(raw: dict, profile: dict | None) -> dict:
                                         "partial_backward", "backward_skipped_equivalent", "predicted_pct",
                                         "peak_rss_mb", "baseline_peak_rss_mb")} if fulls else {}
         out["arms"][arm] = {"per_seed": per_seed, "aggregate": agg}
+    out["wall_clock"] = wall_clock(raw["rows"])
+    return out
+
+
+def wall_clock(rows: dict) -> dict:
+    """Per system, at the full budget, mean over seeds: DeepSpeed's timers per whole real step
+    (``wall_clock_breakdown``, ms), the engine's time per whole real step and per Predict step
+    (``train_step``, ms: the timers plus everything around them, the hybrid's bookkeeping
+    included), and that real-step time over plain DeepSpeed's in the same seed's run."""
+    base = {seed: by_b["1"] for seed, by_b in rows.get("baseline", {}).items() if "1" in by_b}
+    out = {}
+    for arm, by_seed in rows.items():
+        fulls = {seed: by_b["1"] for seed, by_b in by_seed.items() if "1" in by_b}
+        timers = [r["statistics"].get("wall_clock_breakdown", {}).get("real") for r in fulls.values()]
+        timers = [t["mean_ms"] for t in timers if t]
+        if not timers:
+            continue
+        ratios = [r["real_step_ms"] / base[seed]["real_step_ms"] for seed, r in fulls.items()
+                  if seed in base and r.get("real_step_ms") and base[seed].get("real_step_ms")]
+        out[arm] = {"seeds": len(timers),
+                    "timers_ms": {k: fr.mean_spread([t[k] for t in timers]) for k in timers[0]},
+                    "real_step_ms": fr.mean_spread([r["real_step_ms"] for r in fulls.values() if r.get("real_step_ms")]),
+                    "predict_step_ms": fr.mean_spread([r["predict_step_ms"] for r in fulls.values()
+                                                       if r.get("predict_step_ms")]),
+                    "real_step_ratio": fr.mean_spread(ratios)}
     return out
 
 
@@ -434,16 +463,19 @@ PROFILE_REPS = 40
 
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1)."""
-    cmd = [sys.executable, "-m", "ds_hybrid.bench", "--profile-worker", suite.name, "--lr", repr(lr),
-           "--reps", str(reps), "--model", suite.model, "--seq-len", str(suite.seq_len)]
+    args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
+            "--seq-len", str(suite.seq_len)]
     if data:
-        cmd += ["--data", data]
+        args += ["--data", data]
     if init:
-        cmd += ["--init", init]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+        args += ["--init", init]
+    # Started as the suite's runs are (the same core binding), so its costs are theirs.
+    proc = subprocess.run(bench_launch.command(suite.launcher, "ds_hybrid.bench", args), capture_output=True,
+                          text=True, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"bench profile failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # The worker prints its result as one JSON line; the launcher logs after it.
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None) -> dict:
@@ -599,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the README's headline")
     p.add_argument("--from-json", default=None, help="regenerate table/README from a saved result.json, no runs")
     p.add_argument("--no-profile", action="store_true", help="skip the step-kind profile (no Full-step equivalents)")
+    p.add_argument("--launcher", default=None, choices=bench_launch.LAUNCHERS,
+                   help="how each run starts: python (its own process) or deepspeed (the launcher with "
+                        "--bind_cores_to_rank; needs numactl) (default: the suite's)")
     p.add_argument("--reuse", action="store_true",
                    help="keep finished runs in the output directory whose config and arguments match (times "
                         "then come from different sittings; run the bench alone on a quiet machine)")
@@ -608,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=PROFILE_REPS, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
 
@@ -634,6 +670,8 @@ def resolve_suite(args) -> Suite:
         suite = replace(suite, budgets=tuple(sorted(set(args.budgets) | {1.0})), budgets_for_all=True)
     if getattr(args, "seq_len", None):
         suite = replace(suite, seq_len=args.seq_len)
+    if getattr(args, "launcher", None):
+        suite = replace(suite, launcher=args.launcher)
     return suite
 
 
@@ -659,6 +697,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         import torch
         if not torch.cuda.is_available():
             raise SystemExit(f"--suite {suite.name}: needs a CUDA GPU (this machine has none)")
+    bench_launch.check(suite.launcher)
     data = resolve_data(args.data or suite.data)
     out = Path(args.out or f"runs/bench/{suite.name}" + ("-quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)

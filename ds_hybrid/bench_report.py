@@ -15,14 +15,14 @@ HEADLINE_MARK = "<!-- headline:{name}:{end} -->"
 def slim_row(row: dict) -> dict:
     """What the result JSON keeps of one run (the analysis has the rest)."""
     keep = ("run", "final_val_loss", "train_seconds", "steps", "val_curve", "eq_curve", "eq_total", "predicted_pct",
-            "peak_rss_mb", "budget", "lr")
+            "peak_rss_mb", "budget", "lr", "real_step_ms", "predict_step_ms")
     out = {k: row.get(k) for k in keep}
     st = row.get("statistics", {})
     out["statistics"] = {k: st.get(k) for k in ("steps_per_phase", "backward_skipped", "partial_backward",
                                                 "partial_backward_share", "backward_skipped_equivalent",
                                                 "predict_accepted", "predict_rolled_back",
                                                 "predicted_update_checks", "predicted_update_rolled_back",
-                                                "group_predict", "judgement")}
+                                                "group_predict", "judgement", "wall_clock_breakdown")}
     return out
 
 
@@ -103,6 +103,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| `{name}` | {seed} | {r['target']['target']:.4f} | " + " | ".join(cells) +
                          f" | {_f(fb.get('final_val_loss'), '{:.4f}')} ({_f(fb.get('baseline_final_val_loss'), '{:.4f}')}) |")
     lines += judgement_table(result)
+    lines += wall_clock_table(result)
     prof = result.get("profile")
     if prof:
         unpaired = prof.get("unpaired_cost", {})
@@ -117,6 +118,29 @@ def markdown(result: dict) -> str:
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)
+
+
+def wall_clock_table(result: dict) -> list[str]:
+    """Where a real step's time goes, per system: DeepSpeed's own timers and the engine's step time."""
+    wc = result["analysis"].get("wall_clock")
+    if not wc:
+        return []
+    launcher = result["suite"].get("launcher", "python")
+    how = ("every run started by DeepSpeed's launcher with `--bind_cores_to_rank`" if launcher == "deepspeed"
+           else "every run its own Python process")
+    lines = ["", f"Real steps at the full budget ({how}; mean ± std over seeds, ms per step): DeepSpeed's "
+             "`wall_clock_breakdown` timers, booked per kind of step (`ds_hybrid/wall_clock.py`), and the engine's "
+             "whole `train_step`, which adds what runs around them (the hybrid's bookkeeping, the rank agreement, "
+             "the data copy):", "",
+             "| system | forward | backward | optimizer step | whole real step | over plain DeepSpeed's, same seed | "
+             "Predict step |", "|---|---|---|---|---|---|---|"]
+    for arm, w in wc.items():
+        t = w["timers_ms"]
+        ratio = "1" if arm == "baseline" else f"{_ms(w['real_step_ratio'], '{:.3f}')}x"
+        lines.append(f"| `{arm}` | {_ms(t['fwd'], '{:.1f}')} | {_ms(t['bwd'], '{:.1f}')} | "
+                     f"{_ms(t['step'], '{:.1f}')} | {_ms(w['real_step_ms'], '{:.1f}')} | {ratio} | "
+                     f"{_ms(w['predict_step_ms'], '{:.2f}')} |")
+    return lines
 
 
 def judgement_table(result: dict, arm: str = "predict", control: str = "predict-skip") -> list[str]:

@@ -30,6 +30,9 @@ class Suite:
     pretrain_steps: int = 0               # > 0: start every run from a model pre-trained this long on stdlib
     layer_groups: int = 4
     budgets_for_all: bool = False         # --budgets: every arm runs every budget (the default arm: 1 only)
+    # How each run starts (ds_hybrid.bench_launch): "python", its own process on the cores the OS
+    # gives it, or "deepspeed", the launcher with --bind_cores_to_rank, as a user starts it.
+    launcher: str = "python"
 
 
 SUITES: dict[str, Suite] = {
@@ -57,6 +60,6 @@ SUITES: dict[str, Suite] = {
         doc="optimizer in CPU memory (ZeRO-Offload): hybrid against ZeRO-Offload and DeepSpeed's ZenFlow",
         model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "predict", "zenflow"),
+        arms=("baseline", "predict", "zenflow"), launcher="deepspeed",
         overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
 }

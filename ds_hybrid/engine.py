@@ -50,6 +50,7 @@ from .dynamics.encoder import Observation
 from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
+from .wall_clock import WallClockBreakdown
 
 LossFn = Callable[["PredictiveEngine", Any], torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class PredictiveEngine(DeepSpeedEngine):
         # back to the wrapped module, so nothing of ours may live in the module tree.
         self.hybrid_config: HybridPredictConfig = parse_hybrid_config(self._config._param_dict)
         self._stats = _Stats()
+        # "wall_clock_breakdown": DeepSpeed's forward/backward/step timers booked per phase.
+        self._wall_clock = WallClockBreakdown(self) if self.wall_clock_breakdown() else None
         self._predicted_update: Callable[[], None] | None = None
         self._guard = _NonFiniteGuard(self.module)
         self._boundary_loss: float | None = None  # mean loss over ranks of the last real step
@@ -302,6 +305,8 @@ class PredictiveEngine(DeepSpeedEngine):
         """
         batches = self._as_micro_batches(micro_batches)
         loss_fn = loss_fn or default_loss
+        if self._wall_clock is not None:
+            self._wall_clock.before_step()
         t0 = time.perf_counter()
         if not self.hybrid_config.enabled:
             self._real_step(batches, loss_fn)
@@ -312,6 +317,8 @@ class PredictiveEngine(DeepSpeedEngine):
         else:
             result = self._full_step(batches, loss_fn, self.controller.phase)
         self._sync()
+        if self._wall_clock is not None:
+            self._wall_clock.after_step(result.phase)
         if self.hybrid_config.enabled:
             self._max_lr = max(self._max_lr, result.lr)
         result.step_time_s = time.perf_counter() - t0
@@ -347,6 +354,8 @@ class PredictiveEngine(DeepSpeedEngine):
             "predicted_update_rolled_back": s.group_rolled_back,
             "held_back": dict(s.held_back),
         }
+        if self._wall_clock is not None:
+            out["wall_clock_breakdown"] = self._wall_clock.summary()
         if self.hybrid_config.enabled:
             out["snapshot_bytes"] = self._snapshot.nbytes()
             out["velocity_bytes"] = self._velocity.nbytes() if self._velocity is not None else 0

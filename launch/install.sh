@@ -23,4 +23,7 @@ fi
 if ! ldconfig -p 2>/dev/null | grep -q "libaio\.so"; then
     echo "note: libaio not found; NVMe offload (ZeRO-Infinity) needs it (Debian/Ubuntu: apt-get install libaio-dev)"
 fi
+if ! command -v numactl >/dev/null; then
+    echo "note: numactl not found; DeepSpeed's launcher needs it for --bind_cores_to_rank (the offload bench starts its runs that way; Debian/Ubuntu: apt-get install numactl)"
+fi
 "$PY" -c "import ds_hybrid, deepspeed, torch; print(f'ds_hybrid {ds_hybrid.__version__} installed in $VENV (torch {torch.__version__}, deepspeed {deepspeed.__version__})')"

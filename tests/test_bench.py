@@ -221,6 +221,73 @@ def test_reuse_needs_the_same_config_and_arguments(tmp_path):
     assert not runner.reusable(run)
 
 
+def test_launcher_commands_and_a_missing_numactl_named(monkeypatch):
+    from ds_hybrid import bench_launch
+    assert bench_launch.command("python", "ds_hybrid.train", ["--steps", "3"])[1:] == ["-m", "ds_hybrid.train",
+                                                                                     "--steps", "3"]
+    cmd = bench_launch.command("deepspeed", "ds_hybrid.train", ["--steps", "3"], cores="0-1")
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and "--bind_cores_to_rank" in cmd
+    assert "--bind_core_list=0-1" in cmd and cmd[-4:] == ["--module", "ds_hybrid.train", "--steps", "3"]
+    port = int(cmd[cmd.index("--master_port") + 1])
+    assert 0 < port < 65536
+    # The offload suite starts its arms the way a user does; --launcher overrides a suite's.
+    assert bench.SUITES["offload"].launcher == "deepspeed" and bench.SUITES["cpu-small"].launcher == "python"
+    args = bench.build_parser().parse_args(["--suite", "offload", "--launcher", "python"])
+    assert bench.resolve_suite(args).launcher == "python"
+    monkeypatch.setattr(bench_launch.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="--launcher deepspeed .*numactl"):
+        bench.main(["--suite", "offload", "--quick", "--out", "/nonexistent/never-made"])
+    bench_launch.check("python")   # needs nothing
+
+
+def _timed(stats: dict, real_ms: float, predict_ms: float | None, fwd: float) -> dict:
+    wc = {"real": {"steps": 8, "mean_ms": {"fwd": fwd, "bwd": 2 * fwd, "bwd_inner": fwd, "bwd_allreduce": 0.1,
+                                           "step": 5.0}}}
+    return dict(stats, wall_clock_breakdown=wc), real_ms, predict_ms
+
+
+def test_wall_clock_breakdown_per_system_and_its_table(tmp_path):
+    """Per system at the full budget: DeepSpeed's timers per real step, the engine's real-step
+    time and its ratio to plain DeepSpeed's in the same seed."""
+    raw = _raw()
+    for arm, real_ms, predict_ms in (("baseline", (10.0, 12.0), None), ("predict", (10.5, 12.0), 0.2)):
+        for seed, ms in zip(("1", "2"), real_ms):
+            row = raw["rows"][arm][seed]["1"]
+            row["statistics"], row["real_step_ms"], row["predict_step_ms"] = _timed(row["statistics"], ms,
+                                                                                    predict_ms, fwd=3.0)
+    wc = bench.wall_clock(raw["rows"])
+    assert wc["predict"]["real_step_ratio"]["mean"] == pytest.approx((1.05 + 1.0) / 2)
+    assert wc["predict"]["timers_ms"]["bwd"]["mean"] == 6.0 and wc["predict"]["predict_step_ms"]["mean"] == 0.2
+    assert wc["baseline"]["real_step_ratio"]["mean"] == 1.0 and wc["baseline"]["predict_step_ms"]["n"] == 0
+    result = _result(tmp_path)
+    result["analysis"]["wall_clock"] = wc
+    table = "\n".join(bench_report.wall_clock_table(result))
+    assert "| `predict` | 3.0 ± 0.0 | 6.0 ± 0.0 | 5.0 ± 0.0 | 11.2 ± 1.1 | 1.025 ± 0.035x | 0.20 ± 0.00 |" in table
+    assert "every run its own Python process" in table
+    # A result from before the timers has no table, and its report still renders.
+    del result["analysis"]["wall_clock"]
+    assert bench_report.wall_clock_table(result) == [] and "Per seed" in bench_report.markdown(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("numactl") is None, reason="--launcher deepspeed needs numactl")
+def test_a_run_started_by_the_launcher_bound_to_its_cores(tmp_path):
+    """One bench run through DeepSpeed's launcher with --bind_cores_to_rank: numactl wraps the
+    rank, and the run's summary carries DeepSpeed's timers per kind of step."""
+    suite = bench.replace(bench.SUITES["offload"], **bench.QUICK)
+    runner = bench.Runner(suite, tmp_path, None, None, live=False, reuse=False)
+    from ds_hybrid.arguments import resolve_config
+    base = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    cfg, _ = bench.arm_config(base, bench.ARMS["predict"], quick=True)
+    cfg["wall_clock_breakdown"] = True
+    row = runner(bench.Run("predict-b1-s1", "predict", 1, 2e-3, 1.0, cfg, tmp_path / "r", 20, False))
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "'numactl', '-m'" in log and "--local_rank=0" in log
+    wc = row["statistics"]["wall_clock_breakdown"]
+    assert wc["real"]["mean_ms"]["step"] > 0 and wc["predict"]["mean_ms"]["bwd"] == 0
+    assert row["predicted_pct"] > 0
+
+
 @pytest.mark.slow
 def test_quick_bench_end_to_end(tmp_path):
     """The CI-sized run: sweep, every budget of each system interleaved, profile, JSON/markdown/PNG."""

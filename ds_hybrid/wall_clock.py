@@ -1,0 +1,68 @@
+"""DeepSpeed's ``wall_clock_breakdown`` timers, summed per kind of step.
+
+With ``"wall_clock_breakdown": true`` DeepSpeed times every forward, backward (its inner part
+and its gradient reduction) and optimizer step, logs them and resets them at each
+gradient-accumulation boundary. That log mixes step kinds: a Predict step's verification
+forward goes through ``engine.forward``, and a Predict step may call DeepSpeed's ``step()`` only
+to advance its counters, so the log puts those forwards into whatever step reaches the next
+boundary. Here every interval those timers measure is also kept aside as it ends, and booked
+to the phase of the ``train_step`` it happened in; plain DeepSpeed's steps are read by exactly
+the same code, and DeepSpeed's own log is left as it was.
+"""
+from __future__ import annotations
+
+from deepspeed.utils.timer import SynchronizedWallClockTimer
+
+# DeepSpeed's global timer names (deepspeed.utils.timer): totals over a step's micro-batches.
+TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+
+
+class _KeptTimer(SynchronizedWallClockTimer.Timer):
+    """DeepSpeed's timer, which also hands each interval it measures to ``kept`` as it stops
+    (seconds on a host timer; a pair of CUDA events on a GPU, read at the end of the step)."""
+
+    def __init__(self, name: str, kept: list):
+        super().__init__(name)
+        self._kept = kept
+
+    def stop(self, reset=False, record=False):
+        super().stop(reset=reset, record=record)
+        self._kept.append((self.name_, self.event_timers[-1]))
+
+
+def _ms(interval) -> float:
+    return interval * 1e3 if isinstance(interval, float) else interval.get_elapsed_msec()
+
+
+class WallClockBreakdown:
+    """Milliseconds of DeepSpeed's forward, backward and step timers, per phase of step."""
+
+    def __init__(self, engine):
+        self.ms: dict[str, dict[str, float]] = {}      # phase -> timer -> total ms
+        self.steps: dict[str, int] = {}                # phase -> steps booked
+        self._kept: list = []                          # (timer, interval) since the last booking
+        for name in TIMERS:
+            engine.timers.timers[name] = _KeptTimer(name, self._kept)
+
+    def before_step(self) -> None:
+        """Drop what was timed between steps (an evaluation's forwards are no step's)."""
+        self._kept.clear()
+
+    def after_step(self, phase: str) -> None:
+        """Book the intervals the step that just ended measured to its phase."""
+        by_timer = self.ms.setdefault(phase, {name: 0.0 for name in TIMERS})
+        for name, interval in self._kept:
+            by_timer[name] += _ms(interval)
+        self._kept.clear()
+        self.steps[phase] = self.steps.get(phase, 0) + 1
+
+    def summary(self) -> dict:
+        """Per phase: steps and mean ms per step of each timer; ``real``: the whole real steps
+        (warmup, full, correct) together, the unit a plain DeepSpeed step is compared with."""
+        out = {phase: {"steps": n, "mean_ms": {k: v / n for k, v in self.ms[phase].items()}}
+               for phase, n in self.steps.items() if n}
+        whole = [p for p in ("warmup", "full", "correct") if self.steps.get(p)]
+        n = sum(self.steps[p] for p in whole)
+        if n:
+            out["real"] = {"steps": n, "mean_ms": {k: sum(self.ms[p][k] for p in whole) / n for k in TIMERS}}
+        return out
