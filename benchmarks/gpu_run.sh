@@ -30,6 +30,16 @@
 #   off1b    the same, the hybrid's host path (masters moved every Predict step, snapshots) against
 #            the device path (memory.offload_predict: device, fold_source: optimizer_state): step
 #            time per phase and the bookkeeping timers    -> OUT/offload-gpu-1b.json
+#   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
+#            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
+#            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
+#            wall_clock_breakdown. About 25 min of runs: it stops itself after OFFBENCH_SECONDS
+#            (560) and resumes (--reuse) when called again on the same warm machine
+#                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz
+#   train7b llama-7b on the 7b-24gb preset (ZeRO 3, optimizer and parameters in pinned CPU memory,
+#            built under zero.Init) under a 24 GB allocator cap, 2048-token sequences, 2 micro-batches
+#            a step: a hybrid run (Predict from step 4) and plain ZeRO-Offload, 12 steps each, and the
+#            planner's estimate beside them    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json
 #
 # On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
 # ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
@@ -113,7 +123,37 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
         --json /tmp/res/offload-gpu-1b.json
       rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
       stage_rc off1b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b)"; status=2 ;;
+    offbench)
+      launcher=python; command -v numactl >/dev/null && launcher=deepspeed
+      echo "launcher: $launcher"
+      timeout "${OFFBENCH_SECONDS:-560}" $DSH bench --suite offload-gpu --launcher "$launcher" \
+        --out runs/bench/offload-gpu --reuse > "$OUT/offbench.log" 2>&1
+      rc=$?; tail -5 "$OUT/offbench.log"
+      pkill -f "ds_hybrid.train" 2>/dev/null; pkill -f "deepspeed.launcher" 2>/dev/null  # a run cut off by the timeout
+      tar czf "$OUT/offload-gpu-runs.tgz" --exclude="*.pt" -C runs/bench offload-gpu
+      if [ -f runs/bench/offload-gpu/result.json ]; then
+        cp runs/bench/offload-gpu/result.json "$OUT/offload-gpu.json"; cp runs/bench/offload-gpu/frontier.png "$OUT/offload-gpu.png"
+      fi
+      stage_rc offbench $rc "$t0" ;;
+    train7b)
+      $DSH plan --model llama-7b --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
+        --seq-len 2048 --presets 7b-24gb --json "$OUT/plan-7b.json" | tail -4
+      $PY -c "
+import json; c = json.load(open('ds_configs/7b-24gb.json')); c['gradient_accumulation_steps'] = 2
+c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
+                           confidence_threshold=0.0, check='next_step')
+json.dump(c, open('/tmp/7b-short.json', 'w'))"
+      rc=0
+      for arm in hybrid plain; do
+        flag=""; [ $arm = plain ] && flag="--baseline"
+        timeout 270 $DSH train --config /tmp/7b-short.json --model llama-7b --gpu-mem-cap 24GB --seq-len 2048 \
+          --steps 12 --eval-every 12 --val-batches 1 --no-progress --no-plot --out /tmp/t7b-$arm $flag \
+          > "$OUT/train7b-$arm.log" 2>&1 || rc=1
+        tail -4 "$OUT/train7b-$arm.log"
+        [ -f /tmp/t7b-$arm/summary.json ] && cp /tmp/t7b-$arm/summary.json "$OUT/train7b-$arm.json"
+      done
+      stage_rc train7b $rc "$t0" ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b)"; status=2 ;;
   esac
 done
 exit $status

@@ -232,8 +232,9 @@ def build_model(name: str = "gpt2-tiny", vocab_size: int | None = None,
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
-    """Number of parameter elements; tied weights (GPT-2's embedding / head) count once."""
-    return sum(p.numel() for p in model.parameters()
+    """Number of parameter elements; tied weights (GPT-2's embedding / head) count once; a
+    parameter partitioned by ``zero.Init`` by its full size (``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()
                if p.requires_grad or not trainable_only)
 
 

@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, metavar="PATH",
                    help="start from these model weights (a state dict written by --save-model), e.g. to "
                         "fine-tune a model pre-trained by an earlier run")
+    p.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=None,
+                   help="build the model under deepspeed.zero.Init (transformers' HfDeepSpeedConfig): each "
+                        "parameter partitioned (in the config's dtype) as its layer is made, so the full fp32 "
+                        "model never exists in host memory (default: on with zero_optimization.stage 3; "
+                        "ZeRO 3 only)")
     p.add_argument("--save-model", default=None, metavar="PATH",
                    help="write the trained model's weights (a torch state dict) here at the end (rank 0)")
     p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
@@ -390,6 +395,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if args.zero_init and stage != 3:
+        raise SystemExit(f"--zero-init: builds the model partitioned for ZeRO 3, but {config_path.name} has "
+                         f"zero_optimization.stage {stage}")
+    zero_init = stage == 3 if args.zero_init is None else args.zero_init
     check_model(args.model, args.seq_len)
     from .data import ByteDataset, DataError, train_batches, val_batches
     try:
@@ -414,6 +424,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
+    # zero.Init through transformers (not a bare deepspeed.zero.Init around the build): transformers
+    # then initialises its weights on gathered parameters. Under a bare zero.Init its post-init
+    # writes into the empty local shards and the embeddings keep PyTorch's N(0, 1) init.
+    hf_zero3 = None   # kept alive to the end: transformers holds it by a weak reference
+    if zero_init:
+        from transformers.integrations import HfDeepSpeedConfig
+        hf_zero3 = HfDeepSpeedConfig(ds_config)
     model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
     if args.init:
         load_init_weights(model, args.init)
@@ -530,6 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ds_config": ds_config,
         "model": args.model,
         "parameters": count_parameters(model),
+        "zero_init": zero_init,   # built partitioned under deepspeed.zero.Init
         "world_size": world,
         "steps": args.steps,
         "steps_done": done,
@@ -578,9 +596,15 @@ def load_init_weights(model: Any, path: str) -> None:
     p = Path(path)
     if not p.is_file():
         raise SystemExit(f"--init: no such file: {p}")
+    partitioned = [q for q in model.parameters() if hasattr(q, "ds_id")]   # built under zero.Init
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        if partitioned:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+                missing, unexpected = model.load_state_dict(state, strict=False)
+        else:
+            missing, unexpected = model.load_state_dict(state, strict=False)
     except (RuntimeError, OSError, ValueError) as err:   # a corrupt file or another model's shapes
         raise SystemExit(f"--init: {p} does not hold weights of this model: {str(err).splitlines()[0]}") from None
     missing = [k for k in missing if not k.endswith("lm_head.weight")]   # tied to the input embedding

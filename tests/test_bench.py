@@ -178,6 +178,23 @@ def test_suites_reject_bad_overrides_and_gpu_suite_needs_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--suite", "gpu-gpt2"])
+    with pytest.raises(SystemExit, match="--suite offload-gpu: needs a CUDA GPU"):
+        bench.main(["--suite", "offload-gpu"])
+
+
+def test_the_gpu_offload_suite_is_zero_offload_with_a_batch_small_beside_its_model():
+    """Its arms' configs are what the suite says: ZeRO 2 with pinned CPU Adam, one micro-batch of
+    8 a step, bf16, DeepSpeed's timers on; ZenFlow's arm on top of the same."""
+    from ds_hybrid.arguments import resolve_config
+    suite = bench.SUITES["offload-gpu"]
+    base = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    for arm in suite.arms:
+        cfg, plain = bench.arm_config(base, bench.ARMS[arm], quick=False)
+        zo = cfg["zero_optimization"]
+        assert zo["stage"] == 2 and zo["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+        assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
+        assert cfg["bf16"]["enabled"] and plain == (arm != "predict")
+    assert "zenflow" in bench.arm_config(base, bench.ARMS["zenflow"], quick=False)[0]["zero_optimization"]
 
 
 def test_arm_configs():

@@ -107,3 +107,31 @@ def test_save_model_then_init_starts_where_the_first_run_ended(corpus, tmp_path)
     with pytest.raises(SystemExit, match="--init: .* does not hold weights of this model"):
         train.main([*common, "--steps", "2", "--out", str(tmp_path / "d"), "--init", str(weights),
                     "--model", "llama-tiny"])
+
+
+def test_zero3_builds_the_model_partitioned_with_its_own_initialisation(corpus, tmp_path):
+    """ZeRO 3: the model is built under deepspeed.zero.Init through transformers (by default), so
+    the full fp32 model never exists in host memory and GPT-2's own weight initialisation still
+    runs (under a bare zero.Init its embeddings keep PyTorch's N(0, 1), and the first loss is far
+    above ln 256); --init loads into the partitioned model; --zero-init below ZeRO 3 is refused."""
+    from ds_hybrid.arguments import resolve_config
+    from ds_hybrid.models import build_model, count_parameters
+    cfg, _ = resolve_config("tiny-cpu")
+    cfg["zero_optimization"] = {"stage": 3}
+    z3 = tmp_path / "z3.json"
+    z3.write_text(json.dumps(cfg))
+    common = ["--data", str(corpus), "--seq-len", "32", "--val-batches", "2", "--model", "gpt2-test", "--no-progress",
+              "--no-plot", "--config", str(z3), "--steps", "6", "--eval-every", "6"]
+    weights = tmp_path / "model.pt"
+    part = train.main([*common, "--out", str(tmp_path / "a"), "--save-model", str(weights)])
+    whole = train.main([*common, "--out", str(tmp_path / "b"), "--no-zero-init"])
+    assert part["zero_init"] is True and whole["zero_init"] is False
+    assert part["parameters"] == whole["parameters"] == count_parameters(build_model("gpt2-test", 256, 32))
+    # Different draws of the same initialisation: the first losses agree to well within their spread.
+    assert part["val_points"][0][1] == pytest.approx(whole["val_points"][0][1], abs=0.05)
+    assert part["val_points"][0][1] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.1)
+    assert part["final_val_loss"] < part["val_points"][0][1]
+    again = train.main([*common, "--out", str(tmp_path / "c"), "--init", str(weights)])
+    assert again["val_points"][0][1] == pytest.approx(part["final_val_loss"], rel=1e-6)
+    with pytest.raises(SystemExit, match="--zero-init: .* zero_optimization.stage 1"):
+        train.main([*common[:-6], "--steps", "2", "--out", str(tmp_path / "d"), "--zero-init"])

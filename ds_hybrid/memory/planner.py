@@ -13,10 +13,10 @@ and micro batch:
   (``activation_bytes``), ds_hybrid's rollback snapshot when it lives on the GPU, the predictor,
   and framework overhead (CUDA context, allocator fragmentation);
 * **CPU, per node**: the processes' runtime, offloaded model states, pinned NVMe swap buffers,
-  the snapshot when it lives in host memory, and building the model: ``ds-hybrid train`` builds
-  the full fp32 model on the CPU in every process before DeepSpeed partitions it (no
-  ``deepspeed.zero.Init``), so a node needs ``4 x params x processes`` at start-up whatever the
-  stage (``--zero-init`` plans as if ZeRO 3 models were built under ``zero.Init``);
+  the snapshot when it lives in host memory, and building the model: below ZeRO 3 ``ds-hybrid
+  train`` builds the full fp32 model on the CPU in every process before DeepSpeed partitions it,
+  so a node needs ``4 x params x processes`` at start-up; on ZeRO 3 it builds it partitioned
+  under ``deepspeed.zero.Init`` (``--no-zero-init`` plans the whole build there too);
 * **NVMe, per node**: ZeRO-Infinity's swapped optimizer state, gradients and parameters.
 
 A preset fits when all three are within ``--gpu-mem``, ``--cpu-mem`` and ``--nvme``. The pick is the
@@ -653,9 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="micro batch per GPU (default: each preset's)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: the model's)")
     p.add_argument("--presets", nargs="+", default=None, help="presets to consider (default: all in ds_configs/)")
-    p.add_argument("--zero-init", action="store_true",
-                   help="plan ZeRO-3 presets as if the model were built under deepspeed.zero.Init (ds-hybrid "
-                        "train does not do that yet: it builds the full fp32 model in every process)")
+    p.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan ZeRO-3 presets with the model built under deepspeed.zero.Init, as ds-hybrid train "
+                        "builds it there (its --zero-init); --no-zero-init: the full fp32 model built in every "
+                        "process first")
     p.add_argument("--json", default=None, help="also write the plan as JSON here")
     p.add_argument("--validate", action="store_true",
                    help="instead of planning: train small models on the CPU and compare the estimate with the "
