@@ -16,16 +16,12 @@ import sys
 LAUNCHERS = ("python", "deepspeed")
 
 
-class LauncherError(SystemExit):
-    """A launcher this machine cannot run; raised before any run starts."""
-
-
 def check(launcher: str) -> None:
-    """Refuse, naming the flag, a launcher that cannot start here."""
+    """Refuse, naming the flag, a launcher that cannot start here (before any run starts)."""
     if launcher not in LAUNCHERS:
-        raise LauncherError(f"--launcher: one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+        raise SystemExit(f"--launcher: one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     if launcher == "deepspeed" and shutil.which("numactl") is None:
-        raise LauncherError("--launcher deepspeed binds each rank to its cores (--bind_cores_to_rank), which needs "
+        raise SystemExit("--launcher deepspeed binds each rank to its cores (--bind_cores_to_rank), which needs "
                             "numactl: install it (Debian/Ubuntu: apt-get install numactl) or pass --launcher python")
 
 

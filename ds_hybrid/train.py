@@ -25,6 +25,7 @@ losses after the resume point are the same bit for bit (CPU, fp32).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -601,9 +602,10 @@ def load_init_weights(model: Any, path: str) -> None:
         state = torch.load(p, map_location="cpu", weights_only=True)
         if partitioned:
             import deepspeed
-            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
-                missing, unexpected = model.load_state_dict(state, strict=False)
+            gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
         else:
+            gathered = contextlib.nullcontext()
+        with gathered:
             missing, unexpected = model.load_state_dict(state, strict=False)
     except (RuntimeError, OSError, ValueError) as err:   # a corrupt file or another model's shapes
         raise SystemExit(f"--init: {p} does not hold weights of this model: {str(err).splitlines()[0]}") from None
