@@ -28,8 +28,9 @@
 #   mem1b    llama-1b on the 1b-16gb preset under a 16 GB allocator cap, plain and hybrid
 #                                                            -> OUT/memory-gpu-1b.json
 #   off1b    the same, the hybrid's host path (masters moved every Predict step, snapshots) against
-#            the device path (memory.offload_predict: device, fold_source: optimizer_state): step
-#            time per phase and the bookkeeping timers    -> OUT/offload-gpu-1b.json
+#            the device path (memory.offload_predict: device, fold_source: optimizer_state), its commit
+#            on a host thread behind the backward (commit_overlap, the default) and inline: step time
+#            per phase and the bookkeeping timers        -> OUT/offload-gpu-1b.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
@@ -40,6 +41,11 @@
 #            built under zero.Init) under a 24 GB allocator cap, 2048-token sequences, 2 micro-batches
 #            a step: a hybrid run (Predict from step 4) and plain ZeRO-Offload, 12 steps each, and the
 #            planner's estimate beside them    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json
+#   stale124 the CPU window's cost in loss at GPT-2 124M (benchmarks/stale_update_study.py, plain PyTorch, bf16
+#            autocast): the synchronous step against a gradient taken one update behind the masters, bare and
+#            covered by the last update; 8 x 256 bytes a step, 600 steps, peak LR 6e-4 and 1.2e-3, 3 seeds. It
+#            writes its JSON after every run and stops itself after 560 s
+#                                                            -> OUT/stale-update-study-124m.json
 #
 # On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
 # ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
@@ -119,7 +125,7 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Ada
       stage_rc mem1b $rc "$t0" ;;
     off1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device --out /tmp/off1b \
+        --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device drift-int8-device-inline --out /tmp/off1b \
         --json /tmp/res/offload-gpu-1b.json
       rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
       stage_rc off1b $rc "$t0" ;;
@@ -153,7 +159,12 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         [ -f /tmp/t7b-$arm/summary.json ] && cp /tmp/t7b-$arm/summary.json "$OUT/train7b-$arm.json"
       done
       stage_rc train7b $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b)"; status=2 ;;
+    stale124)
+      timeout 560 $PY benchmarks/stale_update_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
+        --lrs 6e-4 1.2e-3 --seeds 1 2 3 --modes stale cover-last --json "$OUT/stale-update-study-124m.json" \
+        > "$OUT/stale124.log" 2>&1
+      rc=$?; tail -12 "$OUT/stale124.log"; stage_rc stale124 $rc "$t0" ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b stale124)"; status=2 ;;
   esac
 done
 exit $status

@@ -6,9 +6,12 @@ run measured fold ~1.0 s and the Predict update ~1.5 s per step
 (``docs/results/memory-gpu-1b.json``, ``bookkeeping_ms``). This times the same functions
 (``zero_access.capture_weights`` / ``fold_real_update`` / ``apply_velocity_update``, plus the
 Adam-direction ``apply_predicted_update``) on one CPU partition of ``--values`` values, best of
-``--repeat``, and prints ns per value.
+``--repeat``, and prints ns per value and each over DeepSpeed's own CPU Adam step on as many
+values (what a plain ZeRO-Offload step does on the host). The fold from the Adam state (the
+device path's) is timed with the torch ops and with ``kernels/host_fold.cpp``
+(``memory.host_kernels``).
 
-    python benchmarks/host_path.py --values 67108864 --json docs/results/host-path.json
+    python benchmarks/host_path.py --values 67108864 --repeat 5 --json docs/results/host-fold.json
 
 To compare two versions of the code, run it from each checkout back to back on an idle machine.
 """
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 import ds_hybrid.zero_access as za
+from ds_hybrid import host_kernels
 
 
 def _best(fn, repeat: int, setup=None) -> float:
@@ -38,7 +42,21 @@ def _best(fn, repeat: int, setup=None) -> float:
     return min(times)
 
 
-def measure(n: int, velocity_dtype: str, repeat: int) -> dict:
+def cpu_adam_step(n: int, repeat: int) -> float:
+    """Seconds of DeepSpeed's CPU Adam step (AdamW) on ``n`` values: the real step's own host work
+    under ZeRO-Offload, the unit the hybrid's host work is measured against."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n) * 0.02)
+    opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True)
+    p.grad = torch.randn(n) * 1e-3
+    opt.step()
+    t = _best(opt.step, repeat)
+    del opt, p
+    return t
+
+
+def measure(n: int, velocity_dtype: str, repeat: int, cpp: bool) -> dict:
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n) * 0.02)
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
@@ -53,6 +71,16 @@ def measure(n: int, velocity_dtype: str, repeat: int) -> dict:
     out = {"capture": _best(lambda: za.capture_weights(access, snap), repeat)}
     out["fold"] = _best(lambda: za.fold_real_update(access, snap, vel, [1e-3], 0.9, 2), repeat,
                         setup=lambda: za.capture_weights(access, snap))
+    # the fold the device path runs (memory.fold_source: optimizer_state, no pre-step copy),
+    # with the torch ops and (memory.host_kernels) with kernels/host_fold.cpp
+    kernels = (False, True) if cpp else (False,)
+    for hk in kernels:
+        name = "fold_from_state" + ("_cpp" if hk else "")
+        out[name] = _best(lambda: za.fold_real_update(access, None, vel, [1e-3], 0.9, 2, moments=False,
+                                                      host_kernel=hk), repeat)
+    if cpp:
+        out["fold_cpp"] = _best(lambda: za.fold_real_update(access, snap, vel, [1e-3], 0.9, 2, host_kernel=True),
+                                repeat, setup=lambda: za.capture_weights(access, snap))
     out["velocity_update"] = _best(lambda: za.apply_velocity_update(access, vel, [0.5]), repeat)
     out["adam_update"] = _best(lambda: za.apply_predicted_update(access, [0.5], backend="torch"), repeat)
     return out
@@ -64,22 +92,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "int8"], choices=["fp32", "bf16", "int8"],
                     help="velocity storage (memory.velocity_dtype)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-cpp", action="store_true", help="skip kernels/host_fold.cpp (memory.host_kernels: torch)")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     if args.values < 1 or args.repeat < 1:
         raise SystemExit("--values and --repeat: must be at least 1")
+    cpp = not args.no_cpp
+    if cpp:
+        host_kernels.load()   # built before anything is timed
+    adam = cpu_adam_step(args.values, args.repeat)
     rows = []
     for dt in args.dtypes:
-        t = measure(args.values, dt, args.repeat)
-        rows += [{"velocity_dtype": dt, "part": k, "ms": v * 1e3, "ns_per_value": v / args.values * 1e9}
-                 for k, v in t.items()]
-    head = "| velocity | part | ms | ns per value |"
-    table = "\n".join([head, "|---|---|---|---|"] + [
-        f"| {r['velocity_dtype']} | {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} |" for r in rows])
+        t = measure(args.values, dt, args.repeat, cpp)
+        rows += [{"velocity_dtype": dt, "part": k, "ms": v * 1e3, "ns_per_value": v / args.values * 1e9,
+                  "over_cpu_adam": v / adam} for k, v in t.items()]
+    head = "| velocity | part | ms | ns per value | over DeepSpeed's CPU Adam step |"
+    table = "\n".join([head, "|---|---|---|---|---|",
+                       f"| - | DeepSpeed CPU Adam step | {adam * 1e3:.1f} | {adam / args.values * 1e9:.2f} | 1.00x |"] + [
+        f"| {r['velocity_dtype']} | {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} | "
+        f"{r['over_cpu_adam']:.2f}x |" for r in rows])
     print(table)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
     result = {"command": "python benchmarks/host_path.py " + " ".join(argv or []), "values": args.values,
+              "cpu_adam_ms": adam * 1e3,
               "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit,
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}

@@ -235,6 +235,25 @@ class MemoryConfig(_Section):
     (``ds_hybrid/device_predict.py``). Needs ``predictor.direction: drift``. ``auto``:
     ``device`` where the masters are in host memory beside a GPU."""
 
+    commit_overlap: bool | Literal["auto"] = "auto"
+    """With the device-side Predict path (``offload_predict``): the masters take a kept run's
+    displacement on a host thread, started when the next real step's check keeps the run and
+    overlapped with that step's forward and backward on the GPU (neither reads the masters);
+    the optimizer step waits for it. The same additions in the same order, so the same masters
+    bit for bit as ``false``, which adds them inline before the backward. ``statistics()``:
+    ``commit_background_seconds`` (the thread's time) and ``bookkeeping_seconds.commit_wait``
+    (the real steps' wait for it). ``auto``: on where the masters are in host memory beside a
+    GPU (on DeepSpeed's CPU accelerator the thread would take the forward's own cores)."""
+
+    host_kernels: Literal["auto", "cpp", "torch"] = "auto"
+    """How a real step folds its update into the drift velocity where the masters are in host
+    memory (``offload_optimizer``, DeepSpeed's CPU accelerator): ``cpp`` = one pass of
+    ``kernels/host_fold.cpp`` on torch's threads, built on first use with torch's C++ extension
+    builder (a compiler and ninja, as DeepSpeed's ``cpu_adam``; fails naming this key when it
+    cannot be built); ``torch`` = torch ops a chunk at a time, about twenty passes over memory
+    (the reference); ``auto`` = ``cpp`` when it builds, else ``torch``. The same velocity: bit for
+    bit from a snapshot, within one fp32 rounding from the Adam state (``tests/test_host_kernels.py``)."""
+
     fold_source: Literal["auto", "snapshot", "optimizer_state"] = "auto"
     """Where a real step's update for the drift velocity comes from. ``snapshot``: a copy of
     the masters taken before the step (4 bytes per parameter of the rank's partition, in the

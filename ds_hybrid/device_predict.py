@@ -14,7 +14,9 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
 * **Accepted run**: the masters take the run's displacement once, before the next real
   step's optimizer step, in one pass over each master chunk that adds the steps'
   ``coef * v`` in order (``commit``): the same additions as the host path, so the masters end
-  bit for bit where the host path leaves them.
+  bit for bit where the host path leaves them. With ``memory.commit_overlap`` that pass runs on
+  a host thread while the real step's forward and backward go on on the GPU (neither reads the
+  masters); the optimizer step waits for it (``wait``).
 * **Rejected run**: the masters never moved, so they are the rollback point: the 16-bit
   copies are re-propagated from them (``discard``). No snapshot of the masters is taken for a
   Predict run; the rollback is exact (the same as the host path's restore).
@@ -30,6 +32,8 @@ real step's optimizer writes the 16-bit copies from the (committed, identical) m
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Sequence
 
 import torch
@@ -67,6 +71,9 @@ class DevicePredict:
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
+        self._thread: threading.Thread | None = None   # a commit running behind the real step
+        self._thread_error: BaseException | None = None
+        self.background_seconds = 0.0   # what the commits on the thread took (off the critical path)
 
     def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -129,20 +136,57 @@ class DevicePredict:
                         w.copy_(shard[a:b]).add_(v, alpha=coefs[gi])
                         shard[a:b].copy_(w)
 
-    @torch.no_grad()
-    def commit(self, vel: VelocityBuffers) -> None:
+    def commit(self, vel: VelocityBuffers, background: bool = False) -> None:
         """The run was kept: the masters take its displacement, each chunk once with every
         step's ``coef * v`` added in order (bit for bit the host path's masters). The 16-bit
-        copies already hold the run; the next optimizer step writes them from the masters."""
+        copies already hold the run; the next optimizer step writes them from the masters.
+
+        ``background``: on a host thread, returning at once; whoever reads or writes the masters
+        or the velocity next calls ``wait`` first (the engine: before the optimizer step, and
+        before a capture of the masters). Local: no collective, so ranks need not agree on it."""
+        self.wait()
         if not self.pending:
             return
         steps, self.pending = self.pending, []
-        for part_i, part in enumerate(self.access.partitions()):
+        parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
+        if not background:
+            self._add_to_masters(parts, vel, steps, slot=0)
+            return
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._add_to_masters(parts, vel, steps, slot=4)   # its own work buffer: slots 0-3 are the caller's
+            except BaseException as e:   # handed to the caller's wait()
+                self._thread_error = e
+            self.background_seconds += time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="ds_hybrid-commit", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """A commit was started in the background and not yet joined."""
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Join a commit running in the background, re-raising its error."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._thread_error = self._thread_error, None
+        if error is not None:
+            raise RuntimeError("the background commit of a kept Predict run into the masters failed") from error
+
+    @torch.no_grad()
+    def _add_to_masters(self, parts: list, vel: VelocityBuffers, steps: list[list[float]], slot: int) -> None:
+        for part_i, part in enumerate(parts):
             gi = part.group_index
             if part_i >= len(vel.buffers) or vel.buffers[part_i] is None or part.master.numel() == 0:
                 continue
             master, buf = _flat(part.master), vel.buffers[part_i]
-            work = scratch(master.device, 0, master.numel())
+            work = scratch(master.device, slot, master.numel())
             for a, b in buf.chunks():
                 v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
                 for coefs in steps:
@@ -153,6 +197,7 @@ class DevicePredict:
     def discard(self) -> None:
         """The run was rejected: forget it and write the 16-bit copies from the masters, which
         never left the last good point (an exact rollback). Collective."""
+        self.wait()
         self.pending = []
         self.access.lp_current = False
         self.access.propagate()
@@ -161,6 +206,7 @@ class DevicePredict:
     def replay(self, vel: VelocityBuffers) -> None:
         """After a checkpoint load in the middle of a run: the 16-bit copies from the loaded
         masters, then the run's updates again, as they were made. Collective."""
+        self.wait()
         self.access.lp_current = False
         self.access.propagate()
         if self.pending:

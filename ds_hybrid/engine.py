@@ -39,7 +39,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import checkpoint as ckpt
-from . import kernels
+from . import host_kernels, kernels
 from . import zero_access as za
 from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
 from .device_predict import DevicePredict
@@ -205,6 +205,8 @@ class PredictiveEngine(DeepSpeedEngine):
         self._device_predict: DevicePredict | None = None   # memory.offload_predict: device
         self._saved_device_run: dict | None = None
         self._fold_from_state = False   # memory.fold_source resolved
+        self._commit_overlap = False    # memory.commit_overlap resolved
+        self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -217,6 +219,9 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
         self._device_predict = self._make_device_predict()
         self._fold_from_state = self._resolve_fold_source()
+        overlap = self.hybrid_config.memory.commit_overlap
+        self._commit_overlap = self._device_predict is not None and (
+            overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
         if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
             self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
         if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and self._device_predict is None:
@@ -231,6 +236,8 @@ class PredictiveEngine(DeepSpeedEngine):
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
                           if self.hybrid_config.predictor.direction in ("drift", "none") else None)
+        if self._velocity is not None and any(p.master.device.type == "cpu" for p in self._masters.partitions()):
+            self._host_kernel = host_kernels.resolve(mem.host_kernels)   # (built here, before the first step)
         self._parking = (za.MomentParking(self, self._masters, overlap=mem.park_overlap)
                          if mem.park_optimizer_states else None)
         self.controller = PhaseController(self.hybrid_config)
@@ -312,10 +319,14 @@ class PredictiveEngine(DeepSpeedEngine):
             self._real_step(batches, loss_fn)
             result = StepResult(self.global_steps, Phase.FULL.value, self._boundary_loss, None, 0.0, True, 0.0,
                                 lr=self._lr(), skipped=not self.was_step_applied())
-        elif self.controller.phase is Phase.PREDICT:
-            result = self._predict_step(batches, loss_fn)
         else:
-            result = self._full_step(batches, loss_fn, self.controller.phase)
+            try:
+                if self.controller.phase is Phase.PREDICT:
+                    result = self._predict_step(batches, loss_fn)
+                else:
+                    result = self._full_step(batches, loss_fn, self.controller.phase)
+            finally:
+                self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
         self._sync()
         if self._wall_clock is not None:
             self._wall_clock.after_step(result.phase)
@@ -362,8 +373,11 @@ class PredictiveEngine(DeepSpeedEngine):
             out["direction"] = self.hybrid_config.predictor.direction
             out["offload_predict"] = "device" if self._device_predict is not None else "host"
             out["fold_source"] = "optimizer_state" if self._fold_from_state else "snapshot"
+            out["host_kernels"] = "cpp" if self._host_kernel else "torch"
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
+                out["commit_overlap"] = self._commit_overlap
+                out["commit_background_seconds"] = self._device_predict.background_seconds
             if self._parking is not None:
                 out["moment_parking"] = self._parking.mode
             out["confidence"] = self.predictor.confidence()
@@ -452,8 +466,9 @@ class PredictiveEngine(DeepSpeedEngine):
             # rollback point), then this step's own snapshot.
             redo = self._check_predicted_update(loss, batch, checked)
             if self._device_predict is not None and self._device_predict.pending:
-                with self._timed("commit"):   # (a run kept without a check: its masters catch up here)
-                    self._device_predict.commit(self._velocity)
+                self._commit_run()   # (a run kept without a check: its masters catch up here)
+            if predicted or (drift and not self._fold_from_state) or (probe and not drift):
+                self._wait_commit()   # the capture and the stash below read the masters
             if predicted or (drift and not self._fold_from_state):
                 # The masters before the step (into the snapshot buffer, free outside Predict
                 # runs): the update per unit LR feeds the velocity, and for predicted groups it is
@@ -479,7 +494,8 @@ class PredictiveEngine(DeepSpeedEngine):
                 before = None if self._fold_from_state and not predicted else self._snapshot
                 groups = za.fold_real_update(self._masters, before, self._velocity, lrs,
                                              cfg.predictor.drift_beta, int(self.global_steps), groups=real,
-                                             keep=bool(predicted), moments=self._learns_from_every_step())
+                                             keep=bool(predicted), moments=self._learns_from_every_step(),
+                                             host_kernel=self._host_kernel)
         elif probe and not drift and not predicted:
             with self._timed("compare"):
                 groups = za.compare_direction(self._masters, self._snapshot)
@@ -592,8 +608,7 @@ class PredictiveEngine(DeepSpeedEngine):
         device = self._device_predict if run else None
         if accepted:
             if device is not None:
-                with self._timed("commit"):
-                    device.commit(self._velocity)   # before this step's optimizer reads the masters
+                self._commit_run()   # before this step's optimizer reads the masters
             return False
         with self._timed("restore"):
             if device is not None:
@@ -816,6 +831,22 @@ class PredictiveEngine(DeepSpeedEngine):
         torch.distributed.broadcast(t, src=0)
         return t.cpu().tolist()
 
+    def _commit_run(self) -> None:
+        """A kept device-side Predict run's displacement into the masters (``memory.commit_overlap``:
+        on a host thread behind the forward and backward, joined by ``_wait_commit``)."""
+        if self._commit_overlap:
+            self._device_predict.commit(self._velocity, background=True)
+            return
+        with self._timed("commit"):
+            self._device_predict.commit(self._velocity)
+
+    def _wait_commit(self) -> None:
+        """Join a commit running behind the step (what a real step waits for it: ``commit_wait``)."""
+        device = self._device_predict
+        if device is not None and device.running:
+            with self._timed("commit_wait"):
+                device.wait()
+
     @contextlib.contextmanager
     def _timed(self, part: str):
         """Time one part of the hybrid's work on the masters. Masters on a GPU: the current
@@ -882,6 +913,7 @@ class PredictiveEngine(DeepSpeedEngine):
         branch: gradients cleared, no update, LR scheduler not stepped,
         ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
         (DeepSpeed's fp16-overflow semantics)."""
+        self._wait_commit()   # a kept run's displacement, added behind the forward/backward: the step reads the masters
         if self._predicted_update is None:
             if self._parking is not None:
                 self._parking.wait()  # moments copied back during the forward/backward: the optimizer reads them
@@ -965,6 +997,7 @@ class PredictiveEngine(DeepSpeedEngine):
         """DeepSpeed's checkpoint plus ds_hybrid's state, published atomically: written
         into ``save_dir/.staging-<tag>``, renamed to ``save_dir/<tag>`` when complete,
         and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
+        self._wait_commit()
         parked = self._parking is not None and self._parking.parked
         if parked:  # DeepSpeed saves the optimizer state from where it normally lives
             self._parking.unpark(wait=True)

@@ -683,7 +683,7 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
-                     keep: bool = False, moments: bool = True) -> torch.Tensor:
+                     keep: bool = False, moments: bool = True, host_kernel: bool = False) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -701,7 +701,11 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     after it: ``w_after - w_before = -lr (a + wd w_before)`` with ``a = m_hat / (sqrt(v_hat) +
     eps)`` and, with decoupled decay, ``w_before = (w_after + lr a) / (1 - lr wd)`` (with L2 decay
     the decay is in the gradient, so in ``a``). Equal to the copy's difference up to fp32
-    rounding (``tests/test_device_predict.py`` measures how close)."""
+    rounding (``tests/test_device_predict.py`` measures how close).
+
+    ``host_kernel`` (``memory.host_kernels``): partitions in host memory are folded by the C++
+    kernel of ``ds_hybrid/host_kernels.py`` in one pass, with this function's arithmetic and
+    int8 noise (``tests/test_host_kernels.py``)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     from_state = before is None
     if not from_state and before.holds != "weights":
@@ -721,6 +725,10 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         gen = vel.generator(part.master.device, step, i)
         master = _flat(part.master)
         row = out[part.group_index]
+        if host_kernel and master.device.type == "cpu" and master.is_contiguous():
+            _fold_on_host(access, part, master, None if from_state else _flat(before.buffers[i]), buf, gen, lr,
+                          beta, first, moments, row)
+            continue
         # Reused work buffers (no 16 MiB allocation per chunk) and the sums kept on the
         # masters' device, read once per partition (not one sync per chunk on a GPU).
         # (_adam_direction_chunks works in slots 0 and 1.)
@@ -769,6 +777,36 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     if not keep and not from_state:
         before.holds = None
     return out
+
+
+def _fold_on_host(access: MasterAccess, part: MasterPartition, master: torch.Tensor, before: torch.Tensor | None,
+                  buf, gen, lr: float, beta: float, first: bool, moments: bool, row: torch.Tensor) -> None:
+    """``fold_real_update`` for one partition in host memory, by the C++ kernel: the same
+    velocity (the int8 noise drawn here, chunk by chunk as the torch path draws it) and sums."""
+    from . import host_kernels
+    from .kernels import _bias_corrections
+    from .quant import BLOCK, CHUNK, _cpu_noise
+    st, g = part.state, part.group
+    has_moments = "exp_avg" in st
+    m = _flat(st["exp_avg"]) if has_moments and (before is None or moments) else None
+    v2 = _flat(st["exp_avg_sq"]) if m is not None else None
+    bc1 = bc2 = 1.0
+    if before is None:
+        beta1, beta2 = g.get("betas", (0.9, 0.999))
+        bc1, bc2 = _bias_corrections(beta1, beta2, part.step, g.get("bias_correction", True))
+    wd = float(g.get("weight_decay", 0.0) or 0.0) if access.decoupled_decay else 0.0
+    noise = [_cpu_noise(-(-(e - s) // BLOCK) * BLOCK, gen) for s, e in buf.chunks()] if buf.dtype == "int8" else []
+    dv, vv, dd, ww, m_abs, v_sqrt = host_kernels.fold(master, m, v2, before, buf, noise, CHUNK, lr, wd, beta, bc1,
+                                                      bc2, g.get("eps", 1e-8), first, moments)
+    row[0] += dv / lr
+    row[1] += vv
+    row[2] += dd / lr ** 2
+    if moments:
+        row[3] += ww
+        if has_moments:
+            row[4] += m_abs
+            row[5] += v_sqrt
+    row[6] += float(part.master.numel())
 
 
 @torch.no_grad()

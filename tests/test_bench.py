@@ -420,6 +420,37 @@ def test_the_stale_update_study_emulates_a_gradient_taken_behind_the_masters():
     assert 0 < last < 1 and last < drift
 
 
+def test_the_stale_update_study_takes_a_batch_and_keeps_each_run_as_it_finishes(tmp_path):
+    """benchmarks/stale_update_study.py at a larger shape (the GPU stage's flags): ``--batch`` and
+    ``--seq-len`` set the step's shape, ``--modes`` with none runs the synchronous step alone (an
+    LR sweep), the JSON holds each run as it finishes, and a CUDA device where there is none is
+    refused naming the flag."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    spec = importlib.util.spec_from_file_location(
+        "stale_update_study", Path(__file__).resolve().parent.parent / "benchmarks" / "stale_update_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, _, _, stream, _ = mod.setup(1, 2e-3, 3, "gpt2-tiny", 64)
+    assert next(stream)["input_ids"].shape == (3, 64)
+    out = tmp_path / "s.json"
+    res = mod.main(["--steps", "32", "--start", "30", "--seeds", "1", "--lrs", "2e-3", "4e-3", "--batch", "4",
+                    "--seq-len", "64", "--modes", "--json", str(out)])
+    assert [(r["mode"], r["lr"], r["batch"]) for r in res["rows"]] == [("sync", 2e-3, 4), ("sync", 4e-3, 4)]
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and saved["setup"]["batch"] == "4 x 64" and len(saved["summary"]) == 2
+    args = argparse.Namespace(lrs=[2e-3, 4e-3], modes=["stale"], delays=[1], model="gpt2-tiny", batch=4,
+                              seq_len=64, steps=32, start=30, threads=2, device="cpu", bf16=False)
+    partial = mod.report(args, [], res["rows"][:1], 1.0, complete=False)
+    assert not partial["complete"] and [a["lr"] for a in partial["summary"]] == [2e-3]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda"):
+            mod.main(["--device", "cuda", "--json", ""])
+
+
 @pytest.mark.parametrize("bad", ["predict=", "predict=1.25,x", "nope=1.5", "plain=0,1.5"])
 def test_predict_sweep_rejects_bad_budgets_naming_the_flag(bad):
     """`--budgets VARIANT=B,B`: a bad item stops before any run, naming the flag and the item."""

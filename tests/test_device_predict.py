@@ -233,6 +233,54 @@ def test_device_path_keeps_no_fp32_copy_of_the_masters(stage):
     assert st["device_velocity_bytes"] == 0   # on the CPU accelerator the shards sit beside the host velocity
 
 
+@pytest.mark.parametrize("stage, velocity", [("z1", "fp32"), ("z2", "int8"), ("z3", "int8")])
+def test_commit_behind_the_backward_matches_the_inline_commit_bit_for_bit(stage, velocity):
+    """memory.commit_overlap: a kept run's displacement goes into the masters on a host thread
+    started by the next real step's check, still running when that step's backward starts and
+    joined before its optimizer step: weights and masters bit for bit the inline commit's at
+    every step (``auto`` is inline on the CPU accelerator)."""
+    mem = {"velocity_dtype": velocity}
+    cfgs = [ds_config(offload_opt="cpu", hybrid=_hybrid("device", fold="auto", memory={**mem, "commit_overlap": o}),
+                      **STAGES[stage]) for o in ("auto", True)]
+    inline, behind = (make_engine(c, seed=0) for c in cfgs)
+    assert inline.statistics()["commit_overlap"] is False and behind.statistics()["commit_overlap"] is True
+    running_at_backward = []
+    backward = behind.backward
+    behind.backward = lambda loss, **kw: (running_at_backward.append(behind._device_predict.running),
+                                          backward(loss, **kw))[1]
+    bi, bb = Batches(seed=3), Batches(seed=3)
+    for _ in range(14):
+        ri, rb = inline.train_step(bi.step()), behind.train_step(bb.step())
+        assert (ri.phase, ri.loss) == (rb.phase, rb.loss)
+        assert not behind._device_predict.running   # joined within the step
+        _same(inline, behind)
+    si, sb = inline.statistics(), behind.statistics()
+    assert sb["predict_accepted"] >= 4 and sb["predict_accepted"] == si["predict_accepted"]
+    assert running_at_backward.count(True) >= 2   # a commit per kept run, each overlapping a backward
+    assert "commit" in si["bookkeeping_seconds"] and "commit" not in sb["bookkeeping_seconds"]
+    assert "commit_wait" in sb["bookkeeping_seconds"] and sb["commit_background_seconds"] > 0
+    assert si["commit_background_seconds"] == 0
+
+
+def test_a_failed_background_commit_stops_the_step():
+    """An error on the commit thread is raised by the step that waits for it, not lost."""
+    eng = make_engine(ds_config(offload_opt="cpu", stage=2,
+                                hybrid=_hybrid("device", fold="auto", memory={"commit_overlap": True})))
+    b = Batches(seed=3)
+    while eng.controller.phase.value != "predict":
+        eng.train_step(b.step())
+    while eng.controller.phase.value == "predict":
+        eng.train_step(b.step())
+
+    def broken(*args, **kwargs):
+        raise OSError("host memory went away")
+    eng._device_predict._add_to_masters = broken
+    with pytest.raises(RuntimeError, match="background commit") as e:
+        eng.train_step(b.step())
+    assert isinstance(e.value.__cause__, OSError)
+    assert not eng._device_predict.running
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("stage", ["z2", "z3"])

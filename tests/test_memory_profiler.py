@@ -269,7 +269,9 @@ def test_benchmark_scripts_print_tables_and_write_json(tmp_path):
         result = json.loads(out.read_text())
         assert result["table_markdown"] in proc.stdout
     rows = json.loads((tmp_path / "host_path.py.json").read_text())["rows"]
-    assert {r["part"] for r in rows} == {"capture", "fold", "velocity_update", "adam_update"}
+    assert {r["part"] for r in rows} == {"capture", "fold", "velocity_update", "adam_update", "fold_from_state",
+                                         "fold_from_state_cpp", "fold_cpp"}
+    assert all(r["over_cpu_adam"] > 0 for r in rows)   # each against DeepSpeed's CPU Adam step on as many values
     assert all(r["ms"] > 0 for r in rows)
     cost = json.loads((tmp_path / "profiler_cost.py.json").read_text())
     assert cost["records"] == 20 and cost["record_ms"] > 0

@@ -1,0 +1,96 @@
+"""C++ kernels for the hybrid's work on fp32 masters in host memory (``memory.host_kernels``).
+
+Under ZeRO-Offload (and on DeepSpeed's CPU accelerator) the masters and the Adam moments live in
+host memory, and every real step folds its update into the drift velocity there. Done with torch
+ops a chunk at a time that is some twenty passes over memory per value, and measured at 20-40x
+DeepSpeed's own CPU Adam step on the same values (``benchmarks/host_path.py``): the real step's
+largest cost after the optimizer's. ``kernels/host_fold.cpp`` does the same arithmetic in one
+pass on torch's intra-op threads. It is compiled on first use with torch's C++ extension builder
+(as DeepSpeed builds its ``cpu_adam``), into torch's extensions folder, and loaded from there
+afterwards.
+
+``zero_access.fold_real_update(..., host_kernel=True)`` calls it; the torch path stays the
+reference (``tests/test_host_kernels.py`` compares them).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .kernels import KERNEL_DIR
+
+log = logging.getLogger(__name__)
+
+SETTING = "hybrid_predict.memory.host_kernels"
+NAME = "ds_hybrid_host_fold"
+# -ffp-contract=off: no multiply-add fused where the torch path rounds twice (host_fold.cpp says
+# which ones it fuses on purpose); -fno-math-errno and -fno-trapping-math let sqrt and floor
+# vectorise (the values are the same); -march=native as
+# DeepSpeed's cpu_adam (the build is per machine, in torch's extensions folder).
+# -fopenmp: at::parallel_for is inlined here and runs on torch's OpenMP threads only when this
+# file is built with OpenMP too (without it, it is one thread).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+VDTYPES = {"fp32": 0, "bf16": 1, "int8": 2}
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+class HostKernelUnavailable(RuntimeError):
+    """``memory.host_kernels: cpp`` was asked for and the extension cannot be built or loaded."""
+
+
+def load():
+    """The compiled extension (built on the first call in a machine's extensions folder), or
+    ``HostKernelUnavailable`` naming the setting and the builder's error."""
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            src = KERNEL_DIR / "host_fold.cpp"
+            try:
+                if not src.is_file():
+                    raise FileNotFoundError(f"kernel source {src} not found (set DS_HYBRID_KERNEL_DIR to the "
+                                            "repository's kernels/ folder)")
+                from torch.utils.cpp_extension import load as build
+                _module = build(name=NAME, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                verbose=False)
+            except Exception as e:   # a missing compiler or ninja, a compile error: said once, by name
+                _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        if _module is None:
+            raise HostKernelUnavailable(f"{SETTING}: cpp: the C++ fold could not be built ({_error}); a C++ "
+                                        "compiler and ninja are needed (as for DeepSpeed's cpu_adam), or set "
+                                        "it to torch")
+        return _module
+
+
+def resolve(setting: str) -> bool:
+    """``memory.host_kernels``: whether the masters' host work uses the C++ kernels. ``cpp``
+    raises when they cannot be built; ``auto`` falls back to torch, with one warning."""
+    if setting == "torch":
+        return False
+    try:
+        load()
+        return True
+    except HostKernelUnavailable as e:
+        if setting == "cpp":
+            raise
+        log.warning("%s: auto falls back to the torch ops: %s", SETTING, e)
+        return False
+
+
+def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, before: torch.Tensor | None,
+         vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float, bc1: float, bc2: float,
+         eps: float, first: bool, moments: bool) -> list[float]:
+    """One partition's fold (see ``kernels/host_fold.cpp``): the velocity ``vel`` (a
+    ``quant.CompactBuffer`` in host memory) updated in place; returns the sums
+    ``[d.v_old, v_old.v_old, d.d, w.w, sum |m|, sum sqrt(v2)]`` with ``d`` = lr x the update."""
+    empty = torch.empty(0, dtype=torch.float32)
+    from_state = before is None
+    return load().fold(w, m if m is not None else empty, v2 if v2 is not None else empty,
+                       before if before is not None else empty, vel.data,
+                       vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
+                       float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), from_state,
+                       bool(first), bool(moments))

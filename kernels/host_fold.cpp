@@ -1,0 +1,270 @@
+// The drift velocity's fold after a real step, on fp32 masters in host memory, in one pass.
+//
+// ds_hybrid/zero_access.py::fold_real_update does this with torch ops a chunk at a time: about
+// twenty passes over each 16 MiB chunk (the Adam direction, the update, three dot products, the
+// EMA, the int8 quantisation), each from DRAM. Under ZeRO-Offload that made the fold 20-40x
+// DeepSpeed's own CPU Adam step on the same values. Here every value is read once and the
+// velocity written once, 256 values (one int8 scale block) at a time, on torch's intra-op
+// threads. The arithmetic per value is the torch path's, in the same order and in fp32: an
+// add with ``alpha`` is a fused multiply-add, as torch's vectorised CPU kernels compute it
+// (vec::fmadd), and nothing else is contracted (built with -ffp-contract=off); the dot products
+// accumulate in fp64 (the torch path: fp32 per chunk, then fp64). The int8 noise is the
+// torch path's own: the caller passes, per chunk, the uniform values quant._cpu_noise drew.
+//
+// Loaded by ds_hybrid/host_kernels.py (torch.utils.cpp_extension, built on first use).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // quant.BLOCK: values per int8 scale
+constexpr int kLanes = 16;       // independent fp32 partial sums per block: vectorisable without -ffast-math
+
+struct Sums {
+  double dv = 0, vv = 0, dd = 0, ww = 0, m_abs = 0, v_sqrt = 0;
+};
+
+const float* ptr_or_null(const torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
+// n values from src, the rest of the block zero (a short last block, padded as the torch path pads it)
+inline void load_block(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+  if (n < kBlock) std::memset(dst + n, 0, (kBlock - n) * sizeof(float));
+}
+
+// sum x[j] * y[j] over a block, in kLanes fp32 lanes, then in fp64
+inline double block_dot(const float* x, const float* y) {
+  float acc[kLanes] = {0};
+  for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[j0 + l] * y[j0 + l];
+  double s = 0;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+struct Args {
+  const float *w, *m, *v2, *before;
+  float* v32;
+  at::BFloat16* v16;
+  int8_t* v8;
+  float* scale;
+  const std::vector<const float*>* noise;
+  int64_t n, chunk;
+  float lr, bc1, bc2, eps, beta, decay, neg_lr, inv_lr, mix;
+  bool moments;
+};
+
+// One block of kBlock values in one loop (then, for int8, the quantisation): each value's
+// direction, update, old and new velocity, and its terms of the sums in kLanes lanes, which the
+// compiler vectorises. The last block, when short, is copied into zero-padded arrays first (as
+// quant.CompactBuffer.store pads it) and written back after.
+template <int VD, bool FROM_STATE, bool DECAY, bool FIRST>
+void fold_values(const Args& A, const float* w, const float* m, const float* v2, const float* before,
+                 const void* vin, float v_scale, float* x, Sums& s) {
+  float dv[kLanes] = {0}, vv[kLanes] = {0}, dd[kLanes] = {0}, ww[kLanes] = {0};
+  for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t j = j0 + l;
+      float d;
+      if (FROM_STATE) {
+        const float a = (m[j] / A.bc1) / (std::sqrt(v2[j] / A.bc2) + A.eps);
+        // torch.add(w, a, alpha=lr).mul_(k).sub_(a, alpha=lr): an add with alpha is torch's fmadd
+        d = DECAY ? std::fma(a, -A.lr, std::fma(a, A.lr, w[j]) * A.decay) : a * A.neg_lr;
+      } else {
+        d = w[j] - before[j];
+      }
+      float v_old;
+      if (VD == 0) v_old = static_cast<const float*>(vin)[j];
+      else if (VD == 1) v_old = static_cast<float>(static_cast<const at::BFloat16*>(vin)[j]);
+      else v_old = static_cast<float>(static_cast<const int8_t*>(vin)[j]) * v_scale;
+      dv[l] += d * v_old;
+      vv[l] += v_old * v_old;
+      dd[l] += d * d;
+      if (A.moments) ww[l] += w[j] * w[j];
+      // mul_(beta).add_(d, alpha=(1 - beta) / lr)
+      x[j] = FIRST ? d * A.inv_lr : std::fma(d, A.mix, v_old * A.beta);
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    s.dv += dv[l];
+    s.vv += vv[l];
+    s.dd += dd[l];
+    s.ww += ww[l];
+  }
+  if (A.moments && m != nullptr) {
+    float ma[kLanes] = {0}, vs[kLanes] = {0};
+    for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        ma[l] += std::fabs(m[j0 + l]);
+        vs[l] += std::sqrt(v2[j0 + l]);
+      }
+    for (int l = 0; l < kLanes; ++l) {
+      s.m_abs += ma[l];
+      s.v_sqrt += vs[l];
+    }
+  }
+}
+
+// int8: absmax per block as max(max x, -min x), then x / scale + the noise, floored and clamped
+// (quant.CompactBuffer.store's arithmetic)
+inline float quantize(const float* x, const float* u, int8_t* out) {
+  float hi[kLanes], lo[kLanes];
+  for (int l = 0; l < kLanes; ++l) hi[l] = lo[l] = x[l];
+  for (int64_t j0 = kLanes; j0 < kBlock; j0 += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      hi[l] = hi[l] < x[j0 + l] ? x[j0 + l] : hi[l];
+      lo[l] = lo[l] > x[j0 + l] ? x[j0 + l] : lo[l];
+    }
+  float top = hi[0], bottom = lo[0];
+  for (int l = 1; l < kLanes; ++l) {
+    top = std::max(top, hi[l]);
+    bottom = std::min(bottom, lo[l]);
+  }
+  const float sc = std::max(top, -bottom) / 127.0f;
+  const float safe = sc > 0.0f ? sc : 1.0f;
+  int32_t q[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float y = std::floor(x[j] / safe + u[j]);
+    q[j] = static_cast<int32_t>(y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y));
+  }
+  for (int64_t j = 0; j < kBlock; ++j) out[j] = static_cast<int8_t>(q[j]);
+  return sc;
+}
+
+template <int VD, bool FROM_STATE, bool DECAY, bool FIRST>
+void fold_block(const Args& A, int64_t b, Sums& s) {
+  const int64_t i0 = b * kBlock, len = std::min(kBlock, A.n - i0);
+  const float v_scale = VD == 2 ? A.scale[b] : 0.0f;
+  float x[kBlock];
+  const void* vin = VD == 0 ? static_cast<const void*>(A.v32 + i0)
+                  : VD == 1 ? static_cast<const void*>(A.v16 + i0) : static_cast<const void*>(A.v8 + i0);
+  if (len == kBlock) {
+    fold_values<VD, FROM_STATE, DECAY, FIRST>(A, A.w + i0, A.m ? A.m + i0 : nullptr, A.v2 ? A.v2 + i0 : nullptr,
+                                              A.before ? A.before + i0 : nullptr, vin, v_scale, x, s);
+  } else {   // the partition's short last block: zero-padded copies
+    float w[kBlock] = {0}, m[kBlock] = {0}, v2[kBlock] = {0}, before[kBlock] = {0}, v32[kBlock] = {0};
+    at::BFloat16 v16[kBlock];
+    int8_t v8[kBlock] = {0};
+    for (int64_t j = 0; j < kBlock; ++j) v16[j] = at::BFloat16(0.0f);
+    std::memcpy(w, A.w + i0, len * sizeof(float));
+    if (A.m) std::memcpy(m, A.m + i0, len * sizeof(float));
+    if (A.v2) std::memcpy(v2, A.v2 + i0, len * sizeof(float));
+    if (A.before) std::memcpy(before, A.before + i0, len * sizeof(float));
+    if (VD == 0) std::memcpy(v32, A.v32 + i0, len * sizeof(float));
+    if (VD == 1) std::memcpy(v16, A.v16 + i0, len * sizeof(at::BFloat16));
+    if (VD == 2) std::memcpy(v8, A.v8 + i0, kBlock);   // (the int8 buffer is allocated in whole blocks)
+    const void* pin = VD == 0 ? static_cast<const void*>(v32) : VD == 1 ? static_cast<const void*>(v16)
+                                                                         : static_cast<const void*>(v8);
+    fold_values<VD, FROM_STATE, DECAY, FIRST>(A, w, A.m ? m : nullptr, A.v2 ? v2 : nullptr, before, pin, v_scale,
+                                              x, s);
+    for (int64_t j = len; j < kBlock; ++j) x[j] = 0.0f;   // as the torch path's zero padding
+  }
+  if (VD == 0) {
+    std::memcpy(A.v32 + i0, x, len * sizeof(float));
+  } else if (VD == 1) {
+    for (int64_t j = 0; j < len; ++j) A.v16[i0 + j] = at::BFloat16(x[j]);   // round to nearest even, as copy_
+  } else {
+    const int64_t c = i0 / A.chunk;
+    A.scale[b] = quantize(x, (*A.noise)[c] + (i0 - c * A.chunk), A.v8 + i0);
+  }
+}
+
+template <int VD, bool FROM_STATE, bool DECAY, bool FIRST>
+void fold_blocks(const Args& A, int64_t b0, int64_t b1, Sums& s) {
+  for (int64_t b = b0; b < b1; ++b) fold_block<VD, FROM_STATE, DECAY, FIRST>(A, b, s);
+}
+
+using BlocksFn = void (*)(const Args&, int64_t, int64_t, Sums&);
+
+template <int VD>
+BlocksFn pick(bool from_state, bool decay, bool first) {
+  if (from_state) {
+    if (decay) return first ? fold_blocks<VD, true, true, true> : fold_blocks<VD, true, true, false>;
+    return first ? fold_blocks<VD, true, false, true> : fold_blocks<VD, true, false, false>;
+  }
+  return first ? fold_blocks<VD, false, false, true> : fold_blocks<VD, false, false, false>;
+}
+
+}  // namespace
+
+// Returns {d.v_old, v_old.v_old, d.d, w.w, sum|m|, sum sqrt(v2)} with d = lr x the step's update
+// (the caller scales, as the torch path does). velocity dtype: 0 fp32, 1 bf16, 2 int8.
+std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
+                         torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
+                         int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
+                         double bc2, double eps, bool from_state, bool first, bool moments) {
+  const int64_t n = w.numel();
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32, "host_fold: masters must be contiguous fp32");
+  TORCH_CHECK(chunk % kBlock == 0, "host_fold: the chunk must be a multiple of the block");
+  for (const auto* t : {&m, &v2, &before}) {
+    TORCH_CHECK(t->numel() == 0 || (t->numel() == n && t->is_contiguous() && t->scalar_type() == torch::kFloat32),
+                "host_fold: Adam moments and the snapshot must be contiguous fp32 like the masters");
+  }
+  TORCH_CHECK(from_state ? (m.numel() == n && v2.numel() == n) : before.numel() == n,
+              "host_fold: from_state needs the moments, else the snapshot");
+  TORCH_CHECK(vdtype >= 0 && vdtype <= 2, "host_fold: velocity dtype code must be 0, 1 or 2");
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (vdtype == 2) {
+    TORCH_CHECK(vscale.numel() >= blocks && vdata.numel() >= blocks * kBlock, "host_fold: int8 buffer too small");
+    TORCH_CHECK(static_cast<int64_t>(noise.size()) == (n + chunk - 1) / chunk, "host_fold: one noise tensor per chunk");
+  } else {
+    TORCH_CHECK(vdata.numel() >= n, "host_fold: velocity buffer too small");
+  }
+  std::vector<const float*> noise_ptr;
+  for (int64_t c = 0; c < static_cast<int64_t>(noise.size()); ++c) {
+    const auto& t = noise[c];
+    const int64_t len = std::min(chunk, n - c * chunk);
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat32 && t.numel() >= (len + kBlock - 1) / kBlock * kBlock,
+                "host_fold: each chunk's noise must be contiguous fp32 covering its whole blocks");
+    noise_ptr.push_back(t.data_ptr<float>());
+  }
+  Args A;
+  A.w = w.data_ptr<float>();
+  A.m = ptr_or_null(m);
+  A.v2 = ptr_or_null(v2);
+  A.before = ptr_or_null(before);
+  A.v32 = vdtype == 0 ? vdata.data_ptr<float>() : nullptr;
+  A.v16 = vdtype == 1 ? vdata.data_ptr<at::BFloat16>() : nullptr;
+  A.v8 = vdtype == 2 ? vdata.data_ptr<int8_t>() : nullptr;
+  A.scale = vdtype == 2 ? vscale.data_ptr<float>() : nullptr;
+  A.noise = &noise_ptr;
+  A.n = n;
+  A.chunk = chunk;
+  // Scalars as the torch path's fp32 kernels see them (a Python float becomes the op's float).
+  A.lr = static_cast<float>(lr);
+  A.bc1 = static_cast<float>(bc1);
+  A.bc2 = static_cast<float>(bc2);
+  A.eps = static_cast<float>(eps);
+  A.beta = static_cast<float>(beta);
+  A.decay = static_cast<float>(-lr * wd / (1.0 - lr * wd));
+  A.neg_lr = static_cast<float>(-lr);
+  A.inv_lr = static_cast<float>(1.0 / lr);
+  A.mix = static_cast<float>((1.0 - beta) / lr);
+  A.moments = moments;
+  const bool decay = from_state && wd != 0.0;
+  const BlocksFn run = vdtype == 0 ? pick<0>(from_state, decay, first)
+                       : vdtype == 1 ? pick<1>(from_state, decay, first) : pick<2>(from_state, decay, first);
+  // A fixed split into one range of blocks per thread: the sums add up in the same order on
+  // every call with the same thread count.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  std::vector<Sums> partial(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) run(A, blocks * p / parts, blocks * (p + 1) / parts, partial[p]);
+  });
+  Sums t;
+  for (const auto& s : partial) {
+    t.dv += s.dv; t.vv += s.vv; t.dd += s.dd; t.ww += s.ww; t.m_abs += s.m_abs; t.v_sqrt += s.v_sqrt;
+  }
+  return {t.dv, t.vv, t.dd, t.ww, t.m_abs, t.v_sqrt};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("fold", &fold, "the drift velocity's fold on host masters, one pass (see host_fold.cpp)");
+}
