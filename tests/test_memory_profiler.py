@@ -184,7 +184,9 @@ def test_train_job_writes_memory_outputs(tmp_path):
         assert len(list(csv.DictReader(f))) == 14
     assert (out / "memory.png").read_bytes()[:8] == PNG
     assert "predict" in (out / "memory_report.txt").read_text()
-    assert mem["baseline_rss_mb"] < mem["setup_peak_rss_mb"] <= mem["process_peak_rss_mb"]
+    # (<=: this 0.03M-parameter set-up can be served entirely from pages earlier tests in this
+    # process freed but left resident, and then does not raise the high-water mark)
+    assert mem["baseline_rss_mb"] <= mem["setup_peak_rss_mb"] <= mem["process_peak_rss_mb"]
     assert summary["peak_rss_mb"] >= mem["process_peak_rss_mb"] - 1  # the reset did not lose the run's peak
     assert mem["overhead_s"] < 0.01 * wall
     assert json.loads((out / "summary.json").read_text())["memory"]["steps_recorded"] == 14
