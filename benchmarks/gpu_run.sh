@@ -10,7 +10,7 @@
 #
 # stages:
 #   env      nvidia-smi, versions, `ds-hybrid report`
-#   ops      build DeepSpeed's FusedAdam and CPU Adam now (they JIT-compile at first use)
+#   ops      build DeepSpeed's FusedAdam and CPU Adam and ds_hybrid's host fold now (they JIT-compile at first use)
 #   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA,
 #            overlapped parking bit-identical, the RSSM predictor on the GPU against the CPU one)
 #   kernels  ds-hybrid kernel-bench                          -> OUT/kernels.json
@@ -78,7 +78,9 @@ for stage in "$@"; do
     ops)
       $PY -c "
 from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder
-FusedAdamBuilder().load(); CPUAdamBuilder().load(); print('FusedAdam and CPU Adam built')" > "$OUT/ops.log" 2>&1
+from ds_hybrid import host_kernels
+FusedAdamBuilder().load(); CPUAdamBuilder().load(); host_kernels.load()
+print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > "$OUT/ops.log" 2>&1
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
