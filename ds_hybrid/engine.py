@@ -467,16 +467,18 @@ class PredictiveEngine(DeepSpeedEngine):
             redo = self._check_predicted_update(loss, batch, checked)
             if self._device_predict is not None and self._device_predict.pending:
                 self._commit_run()   # (a run kept without a check: its masters catch up here)
-            if predicted or (drift and not self._fold_from_state) or (probe and not drift):
-                self._wait_commit()   # the capture and the stash below read the masters
-            if predicted or (drift and not self._fold_from_state):
+            capture = predicted or (drift and not self._fold_from_state)
+            stash = not capture and probe and not drift
+            if capture or stash:
+                self._wait_commit()   # both read the masters
+            if capture:
                 # The masters before the step (into the snapshot buffer, free outside Predict
                 # runs): the update per unit LR feeds the velocity, and for predicted groups it is
                 # the rollback point the next step's check may return to. (fold_source:
                 # optimizer_state reads a whole step's update back from the Adam state instead.)
                 with self._timed("capture"):
                     za.capture_weights(self._masters, self._snapshot)
-            elif probe and not drift:
+            elif stash:
                 with self._timed("stash"):
                     za.stash_direction(self._masters, self._snapshot)
             return redo

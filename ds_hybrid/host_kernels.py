@@ -2,9 +2,9 @@
 
 Under ZeRO-Offload (and on DeepSpeed's CPU accelerator) the masters and the Adam moments live in
 host memory, and every real step folds its update into the drift velocity there. Done with torch
-ops a chunk at a time that is some twenty passes over memory per value, and measured at 20-40x
-DeepSpeed's own CPU Adam step on the same values (``benchmarks/host_path.py``): the real step's
-largest cost after the optimizer's. ``kernels/host_fold.cpp`` does the same arithmetic in one
+ops a chunk at a time that is some twenty passes over memory per value: 3.5x (fp32) to 6.5x (int8)
+DeepSpeed's own CPU Adam step on the same values, and 1.1x / 1.5x here (``benchmarks/host_path.py``,
+``docs/results/host-fold.json``). ``kernels/host_fold.cpp`` does the same arithmetic in one
 pass on torch's intra-op threads. It is compiled on first use with torch's C++ extension builder
 (as DeepSpeed builds its ``cpu_adam``), into torch's extensions folder, and loaded from there
 afterwards.
@@ -27,10 +27,9 @@ SETTING = "hybrid_predict.memory.host_kernels"
 NAME = "ds_hybrid_host_fold"
 # -ffp-contract=off: no multiply-add fused where the torch path rounds twice (host_fold.cpp says
 # which ones it fuses on purpose); -fno-math-errno and -fno-trapping-math let sqrt and floor
-# vectorise (the values are the same); -march=native as
-# DeepSpeed's cpu_adam (the build is per machine, in torch's extensions folder).
-# -fopenmp: at::parallel_for is inlined here and runs on torch's OpenMP threads only when this
-# file is built with OpenMP too (without it, it is one thread).
+# vectorise (the values are the same); -march=native as DeepSpeed's cpu_adam (the build is per
+# machine, in torch's extensions folder); -fopenmp: at::parallel_for is inlined here and runs on
+# torch's OpenMP threads only when this file is built with OpenMP too.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 VDTYPES = {"fp32": 0, "bf16": 1, "int8": 2}
 

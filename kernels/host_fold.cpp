@@ -2,8 +2,8 @@
 //
 // ds_hybrid/zero_access.py::fold_real_update does this with torch ops a chunk at a time: about
 // twenty passes over each 16 MiB chunk (the Adam direction, the update, three dot products, the
-// EMA, the int8 quantisation), each from DRAM. Under ZeRO-Offload that made the fold 20-40x
-// DeepSpeed's own CPU Adam step on the same values. Here every value is read once and the
+// EMA, the int8 quantisation), each from DRAM: 3.5-6.5x DeepSpeed's own CPU Adam step on the same
+// values (benchmarks/host_path.py), on a real step under ZeRO-Offload. Here every value is read once and the
 // velocity written once, 256 values (one int8 scale block) at a time, on torch's intra-op
 // threads. The arithmetic per value is the torch path's, in the same order and in fp32: an
 // add with ``alpha`` is a fused multiply-add, as torch's vectorised CPU kernels compute it
