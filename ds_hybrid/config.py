@@ -245,6 +245,21 @@ class MemoryConfig(_Section):
     (the real steps' wait for it). ``auto``: on where the masters are in host memory beside a
     GPU (on DeepSpeed's CPU accelerator the thread would take the forward's own cores)."""
 
+    fold_overlap: bool | Literal["auto"] = "auto"
+    """With ``fold_source: optimizer_state``: a real step's fold of its update into the drift
+    velocity runs on a host thread, started after its optimizer step and overlapped with the next
+    real step's forward and backward (neither reads the masters and moments it reads, nor the
+    velocity it writes); the next optimizer step, a Predict step, a capture or commit of the
+    masters and a checkpoint wait for it. The velocity is the inline fold's bit for bit; the
+    predictor sees the fold's direction statistics with the next real step, so its step scale
+    and confidence lag the inline fold's by one real step (``ds_hybrid/fold_overlap.py``).
+    ``statistics()``: ``fold_background_seconds`` and ``bookkeeping_seconds.fold_wait``.
+    ``true`` refuses, naming the key, setups whose every-step statistics are read at that step
+    (``group_predict``, ``predictor.type: rssm``, ``dynamics.trajectory_path``), the ``snapshot``
+    fold source, and NVMe optimizer offload (the fold would swap on its thread beside
+    DeepSpeed's swapper). ``auto``: on where it can be and the masters are in host memory
+    beside a GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores)."""
+
     host_kernels: Literal["auto", "cpp", "torch"] = "auto"
     """How a real step folds its update into the drift velocity where the masters are in host
     memory (``offload_optimizer``, DeepSpeed's CPU accelerator): ``cpp`` = one pass of

@@ -47,6 +47,7 @@ from .device_predict import unsupported as device_unsupported
 from .dist_env import ensure_distributed_env
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
+from .fold_overlap import BackgroundFold
 from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
@@ -207,6 +208,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._fold_from_state = False   # memory.fold_source resolved
         self._commit_overlap = False    # memory.commit_overlap resolved
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
+        self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -244,6 +246,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self.predictor = make_predictor(self.hybrid_config)
         if self.hybrid_config.group_predict.enabled:
             self._setup_group_predict()
+        self._folds = BackgroundFold() if self._resolve_fold_overlap() else None
         self._pending = 0  # Predict steps applied since the last good point
         dyn = self.hybrid_config.dynamics
         self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
@@ -374,6 +377,8 @@ class PredictiveEngine(DeepSpeedEngine):
             out["offload_predict"] = "device" if self._device_predict is not None else "host"
             out["fold_source"] = "optimizer_state" if self._fold_from_state else "snapshot"
             out["host_kernels"] = "cpp" if self._host_kernel else "torch"
+            out["fold_overlap"] = self._folds is not None
+            out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
                 out["commit_overlap"] = self._commit_overlap
@@ -470,6 +475,7 @@ class PredictiveEngine(DeepSpeedEngine):
             capture = predicted or (drift and not self._fold_from_state)
             stash = not capture and probe and not drift
             if capture or stash:
+                self._wait_fold()     # (it reads the masters these overwrite)
                 self._wait_commit()   # both read the masters
             if capture:
                 # The masters before the step (into the snapshot buffer, free outside Predict
@@ -490,7 +496,14 @@ class PredictiveEngine(DeepSpeedEngine):
             self._step_groups = frozenset()
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         applied = self.was_step_applied()
-        if drift and applied:
+        if drift and applied and self._folds is not None and not predicted:
+            # memory.fold_overlap: this step's fold runs behind the next step's forward and
+            # backward; the predictor gets the last one's sums (joined before this optimizer step).
+            groups = self._folds.take()
+            if groups is None:
+                groups = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
+            self._start_fold(lrs)
+        elif drift and applied:
             real = None if not predicted else set(range(self._masters.num_groups())) - predicted
             with self._timed("fold"):
                 before = None if self._fold_from_state and not predicted else self._snapshot
@@ -577,6 +590,7 @@ class PredictiveEngine(DeepSpeedEngine):
         if groups is None:
             return False
         self._check_groups = None
+        self._wait_fold()   # (a rollback below writes the masters)
         local = torch.cat([torch.tensor([float(loss.detach().float()), 1.0], dtype=torch.float64),
                            self._measure_difficulty([batch])])
         shared = self._all_reduce_sum(local)
@@ -625,6 +639,7 @@ class PredictiveEngine(DeepSpeedEngine):
         ctl, cfg = self.controller, self.hybrid_config
         next_step = cfg.check == "next_step"
         device = self._device_predict
+        self._wait_fold()   # the velocity this step moves along, and the masters a snapshot copies
         if ctl.predict_index == 0:
             if self._check_groups is None:
                 if device is None:   # (device-side runs leave the masters at the last good point)
@@ -836,11 +851,27 @@ class PredictiveEngine(DeepSpeedEngine):
     def _commit_run(self) -> None:
         """A kept device-side Predict run's displacement into the masters (``memory.commit_overlap``:
         on a host thread behind the forward and backward, joined by ``_wait_commit``)."""
+        self._wait_fold()   # (it reads the masters)
         if self._commit_overlap:
             self._device_predict.commit(self._velocity, background=True)
             return
         with self._timed("commit"):
             self._device_predict.commit(self._velocity)
+
+    def _start_fold(self, lrs: list[float]) -> None:
+        """This real step's fold on the host thread (``memory.fold_overlap``): from the Adam state
+        and the masters its optimizer step left, which nothing writes before ``_wait_fold``."""
+        p = self.hybrid_config.predictor
+        parts = list(self._masters.partitions())   # DeepSpeed's structures read here, not on the thread
+        step, host = int(self.global_steps), self._host_kernel
+        self._folds.start(lambda: za.fold_real_update(self._masters, None, self._velocity, lrs, p.drift_beta, step,
+                                                      moments=False, host_kernel=host, parts=parts))
+
+    def _wait_fold(self) -> None:
+        """Join a fold running behind the step (what a step waits for it: ``fold_wait``)."""
+        if self._folds is not None and self._folds.running:
+            with self._timed("fold_wait"):
+                self._folds.wait()
 
     def _wait_commit(self) -> None:
         """Join a commit running behind the step (what a real step waits for it: ``commit_wait``)."""
@@ -915,6 +946,7 @@ class PredictiveEngine(DeepSpeedEngine):
         branch: gradients cleared, no update, LR scheduler not stepped,
         ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
         (DeepSpeed's fp16-overflow semantics)."""
+        self._wait_fold()     # the last real step's fold reads the masters and moments this step writes
         self._wait_commit()   # a kept run's displacement, added behind the forward/backward: the step reads the masters
         if self._predicted_update is None:
             if self._parking is not None:
@@ -999,6 +1031,7 @@ class PredictiveEngine(DeepSpeedEngine):
         """DeepSpeed's checkpoint plus ds_hybrid's state, published atomically: written
         into ``save_dir/.staging-<tag>``, renamed to ``save_dir/<tag>`` when complete,
         and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
+        self._wait_fold()     # the velocity is saved
         self._wait_commit()
         parked = self._parking is not None and self._parking.parked
         if parked:  # DeepSpeed saves the optimizer state from where it normally lives
@@ -1023,6 +1056,7 @@ class PredictiveEngine(DeepSpeedEngine):
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
+        self._wait_fold()   # before the loaded masters, moments and velocity replace what it works on
         if self._parking is not None:
             self._parking.unpark(wait=True)  # the loaded moments replace these; on the device until the next run
         return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs, verify=verify)
@@ -1083,7 +1117,9 @@ class PredictiveEngine(DeepSpeedEngine):
         rollback snapshot (its shard of the masters at the last good point)."""
         return {"format": ckpt.FORMAT_VERSION, "rank": int(self.global_rank), "world_size": int(self.dp_world_size),
                 "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save(),
-                "velocity": self._velocity.state_dict() if self._velocity is not None else None}
+                "velocity": self._velocity.state_dict() if self._velocity is not None else None,
+                # memory.fold_overlap: the last fold's sums, which the next real step observes
+                "fold": self._folds.state_dict() if self._folds is not None else None}
 
     def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
         """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
@@ -1097,6 +1133,8 @@ class PredictiveEngine(DeepSpeedEngine):
             else:
                 logger.warning(f"{source}: no drift velocity for this rank in the checkpoint; it is rebuilt from "
                                "the next real steps")
+            if self._folds is not None:
+                self._folds.load_state_dict(None if sd is None else sd.get("fold"))
         if self.hybrid_config.enabled and self._load_device_run(sd, source):
             return
         if not self.hybrid_config.enabled or not self._snapshot_needed():
@@ -1179,6 +1217,31 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.global_rank == 0:
             logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
         return None
+
+    def _resolve_fold_overlap(self) -> bool:
+        """``memory.fold_overlap``: whether real steps fold on a host thread behind the next step."""
+        setting = self.hybrid_config.memory.fold_overlap
+        if setting is False or self._velocity is None:
+            if setting is True:
+                raise ValueError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
+                                 "no velocity to fold with the Adam direction)")
+            return False
+        zo = self._config._param_dict.get("zero_optimization") or {}
+        why = None
+        if not self._fold_from_state:
+            why = ("memory.fold_source is snapshot: the next step's copy of the masters would overwrite what the "
+                   "fold reads; set fold_source to optimizer_state")
+        elif self._learns_from_every_step():
+            why = ("group_predict, predictor.type: rssm and dynamics.trajectory_path read every real step's "
+                   "direction statistics at that step")
+        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
+            why = ("offload_optimizer.device is nvme: reading the masters would swap them in on the fold's thread, "
+                   "beside DeepSpeed's own swapper")
+        if setting == "auto":
+            return why is None and self._host_masters_beside_an_accelerator()
+        if why is not None:
+            raise ValueError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
+        return True
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:
         if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):

@@ -28,6 +28,9 @@ the CPU, where the masters of an ``offload_optimizer`` run live.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 BLOCK = 256          # int8: values per absmax scale
@@ -36,23 +39,37 @@ DTYPES = ("fp32", "bf16", "int8")
 NOISE_TABLE_SEED = 0x5EED
 SMALL_STORE = 1 << 16   # values; up to this a CPU store draws its noise from the generator
 _noise_table: torch.Tensor | None = None
-_scratch: dict[tuple[str, int | None, int], torch.Tensor] = {}
+_scratch: dict[tuple[str, int | None, int, str], torch.Tensor] = {}
+_owner = threading.local()   # .name: the host worker this thread is (its own set of work buffers)
 
 
 def scratch(device: torch.device | str, slot: int = 0, numel: int = CHUNK) -> torch.Tensor:
     """A flat fp32 work buffer on ``device`` of at least ``min(numel, CHUNK)`` values. On the CPU
     one per ``slot``, kept and reused across calls (grown when a caller needs more; the caller
     must not hold two uses of one slot at once); on an accelerator a fresh tensor: its caching
-    allocator already reuses the block, and nothing stays allocated between steps."""
+    allocator already reuses the block, and nothing stays allocated between steps. A thread inside
+    ``worker_scratch(name)`` has slots of its own, so it can run beside the main thread's work."""
     dev = torch.device(device)
     n = max(1, min(int(numel), CHUNK))
     if dev.type != "cpu":
         return torch.empty(n, dtype=torch.float32, device=dev)
-    key = (dev.type, dev.index, slot)
+    key = (dev.type, dev.index, slot, getattr(_owner, "name", ""))
     buf = _scratch.get(key)
     if buf is None or buf.numel() < n:
         buf = _scratch[key] = torch.empty(n, dtype=torch.float32, device=dev)
     return buf
+
+
+@contextlib.contextmanager
+def worker_scratch(name: str):
+    """Within the block this thread's ``scratch`` buffers are ``name``'s, not the main thread's:
+    for a host worker (one thread per name at a time) whose chunked work overlaps the step's."""
+    before = getattr(_owner, "name", "")
+    _owner.name = name
+    try:
+        yield
+    finally:
+        _owner.name = before
 
 
 def _cpu_noise(n: int, generator: torch.Generator | None) -> torch.Tensor:

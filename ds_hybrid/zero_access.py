@@ -683,7 +683,8 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 @torch.no_grad()
 def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
-                     keep: bool = False, moments: bool = True, host_kernel: bool = False) -> torch.Tensor:
+                     keep: bool = False, moments: bool = True, host_kernel: bool = False,
+                     parts: "list[MasterPartition] | None" = None) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -705,14 +706,17 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
 
     ``host_kernel`` (``memory.host_kernels``): partitions in host memory are folded by the C++
     kernel of ``ds_hybrid/host_kernels.py`` in one pass, with this function's arithmetic and
-    int8 noise (``tests/test_host_kernels.py``)."""
+    int8 noise (``tests/test_host_kernels.py``).
+
+    ``parts``: ``access.partitions()`` listed beforehand (a fold on a host thread reads
+    DeepSpeed's optimizer structures on the main thread, ``fold_overlap.py``)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     from_state = before is None
     if not from_state and before.holds != "weights":
         return out
     from .quant import scratch
     first, folded = vel.updates == 0, False
-    for i, part in enumerate(access.partitions()):
+    for i, part in enumerate(access.partitions() if parts is None else parts):
         lr = float(lrs[part.group_index])
         if part.master.numel() == 0 or lr <= 0 or (not from_state and i >= len(before.buffers)):
             continue

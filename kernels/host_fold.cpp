@@ -266,5 +266,8 @@ std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("fold", &fold, "the drift velocity's fold on host masters, one pass (see host_fold.cpp)");
+  // The GIL is released for the pass: with memory.fold_overlap it runs on a host thread while the
+  // main thread launches the next step's forward and backward (the arguments are converted first).
+  mod.def("fold", &fold, "the drift velocity's fold on host masters, one pass (see host_fold.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
 }

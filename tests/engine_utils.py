@@ -77,6 +77,15 @@ class Batches:
         return [self.micro() for _ in range(gas)]
 
 
+def step_together(a, b, batches_a: Batches, batches_b: Batches):
+    """One ``train_step`` of each engine on its stream: the same phase, loss and weights after it."""
+    ra, rb = a.train_step(batches_a.step()), b.train_step(batches_b.step())
+    assert (ra.phase, ra.loss) == (rb.phase, rb.loss)
+    for x, y in zip(full_params(a), full_params(b)):
+        assert torch.equal(x, y)
+    return ra
+
+
 def full_params(engine) -> list[torch.Tensor]:
     """Copies of every model parameter as the forward pass sees it (gathered on ZeRO 3)."""
     params = list(engine.module.parameters())

@@ -49,6 +49,8 @@ parser.add_argument("--offload-predict", choices=["host", "device"], default=Non
                          "(memory.offload_predict); with --faults rank 1's second check of a run sees its loss x 10")
 parser.add_argument("--fold-source", default="snapshot", choices=["snapshot", "optimizer_state", "auto"],
                     help="with --offload-predict: memory.fold_source")
+parser.add_argument("--fold-overlap", action="store_true",
+                    help="with --offload-predict: memory.fold_overlap true (the fold behind the next real step)")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -73,7 +75,8 @@ if args.offload_predict:
     hybrid = {"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0, "min_predict_steps": 2,
               "max_predict_steps": 2, "correction_steps": 0, "check": "next_step", "predictor": {"direction": "drift"},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
-              "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source}}
+              "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
+                         "fold_overlap": args.fold_overlap or "auto"}}
     offload = {"offload_opt": "cpu"}
 engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload),
                      groups=4 if args.group_predict else 0)

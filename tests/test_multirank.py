@@ -107,3 +107,21 @@ def test_device_side_predict_under_offload_agrees_with_the_host_path(stage, tmp_
     stats = {where: ranks[0]["statistics"] for where, ranks in runs.items()}
     for key in ("predict_rolled_back", "predict_accepted"):
         assert stats["device"][key] == stats["host"][key] > 0, key
+
+
+@pytest.mark.slow
+def test_fold_behind_the_next_step_keeps_the_ranks_together(tmp_path):
+    """memory.fold_overlap, 2 ranks, ZeRO 2 under offload with the device path: each rank folds on
+    its own thread and the direction statistics reach the predictor a real step late on every
+    rank alike, so the phases, losses, rollbacks and weights stay the same on both, through the
+    skipped NaN steps (a joined fold's statistics wait for the next applied step) and rank 1's
+    rejected run."""
+    ranks = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults", "--offload-predict",
+                                              "device", "--fold-source", "auto", "--fold-overlap"], 2, tmp_path)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
+    assert [tuple(s[c] for c in cols) for s in ranks[1]["record"]] == \
+        [tuple(s[c] for c in cols) for s in ranks[0]["record"]]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    st = ranks[0]["statistics"]
+    assert st["fold_overlap"] is True and st["fold_background_seconds"] > 0
+    assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2

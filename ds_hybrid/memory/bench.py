@@ -74,11 +74,13 @@ VARIANTS: dict[str, dict | None] = {
     "drift-int8-device": {"predictor": {"direction": "drift"},
                           "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                      "fold_source": "optimizer_state"}},
-    # ... with the kept run's commit into the masters inline, before the backward, instead of
-    # on a host thread behind it (commit_overlap: auto is the thread beside a GPU).
+    # ... with its host passes inline instead of on host threads behind the next forward and
+    # backward (beside a GPU, auto is the threads): a kept run's commit into the masters, and
+    # each real step's fold into the velocity.
     "drift-int8-device-inline": {"predictor": {"direction": "drift"},
                                  "memory": {"velocity_dtype": "int8", "offload_predict": "device",
-                                            "fold_source": "optimizer_state", "commit_overlap": False}},
+                                            "fold_source": "optimizer_state", "commit_overlap": False,
+                                            "fold_overlap": False}},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

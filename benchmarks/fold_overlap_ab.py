@@ -1,0 +1,106 @@
+"""What the fold behind the next real step (``memory.fold_overlap``) costs in loss: the predictor
+hears of each real step's direction statistics one real step late, so its step scale and
+confidence lag the inline fold's by a step. Everything else (the velocity, the weights' path
+given the same decisions) is the inline fold's bit for bit (``tests/test_fold_overlap.py``).
+
+Measured on the ``offload`` bench suite's CPU setup (gpt2-tiny, the ``tiny-cpu`` preset at its
+LR, ZeRO 2 with ``offload_optimizer: cpu``, 300 steps of 16 x 128 bytes) with the bench's
+``predict`` arm (2 drift steps after every 4 real ones from step 50, checked by the next real
+step) on the device-side Predict path with the fold read back from the Adam state and an int8
+velocity, as the offload presets ship it beside a GPU. The two arms differ in
+``memory.fold_overlap`` only (``true``: on a host thread; ``false``: inline). On DeepSpeed's CPU
+accelerator ``auto`` would keep it inline, so ``true`` is forced.
+
+    .venv/bin/python benchmarks/fold_overlap_ab.py --json docs/results/fold-overlap-cpu.json
+
+Runs go to ``--out`` (default ``/tmp/fold-overlap-ab``), two at a time with one thread each
+(the runs are deterministic: their losses do not depend on timing). The times they report are
+taken beside each other and are not a measurement of the overlap; that is a GPU number
+(``benchmarks/gpu_run.sh off1b``). Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_hybrid.arguments import resolve_config  # noqa: E402
+from ds_hybrid.bench import ARMS, deep_merge  # noqa: E402
+from ds_hybrid.bench_suites import SUITES  # noqa: E402
+
+MEMORY = {"offload_predict": "device", "fold_source": "optimizer_state", "velocity_dtype": "int8"}
+STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_overlap", "fold_background_seconds")
+
+
+def config(overlap: bool) -> dict:
+    suite = SUITES["offload"]
+    cfg, _ = resolve_config(suite.config, "--config")
+    cfg = deep_merge(cfg, suite.overrides)
+    hybrid = json.loads(json.dumps(ARMS["predict"].hybrid))
+    hybrid["memory"] = dict(MEMORY, fold_overlap=overlap)
+    cfg["hybrid_predict"] = hybrid
+    return cfg
+
+
+def run(seed: int, overlap: bool, out: Path) -> dict:
+    suite = SUITES["offload"]
+    folder = out / f"{'behind' if overlap else 'inline'}-s{seed}"
+    summary = folder / "summary.json"
+    if not summary.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg_path = folder / "ds_config.json"
+        cfg_path.write_text(json.dumps(config(overlap), indent=1))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        cmd = [sys.executable, "-m", "ds_hybrid.cli", "train", "--config", str(cfg_path), "--model", suite.model,
+               "--steps", str(suite.steps), "--seq-len", str(suite.seq_len), "--seed", str(seed),
+               "--eval-every", str(suite.eval_every), "--val-batches", str(suite.val_batches), "--no-plot",
+               "--no-progress", "--out", str(folder)]
+        with open(folder / "train.log", "w") as log:
+            subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+    s = json.loads(summary.read_text())
+    st = s["statistics"]
+    book = st.get("bookkeeping_seconds", {})
+    return {"seed": seed, "fold_overlap": overlap, "final_val_loss": s["final_val_loss"],
+            **{k: st.get(k) for k in STATS}, "fold_seconds": book.get("fold", 0.0),
+            "fold_wait_seconds": book.get("fold_wait", 0.0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--out", default="/tmp/fold-overlap-ab")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    jobs = [(seed, overlap) for seed in args.seeds for overlap in (False, True)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(lambda j: run(*j, out), jobs))
+    by = {(r["seed"], r["fold_overlap"]): r for r in rows}
+    deltas = [by[(s, True)]["final_val_loss"] - by[(s, False)]["final_val_loss"] for s in args.seeds]
+    print("| seed | inline: loss (Predict steps, kept) | behind: loss (Predict steps, kept) | behind - inline |")
+    print("|---|---|---|---|")
+    for s, d in zip(args.seeds, deltas):
+        a, b = by[(s, False)], by[(s, True)]
+        print(f"| {s} | {a['final_val_loss']:.6f} ({a['predict_steps']}, {a['predict_accepted']}) | "
+              f"{b['final_val_loss']:.6f} ({b['predict_steps']}, {b['predict_accepted']}) | {d:+.2e} |")
+    spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+    print(f"mean difference {statistics.mean(deltas):+.2e} ± {spread:.2e} (sd over {len(deltas)} seeds)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "what": "memory.fold_overlap true (behind) against false (inline), offload suite's CPU setup, bench "
+                    "predict arm on the device path (fold from the Adam state, int8 velocity)",
+            "command": "python benchmarks/fold_overlap_ab.py" + (f" --json {args.json}" if args.json else ""),
+            "config_inline": config(False), "runs": rows, "loss_difference_behind_minus_inline": deltas,
+            "mean_difference": statistics.mean(deltas), "sd_difference": spread}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""A real step's velocity fold on a host thread, behind the next real step (``memory.fold_overlap``).
+
+Under ZeRO-Offload every real step folds its update into the drift velocity in host memory,
+read back from the Adam state the step left (``zero_access.fold_real_update``). Inline, that
+pass sits on the step's critical path, after DeepSpeed's CPU Adam step: 1.5x that step with the
+int8 velocity even as one C++ pass (``docs/results/host-fold.json``). Nothing in the next real
+step's forward and backward reads what the fold writes (the velocity) or writes what it reads
+(the masters and the Adam moments: the GPU works on the 16-bit parameters, the backward writes
+the gradient partition). So the fold can run on a host thread while they run:
+
+* started by the engine after a real step's optimizer step, with DeepSpeed's partitions listed
+  on the main thread;
+* joined (``wait``) before anything that reads or writes its inputs or its output: the next
+  optimizer step, a Predict step (it reads the velocity), a capture, restore or commit of the
+  masters, a checkpoint save or load;
+* its sums (the direction statistics) reach the predictor with the next real step's
+  observation (``take``), so the step scale and the confidence are one real step behind the
+  inline fold's. The velocity itself is the inline fold's, bit for bit.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from .quant import worker_scratch
+
+
+class BackgroundFold:
+    """One engine's fold thread and the sums of the last fold the predictor has not seen."""
+
+    def __init__(self) -> None:
+        # One long-lived worker (created on first use), so its chunk buffers are reused from
+        # fold to fold instead of paying page faults on every step.
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+        self._sums: torch.Tensor | None = None
+        self.background_seconds = 0.0   # the folds' time on the thread (off the critical path)
+        self.started = 0
+
+    def start(self, fold: Callable[[], torch.Tensor]) -> None:
+        """Run ``fold()`` (returning the per-group sums) on the thread; returns at once."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_hybrid-fold")
+
+        def run() -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad(), worker_scratch("fold"):   # (grad mode is per thread)
+                    return fold()
+            finally:
+                self.background_seconds += time.perf_counter() - t0
+
+        self._future = self._pool.submit(run)
+        self.started += 1
+
+    @property
+    def running(self) -> bool:
+        """A fold was started and not yet joined."""
+        return self._future is not None
+
+    def wait(self) -> None:
+        """Join the running fold (its sums wait for ``take``), re-raising its error."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            sums = future.result()
+        except BaseException as e:
+            raise RuntimeError("the background fold of a real step's update into the drift velocity failed") from e
+        # (Every applied real step takes the last sums before it starts a fold, so at most one
+        # fold's sums are ever waiting.)
+        self._sums = sums
+
+    def take(self) -> torch.Tensor | None:
+        """The joined fold's sums, once (None: no fold since the last take)."""
+        sums, self._sums = self._sums, None
+        return sums
+
+    def state_dict(self) -> dict:
+        """The sums not yet observed (call ``wait`` first): a resumed run observes them where
+        the uninterrupted one would."""
+        return {"sums": self._sums}
+
+    def load_state_dict(self, sd: dict | None) -> None:
+        self.wait()
+        self._sums = None if sd is None else sd.get("sums")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
