@@ -249,8 +249,9 @@ class MemoryConfig(_Section):
     """With ``fold_source: optimizer_state``: a real step's fold of its update into the drift
     velocity runs on a host thread, started after its optimizer step and overlapped with the next
     real step's forward and backward (neither reads the masters and moments it reads, nor the
-    velocity it writes); the next optimizer step, a Predict step, a capture or commit of the
-    masters and a checkpoint wait for it. The velocity is the inline fold's bit for bit; the
+    velocity it writes); the next optimizer step, a capture or commit of the masters and a
+    checkpoint wait for it, and a real step after which a Predict step comes (it moves along the
+    velocity) waits for its own before it ends. The velocity is the inline fold's bit for bit; the
     predictor sees the fold's direction statistics with the next real step, so its step scale
     and confidence lag the inline fold's by one real step (``ds_hybrid/fold_overlap.py``).
     ``statistics()``: ``fold_background_seconds`` and ``bookkeeping_seconds.fold_wait``.

@@ -328,6 +328,10 @@ class PredictiveEngine(DeepSpeedEngine):
                     result = self._predict_step(batches, loss_fn)
                 else:
                     result = self._full_step(batches, loss_fn, self.controller.phase)
+                if self.controller.phase is Phase.PREDICT:
+                    # memory.fold_overlap: a Predict step moves along the velocity, so it could only
+                    # wait for this step's fold; the wait is booked to the real step whose work it is.
+                    self._wait_fold()
             finally:
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
         self._sync()

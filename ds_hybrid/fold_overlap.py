@@ -11,8 +11,9 @@ the gradient partition). So the fold can run on a host thread while they run:
 * started by the engine after a real step's optimizer step, with DeepSpeed's partitions listed
   on the main thread;
 * joined (``wait``) before anything that reads or writes its inputs or its output: the next
-  optimizer step, a Predict step (it reads the velocity), a capture, restore or commit of the
-  masters, a checkpoint save or load;
+  optimizer step, a Predict step (it reads the velocity: the real step before it joins its own
+  fold before it ends, so the wait is booked to that real step), a capture, restore or commit of
+  the masters, a checkpoint save or load;
 * its sums (the direction statistics) reach the predictor with the next real step's
   observation (``take``), so the step scale and the confidence are one real step behind the
   inline fold's. The velocity itself is the inline fold's, bit for bit.
