@@ -39,7 +39,6 @@ class BackgroundFold:
         self._future: Future | None = None
         self._sums: torch.Tensor | None = None
         self.background_seconds = 0.0   # the folds' time on the thread (off the critical path)
-        self.started = 0
 
     def start(self, fold: Callable[[], torch.Tensor]) -> None:
         """Run ``fold()`` (returning the per-group sums) on the thread; returns at once."""
@@ -56,7 +55,6 @@ class BackgroundFold:
                 self.background_seconds += time.perf_counter() - t0
 
         self._future = self._pool.submit(run)
-        self.started += 1
 
     @property
     def running(self) -> bool:
@@ -89,8 +87,3 @@ class BackgroundFold:
     def load_state_dict(self, sd: dict | None) -> None:
         self.wait()
         self._sums = None if sd is None else sd.get("sums")
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
