@@ -32,12 +32,11 @@ real step's optimizer writes the 16-bit copies from the (committed, identical) m
 """
 from __future__ import annotations
 
-import threading
-import time
 from typing import Sequence
 
 import torch
 
+from .host_worker import HostWorker
 from .quant import CompactBuffer, scratch
 from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
 
@@ -71,9 +70,7 @@ class DevicePredict:
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
-        self._thread: threading.Thread | None = None   # a commit running behind the real step
-        self._thread_error: BaseException | None = None
-        self.background_seconds = 0.0   # what the commits on the thread took (off the critical path)
+        self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
 
     def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -149,44 +146,33 @@ class DevicePredict:
             return
         steps, self.pending = self.pending, []
         parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
-        if not background:
-            self._add_to_masters(parts, vel, steps, slot=0)
-            return
+        if background:   # (the worker has its own work buffers)
+            self._worker.start(lambda: self._add_to_masters(parts, vel, steps))
+        else:
+            self._add_to_masters(parts, vel, steps)
 
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                self._add_to_masters(parts, vel, steps, slot=4)   # its own work buffer: slots 0-3 are the caller's
-            except BaseException as e:   # handed to the caller's wait()
-                self._thread_error = e
-            self.background_seconds += time.perf_counter() - t0
-
-        self._thread = threading.Thread(target=run, name="ds_hybrid-commit", daemon=True)
-        self._thread.start()
+    @property
+    def background_seconds(self) -> float:
+        """What the commits on the thread took (off the critical path)."""
+        return self._worker.background_seconds
 
     @property
     def running(self) -> bool:
         """A commit was started in the background and not yet joined."""
-        return self._thread is not None
+        return self._worker.running
 
     def wait(self) -> None:
         """Join a commit running in the background, re-raising its error."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        thread.join()
-        error, self._thread_error = self._thread_error, None
-        if error is not None:
-            raise RuntimeError("the background commit of a kept Predict run into the masters failed") from error
+        self._worker.wait()
 
     @torch.no_grad()
-    def _add_to_masters(self, parts: list, vel: VelocityBuffers, steps: list[list[float]], slot: int) -> None:
+    def _add_to_masters(self, parts: list, vel: VelocityBuffers, steps: list[list[float]]) -> None:
         for part_i, part in enumerate(parts):
             gi = part.group_index
             if part_i >= len(vel.buffers) or vel.buffers[part_i] is None or part.master.numel() == 0:
                 continue
             master, buf = _flat(part.master), vel.buffers[part_i]
-            work = scratch(master.device, slot, master.numel())
+            work = scratch(master.device, 0, master.numel())
             for a, b in buf.chunks():
                 v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
                 for coefs in steps:

@@ -9,7 +9,7 @@ step's forward and backward reads what the fold writes (the velocity) or writes 
 the gradient partition). So the fold can run on a host thread while they run:
 
 * started by the engine after a real step's optimizer step, with DeepSpeed's partitions listed
-  on the main thread;
+  on the main thread, on a ``host_worker.HostWorker``;
 * joined (``wait``) before anything that reads or writes its inputs or its output: the next
   optimizer step, a Predict step (it reads the velocity: the real step before it joins its own
   fold before it ends, so the wait is booked to that real step), a capture, restore or commit of
@@ -20,59 +20,41 @@ the gradient partition). So the fold can run on a host thread while they run:
 """
 from __future__ import annotations
 
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-from .quant import worker_scratch
+from .host_worker import HostWorker
 
 
 class BackgroundFold:
     """One engine's fold thread and the sums of the last fold the predictor has not seen."""
 
     def __init__(self) -> None:
-        # One long-lived worker (created on first use), so its chunk buffers are reused from
-        # fold to fold instead of paying page faults on every step.
-        self._pool: ThreadPoolExecutor | None = None
-        self._future: Future | None = None
+        self._worker = HostWorker("fold", "fold of a real step's update into the drift velocity")
         self._sums: torch.Tensor | None = None
-        self.background_seconds = 0.0   # the folds' time on the thread (off the critical path)
 
-    def start(self, fold: Callable[[], torch.Tensor]) -> None:
-        """Run ``fold()`` (returning the per-group sums) on the thread; returns at once."""
-        self.wait()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_hybrid-fold")
-
-        def run() -> torch.Tensor:
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad(), worker_scratch("fold"):   # (grad mode is per thread)
-                    return fold()
-            finally:
-                self.background_seconds += time.perf_counter() - t0
-
-        self._future = self._pool.submit(run)
+    @property
+    def background_seconds(self) -> float:
+        """The folds' time on the thread (off the critical path)."""
+        return self._worker.background_seconds
 
     @property
     def running(self) -> bool:
         """A fold was started and not yet joined."""
-        return self._future is not None
+        return self._worker.running
+
+    def start(self, fold: Callable[[], torch.Tensor]) -> None:
+        """Run ``fold()`` (returning the per-group sums) on the thread; returns at once."""
+        self.wait()
+        self._worker.start(fold)
 
     def wait(self) -> None:
         """Join the running fold (its sums wait for ``take``), re-raising its error."""
-        future, self._future = self._future, None
-        if future is None:
-            return
-        try:
-            sums = future.result()
-        except BaseException as e:
-            raise RuntimeError("the background fold of a real step's update into the drift velocity failed") from e
-        # (Every applied real step takes the last sums before it starts a fold, so at most one
-        # fold's sums are ever waiting.)
-        self._sums = sums
+        if self._worker.running:
+            # (Every applied real step takes the last sums before it starts a fold, so at most
+            # one fold's sums are ever waiting.)
+            self._sums = self._worker.wait()
 
     def take(self) -> torch.Tensor | None:
         """The joined fold's sums, once (None: no fold since the last take)."""

@@ -1,0 +1,61 @@
+"""One long-lived host thread for the hybrid's work on host memory that overlaps the next step.
+
+Under ZeRO-Offload two host passes can run while the GPU runs a real step's forward and
+backward: a kept Predict run's commit into the masters (``device_predict``,
+``memory.commit_overlap``) and a real step's fold into the velocity (``fold_overlap``,
+``memory.fold_overlap``). Each runs on its own ``HostWorker``: one job at a time, joined by
+``wait`` before anything touches what the job reads or writes, its error re-raised there. The
+thread lives as long as its owner, so its ``quant.scratch`` buffers (its own, by name) are
+reused from job to job instead of paying page faults every step.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from .quant import worker_scratch
+
+
+class HostWorker:
+    """A host thread named ``name`` running one job at a time; ``what`` names the job in errors."""
+
+    def __init__(self, name: str, what: str) -> None:
+        self.name, self.what = name, what
+        self._pool: ThreadPoolExecutor | None = None   # created on first use
+        self._future: Future | None = None
+        self.background_seconds = 0.0   # the jobs' time on the thread (off the critical path)
+
+    def start(self, job: Callable[[], Any]) -> None:
+        """Run ``job()`` on the thread; returns at once. The last job must have been joined."""
+        if self._future is not None:
+            raise RuntimeError(f"ds_hybrid: a background {self.what} is still running; wait() for it first")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ds_hybrid-{self.name}")
+
+        def run() -> Any:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad(), worker_scratch(self.name):   # (grad mode is per thread)
+                    return job()
+            finally:
+                self.background_seconds += time.perf_counter() - t0
+
+        self._future = self._pool.submit(run)
+
+    @property
+    def running(self) -> bool:
+        """A job was started and not yet joined."""
+        return self._future is not None
+
+    def wait(self) -> Any:
+        """Join the running job and return its result (None when none runs), re-raising its error."""
+        future, self._future = self._future, None
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except BaseException as e:
+            raise RuntimeError(f"the background {self.what} failed") from e
