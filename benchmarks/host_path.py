@@ -9,7 +9,9 @@ Adam-direction ``apply_predicted_update``) on one CPU partition of ``--values`` 
 ``--repeat``, and prints ns per value and each over DeepSpeed's own CPU Adam step on as many
 values (what a plain ZeRO-Offload step does on the host). The fold from the Adam state (the
 device path's) is timed with the torch ops and with ``kernels/host_fold.cpp``
-(``memory.host_kernels``).
+(``memory.host_kernels``), and so are the host path's Predict update of the masters, the device
+path's Predict update of a bf16 partition in host memory (ZeRO 3 with ``offload_param: cpu``) and
+a kept run's commit into the masters (4 steps).
 
     python benchmarks/host_path.py --values 67108864 --repeat 5 --json docs/results/host-fold.json
 
@@ -29,6 +31,7 @@ import torch
 
 import ds_hybrid.zero_access as za
 from ds_hybrid import host_kernels
+from ds_hybrid.device_predict import DevicePredict
 
 
 def _best(fn, repeat: int, setup=None) -> float:
@@ -54,6 +57,19 @@ def cpu_adam_step(n: int, repeat: int) -> float:
     t = _best(opt.step, repeat)
     del opt, p
     return t
+
+
+class _OnePartition:
+    """The device path's view of a plain optimizer's one partition, with ``shard`` as its 16-bit copy."""
+
+    def __init__(self, shard: torch.Tensor, access: za.MasterAccess):
+        self.shard, self.access, self.base = shard, access, access.base
+
+    def group_indices(self):
+        return [0]
+
+    def device_shard(self, i):
+        return self.shard
 
 
 def measure(n: int, velocity_dtype: str, repeat: int, cpp: bool) -> dict:
@@ -82,6 +98,19 @@ def measure(n: int, velocity_dtype: str, repeat: int, cpp: bool) -> dict:
         out["fold_cpp"] = _best(lambda: za.fold_real_update(access, snap, vel, [1e-3], 0.9, 2, host_kernel=True),
                                 repeat, setup=lambda: za.capture_weights(access, snap))
     out["velocity_update"] = _best(lambda: za.apply_velocity_update(access, vel, [0.5]), repeat)
+    if cpp:
+        out["velocity_update_cpp"] = _best(lambda: za.apply_velocity_update(access, vel, [0.5], host_kernel=True),
+                                           repeat)
+    # the device path where the 16-bit partition is in host memory (ZeRO 3 with offload_param:
+    # cpu): one Predict step into the bf16 copy, and a kept run of 4 steps into the masters
+    shard = p.detach().to(torch.bfloat16)
+    dev = DevicePredict(_OnePartition(shard, access))
+    run = [[5e-4]] * 4
+    for hk in kernels:
+        dev.host_kernel = hk
+        tag = "_cpp" if hk else ""
+        out["shard_update_bf16" + tag] = _best(lambda: dev._add_to_shards(vel, run[:1]), repeat)
+        out["commit_4_steps" + tag] = _best(lambda: dev._add_to_masters(list(access.partitions()), vel, run), repeat)
     out["adam_update"] = _best(lambda: za.apply_predicted_update(access, [0.5], backend="torch"), repeat)
     return out
 

@@ -262,13 +262,17 @@ class MemoryConfig(_Section):
     beside a GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores)."""
 
     host_kernels: Literal["auto", "cpp", "torch"] = "auto"
-    """How a real step folds its update into the drift velocity where the masters are in host
-    memory (``offload_optimizer``, DeepSpeed's CPU accelerator): ``cpp`` = one pass of
-    ``kernels/host_fold.cpp`` on torch's threads, built on first use with torch's C++ extension
-    builder (a compiler and ninja, as DeepSpeed's ``cpu_adam``; fails naming this key when it
-    cannot be built); ``torch`` = torch ops a chunk at a time, about twenty passes over memory
-    (the reference); ``auto`` = ``cpp`` when it builds, else ``torch``. The same velocity: bit for
-    bit from a snapshot, within one fp32 rounding from the Adam state (``tests/test_host_kernels.py``)."""
+    """How the hybrid's drift work runs where the masters are in host memory
+    (``offload_optimizer``, DeepSpeed's CPU accelerator): a real step's fold into the velocity,
+    a drift Predict step's update of the masters (host path) or of a 16-bit partition in host
+    memory (device path with ZeRO 3's ``offload_param: cpu``), and a kept run's commit into the
+    masters. ``cpp`` = one pass each of ``kernels/host_fold.cpp`` on torch's threads, built on
+    first use with torch's C++ extension builder (a compiler and ninja, as DeepSpeed's
+    ``cpu_adam``; fails naming this key when it cannot be built); ``torch`` = torch ops a chunk at
+    a time (the reference: about twenty passes over memory for the fold, four for an update);
+    ``auto`` = ``cpp`` when it builds, else ``torch``. The same results: the velocity bit for bit
+    from a snapshot and within one fp32 rounding from the Adam state, the updated weights and
+    masters bit for bit (``tests/test_host_kernels.py``)."""
 
     fold_source: Literal["auto", "snapshot", "optimizer_state"] = "auto"
     """Where a real step's update for the drift velocity comes from. ``snapshot``: a copy of

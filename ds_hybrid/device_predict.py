@@ -24,6 +24,10 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   coefficients are saved; on load the 16-bit copies are propagated from the masters and the
   run's updates re-applied (``replay``), bit for bit.
 
+Where a 16-bit shard is in host memory (ZeRO 3 with ``offload_param: cpu``; DeepSpeed's CPU
+accelerator) and for the commit into the masters, ``memory.host_kernels`` does the additions in one
+C++ pass (``host_kernels.shift``, ``host_kernel`` here), bit for bit the torch ops below.
+
 What the 16-bit copies hold during a run: with fp32 parameters (ZeRO with no bf16/fp16) the
 device update is the host path's arithmetic on the same values, so the weights are bit for bit
 the host path's. With bf16/fp16 parameters each step rounds ``param + coef * v`` to 16 bits,
@@ -70,6 +74,9 @@ class DevicePredict:
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
+        # memory.host_kernels resolved: shards and masters in host memory take the steps in one C++
+        # pass (host_kernels.shift), bit for bit the torch ops below
+        self.host_kernel = False
         self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
 
     def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
@@ -119,6 +126,10 @@ class DevicePredict:
             shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
             if shard.numel() == 0:
                 continue
+            if self._on_host(shard):   # ZeRO 3's offload_param: cpu, or DeepSpeed's CPU accelerator
+                from . import host_kernels
+                host_kernels.shift(shard, buf, [coefs[gi] for coefs in steps])
+                continue
             work, acc = scratch(shard.device, 0, shard.numel()), scratch(shard.device, 1, shard.numel())
             for a, b in buf.chunks():
                 v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
@@ -132,6 +143,9 @@ class DevicePredict:
                     if coefs[gi] != 0.0:
                         w.copy_(shard[a:b]).add_(v, alpha=coefs[gi])
                         shard[a:b].copy_(w)
+
+    def _on_host(self, t: torch.Tensor) -> bool:
+        return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()
 
     def commit(self, vel: VelocityBuffers, background: bool = False) -> None:
         """The run was kept: the masters take its displacement, each chunk once with every
@@ -172,6 +186,10 @@ class DevicePredict:
             if part_i >= len(vel.buffers) or vel.buffers[part_i] is None or part.master.numel() == 0:
                 continue
             master, buf = _flat(part.master), vel.buffers[part_i]
+            if self._on_host(master):
+                from . import host_kernels
+                host_kernels.shift(master, buf, [coefs[gi] for coefs in steps])
+                continue
             work = scratch(master.device, 0, master.numel())
             for a, b in buf.chunks():
                 v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)

@@ -240,6 +240,8 @@ class PredictiveEngine(DeepSpeedEngine):
                           if self.hybrid_config.predictor.direction in ("drift", "none") else None)
         if self._velocity is not None and any(p.master.device.type == "cpu" for p in self._masters.partitions()):
             self._host_kernel = host_kernels.resolve(mem.host_kernels)   # (built here, before the first step)
+            if self._device_predict is not None:
+                self._device_predict.host_kernel = self._host_kernel
         self._parking = (za.MomentParking(self, self._masters, overlap=mem.park_overlap)
                          if mem.park_optimizer_states else None)
         self.controller = PhaseController(self.hybrid_config)
@@ -680,7 +682,7 @@ class PredictiveEngine(DeepSpeedEngine):
                 return
             with self._timed("predicted_update"):
                 if self._velocity is not None:
-                    za.apply_velocity_update(self._masters, self._velocity, scales)
+                    za.apply_velocity_update(self._masters, self._velocity, scales, host_kernel=self._host_kernel)
                 else:
                     za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
             with self._timed("propagate"):
@@ -994,7 +996,7 @@ class PredictiveEngine(DeepSpeedEngine):
             return   # the control: predicted groups stay where they are
         scales = self._planner.scales(len(groups))
         if self._velocity is not None:
-            za.apply_velocity_update(self._masters, self._velocity, scales)
+            za.apply_velocity_update(self._masters, self._velocity, scales, host_kernel=self._host_kernel)
         else:
             za.apply_predicted_update(self._masters, scales, backend=self.hybrid_config.kernels)
 
@@ -1174,6 +1176,7 @@ class PredictiveEngine(DeepSpeedEngine):
         # snapshot, then they take the run, which is where the host path would hold them.
         za.capture_weights(self._masters, self._snapshot)
         run = DevicePredict(self._masters)
+        run.host_kernel = self._host_kernel
         run.load_state_dict(saved)
         run.commit(self._velocity)
         self._masters.lp_current = False

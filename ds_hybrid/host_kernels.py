@@ -1,4 +1,4 @@
-"""C++ kernels for the hybrid's work on fp32 masters in host memory (``memory.host_kernels``).
+"""C++ kernels for the hybrid's work on weights in host memory (``memory.host_kernels``).
 
 Under ZeRO-Offload (and on DeepSpeed's CPU accelerator) the masters and the Adam moments live in
 host memory, and every real step folds its update into the drift velocity there. Done with torch
@@ -9,7 +9,14 @@ pass on torch's intra-op threads. It is compiled on first use with torch's C++ e
 (as DeepSpeed builds its ``cpu_adam``), into torch's extensions folder, and loaded from there
 afterwards.
 
-``zero_access.fold_real_update(..., host_kernel=True)`` calls it; the torch path stays the
+The same file's ``shift`` adds a drift Predict step's ``coef x v`` to a copy of the weights in
+host memory in one pass (the torch ops: a dequantised chunk, a widened 16-bit chunk, the add, the
+narrowing copy back): the host path's update of the fp32 masters, the device path's update of a
+16-bit partition that lives in host memory (ZeRO 3 with ``offload_param: cpu``, DeepSpeed's CPU
+accelerator), and a kept run's commit into the masters.
+
+``zero_access.fold_real_update(..., host_kernel=True)``, ``zero_access.apply_velocity_update``
+and ``device_predict.DevicePredict`` (``host_kernel``) call them; the torch paths stay the
 reference (``tests/test_host_kernels.py`` compares them).
 """
 from __future__ import annotations
@@ -93,3 +100,13 @@ def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, befor
                        vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
                        float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), from_state,
                        bool(first), bool(moments))
+
+
+def shift(x: torch.Tensor, vel, coefs, sumsq: bool = False) -> float:
+    """``x += c * v`` for each ``c`` in ``coefs`` in order (zeros skipped), ``x`` a flat contiguous
+    fp32 / bf16 / fp16 tensor in host memory and ``vel`` a ``quant.CompactBuffer`` of as many
+    values: bit for bit the torch ops' result, rounding a 16-bit ``x`` after every step. Returns
+    ``sum v.v`` (fp64) when ``sumsq``, else 0."""
+    empty = torch.empty(0, dtype=torch.float32)
+    return load().shift(x, vel.data, vel.scale if vel.dtype == "int8" else empty, VDTYPES[vel.dtype],
+                        [float(c) for c in coefs], bool(sumsq))

@@ -814,10 +814,15 @@ def _fold_on_host(access: MasterAccess, part: MasterPartition, master: torch.Ten
 
 
 @torch.no_grad()
-def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "float | Sequence[float]") -> float:
+def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "float | Sequence[float]",
+                          host_kernel: bool = False) -> float:
     """Add ``scale * lr * velocity`` to the masters (per layer group; the velocity already
     holds the weight decay and clipping of the real steps it averages). Returns the
-    squared norm of the update on this rank. The caller propagates."""
+    squared norm of the update on this rank. The caller propagates.
+
+    ``host_kernel`` (``memory.host_kernels``): masters in host memory take the update in one
+    C++ pass (``host_kernels.shift``), bit for bit the torch ops' masters; the returned norm then
+    sums in another order (within fp32 rounding)."""
     from .quant import scratch
     access.lp_current = False
     sq = []
@@ -827,6 +832,10 @@ def apply_velocity_update(access: MasterAccess, vel: VelocityBuffers, scale: "fl
             continue
         coef = s * float(part.group["lr"])
         master, buf = _flat(part.master), vel.buffers[i]
+        if host_kernel and master.device.type == "cpu" and master.is_contiguous():
+            from . import host_kernels
+            sq.append(host_kernels.shift(master, buf, [coef], sumsq=True) * coef * coef)
+            continue
         work = scratch(master.device, 0, master.numel())
         vv = torch.zeros((), dtype=torch.float64, device=master.device)
         for a, b in buf.chunks():

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -265,9 +266,112 @@ std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, tor
   return {t.dv, t.vv, t.dd, t.ww, t.m_abs, t.v_sqrt};
 }
 
+// ---------------------------------------------------------------------------------------------
+// x += c * v for each coefficient c in order, x in host memory: a drift Predict step's update of
+// a copy of the weights (zero_access.apply_velocity_update on the fp32 masters; the device path's
+// DevicePredict._add_to_shards where the 16-bit partition lives in host memory: ZeRO 3 with
+// offload_param: cpu, or DeepSpeed's CPU accelerator) and a kept run's commit into the fp32
+// masters (DevicePredict._add_to_masters). The torch path dequantises a chunk of the velocity,
+// widens the 16-bit chunk to fp32, adds and narrows it back: some 29 bytes of traffic per value
+// and step. Here each value is read and written once. The arithmetic is the torch path's: the
+// add with alpha is a fused multiply-add (vec::fmadd), and a 16-bit copy is rounded to 16 bits
+// (nearest even) after every step, as its fp32 work chunk is copied back after every step.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T, int VD>
+void shift_blocks(T* x, const void* vdata, const float* vscale, const std::vector<float>& coefs, int64_t n,
+                  int64_t b0, int64_t b1, double* sumsq) {
+  float vbuf[kBlock], w[kBlock];
+  double sq = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t i0 = b * kBlock, len = std::min(kBlock, n - i0);
+    const float* __restrict__ v = vbuf;
+    if constexpr (VD == 0) {
+      v = static_cast<const float*>(vdata) + i0;
+    } else if constexpr (VD == 1) {
+      const auto* src = static_cast<const at::BFloat16*>(vdata) + i0;
+      for (int64_t j = 0; j < len; ++j) vbuf[j] = static_cast<float>(src[j]);
+    } else {   // int8 x the block's scale (quant.CompactBuffer.load: float(q) * scale)
+      const auto* src = static_cast<const int8_t*>(vdata) + i0;
+      const float s = vscale[b];
+      for (int64_t j = 0; j < len; ++j) vbuf[j] = static_cast<float>(src[j]) * s;
+    }
+    if (sumsq != nullptr) {
+      float acc[kLanes] = {0};
+      int64_t j0 = 0;
+      for (; j0 + kLanes <= len; j0 += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[l] += v[j0 + l] * v[j0 + l];
+      for (int64_t j = j0; j < len; ++j) acc[0] += v[j] * v[j];
+      for (int l = 0; l < kLanes; ++l) sq += acc[l];
+    }
+    if constexpr (std::is_same<T, float>::value) {   // fp32: in place, one fused multiply-add per step
+      float* __restrict__ xf = x + i0;
+      for (const float c : coefs)
+        for (int64_t j = 0; j < len; ++j) xf[j] = std::fma(v[j], c, xf[j]);
+    } else {   // 16-bit: widened once, rounded back to 16 bits after every step as the torch path's copy
+      for (int64_t j = 0; j < len; ++j) w[j] = static_cast<float>(x[i0 + j]);
+      for (const float c : coefs)
+        for (int64_t j = 0; j < len; ++j) w[j] = static_cast<float>(static_cast<T>(std::fma(v[j], c, w[j])));
+      for (int64_t j = 0; j < len; ++j) x[i0 + j] = static_cast<T>(w[j]);
+    }
+  }
+  if (sumsq != nullptr) *sumsq = sq;
+}
+
+template <typename T>
+double shift_typed(torch::Tensor x, torch::Tensor vdata, torch::Tensor vscale, int64_t vdtype,
+                   const std::vector<float>& coefs, bool want_sumsq) {
+  const int64_t n = x.numel(), blocks = (n + kBlock - 1) / kBlock;
+  T* xp = x.data_ptr<T>();
+  const void* vp = vdata.data_ptr();
+  const float* sp = vdtype == 2 ? vscale.data_ptr<float>() : nullptr;
+  using Fn = void (*)(T*, const void*, const float*, const std::vector<float>&, int64_t, int64_t, int64_t, double*);
+  const Fn run = vdtype == 0 ? shift_blocks<T, 0> : vdtype == 1 ? shift_blocks<T, 1> : shift_blocks<T, 2>;
+  // A fixed split into one range of blocks per thread, as the fold's: the sum of squares adds up
+  // in the same order on every call with the same thread count.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  std::vector<double> partial(parts, 0.0);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      run(xp, vp, sp, coefs, n, blocks * p / parts, blocks * (p + 1) / parts, want_sumsq ? &partial[p] : nullptr);
+  });
+  double total = 0;
+  for (const double s : partial) total += s;
+  return total;
+}
+
+// Returns sum v.v over the values (fp64 over blocks of fp32 lanes) when asked, else 0.
+double shift(torch::Tensor x, torch::Tensor vdata, torch::Tensor vscale, int64_t vdtype, std::vector<double> coefs,
+             bool sumsq) {
+  const int64_t n = x.numel();
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "host_shift: the weights must be contiguous, in host memory");
+  TORCH_CHECK(vdtype >= 0 && vdtype <= 2, "host_shift: velocity dtype code must be 0, 1 or 2");
+  const auto want = vdtype == 0 ? torch::kFloat32 : vdtype == 1 ? torch::kBFloat16 : torch::kInt8;
+  TORCH_CHECK(vdata.is_contiguous() && vdata.scalar_type() == want && vdata.numel() >= n,
+              "host_shift: the velocity buffer does not match its dtype code or is too small");
+  if (vdtype == 2)
+    TORCH_CHECK(vscale.is_contiguous() && vscale.scalar_type() == torch::kFloat32 &&
+                    vscale.numel() >= (n + kBlock - 1) / kBlock,
+                "host_shift: one fp32 scale per int8 block is needed");
+  std::vector<float> c;   // (a Python float becomes the op's fp32 alpha, as in torch's add_)
+  for (const double v : coefs)
+    if (v != 0.0) c.push_back(static_cast<float>(v));   // the torch path skips a zero coefficient
+  if (n == 0 || (c.empty() && !sumsq)) return 0.0;
+  switch (x.scalar_type()) {
+    case torch::kFloat32: return shift_typed<float>(x, vdata, vscale, vdtype, c, sumsq);
+    case torch::kBFloat16: return shift_typed<at::BFloat16>(x, vdata, vscale, vdtype, c, sumsq);
+    case torch::kFloat16: return shift_typed<at::Half>(x, vdata, vscale, vdtype, c, sumsq);
+    default: TORCH_CHECK(false, "host_shift: the weights must be fp32, bf16 or fp16, not ", x.scalar_type());
+  }
+  return 0.0;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is released for the pass: with memory.fold_overlap it runs on a host thread while the
   // main thread launches the next step's forward and backward (the arguments are converted first).
   mod.def("fold", &fold, "the drift velocity's fold on host masters, one pass (see host_fold.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  // Released too: a kept run's commit runs on a host thread (memory.commit_overlap).
+  mod.def("shift", &shift, "x += c v for each step's coefficient, one pass (see host_fold.cpp)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

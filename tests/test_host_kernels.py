@@ -1,5 +1,7 @@
-"""memory.host_kernels: the drift velocity's fold on host masters by kernels/host_fold.cpp,
-against the torch ops it replaces (zero_access.fold_real_update's reference path)."""
+"""memory.host_kernels: the drift velocity's fold on host masters, and a drift Predict step's
+update of a copy of the weights in host memory, by kernels/host_fold.cpp, against the torch ops
+they replace (the reference paths of zero_access.fold_real_update, zero_access.apply_velocity_update
+and device_predict.DevicePredict)."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +11,9 @@ import torch
 
 import ds_hybrid.zero_access as za
 from ds_hybrid import host_kernels
+from ds_hybrid.device_predict import DevicePredict
 from ds_hybrid.quant import CHUNK
-from engine_utils import Batches, ds_config, make_engine
+from engine_utils import Batches, ds_config, full_params, make_engine, master_copies, step_together
 
 
 def _trained(n: int, wd: float, seed: int = 0):
@@ -114,10 +117,115 @@ def test_the_engine_folds_with_the_cpp_kernel_on_host_masters(stage):
             torch.testing.assert_close(x.data, y.data, rtol=1e-3, atol=1e-3 * float(y.data.abs().max()))
 
 
-def test_cpp_fold_releases_the_gil():
-    """memory.fold_overlap runs the fold on a host thread while the main thread launches the next
-    step: the pass must not hold Python's lock. The main thread keeps running Python all through
-    the call on the other thread (measured here: with the lock held it stopped for ~75% of it)."""
+class _Shards:
+    """What DevicePredict reads of a MasterAccess: one partition whose 16-bit copy is ``shard``."""
+
+    def __init__(self, shard: torch.Tensor, master: torch.Tensor, lr: float):
+        self.shard, self.base = shard, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        self.part = za.MasterPartition(master, {}, self.base.param_groups[0], 0.0, 0)
+
+    def group_indices(self):
+        return [0]
+
+    def device_shard(self, i):
+        return self.shard
+
+    def partitions(self):
+        return [self.part]
+
+
+# the scales of four Predict steps of one run: a zero one is skipped, as a predicted group's 0 scale
+STEPS = [0.6, 0.0, 1.7, -0.2]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("vdtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpp_shift_matches_the_torch_ops(n, vdtype, xdtype):
+    """A run's Predict updates into a copy of the weights in host memory (the device path's 16-bit
+    partition under offload_param: cpu; the masters at a commit) and the host path's update of
+    the masters: bit for bit the torch ops, 16-bit copies rounded after every step as theirs."""
+    g = torch.Generator().manual_seed(n)
+    x0 = (torch.randn(n, generator=g) * 0.02).to(xdtype)
+    vel = za.VelocityBuffers(vdtype, seed=0)
+    vel.buffer(0, x0).store(torch.randn(n, generator=g), generator=torch.Generator().manual_seed(1))
+    lr = 1e-3
+    out = {}
+    for cpp in (False, True):
+        shard, master = x0.clone(), x0.float().clone()   # (.float() of fp32 is x0 itself)
+        dp = DevicePredict(_Shards(shard, master, lr))
+        dp.host_kernel = cpp
+        dp._add_to_shards(vel, [[c * lr] for c in STEPS])   # a Predict run's updates (as replay makes them)
+        dp.pending = [[c * lr] for c in STEPS]
+        dp.commit(vel)                                      # the kept run into the masters
+        p = torch.nn.Parameter(x0.float().clone())
+        access = za._PlainAccess(torch.optim.SGD([p], lr=lr))
+        norm = za.apply_velocity_update(access, vel, [0.6], host_kernel=cpp)   # the host path's step
+        out[cpp] = (shard, master, p.detach(), norm)
+    (s0, m0, p0, n0), (s1, m1, p1, n1) = out[False], out[True]
+    as_int = torch.int32 if xdtype == torch.float32 else torch.int16
+    assert torch.equal(s0.view(as_int), s1.view(as_int))
+    assert torch.equal(m0, m1) and torch.equal(p0, p1)
+    assert not torch.equal(s1, x0) and not torch.equal(m1, x0.float()) and not torch.equal(p1, x0.float())
+    # the update's squared norm: the torch path sums each chunk in fp32, the kernel in fp32 lanes
+    # of a block, then both in fp64
+    exact = float((vel.buffers[0].load().double() ** 2).sum()) * (0.6 * lr) ** 2
+    assert n1 == pytest.approx(exact, rel=1e-6) and n0 == pytest.approx(exact, rel=1e-4)
+
+
+def test_cpp_shift_refuses_what_it_cannot_take():
+    """The kernel checks its arguments: a velocity shorter than the weights, a weight dtype it
+    has no rounding for."""
+    host_kernels.load()
+    vel = za.VelocityBuffers("fp32").buffer(0, torch.zeros(10))
+    with pytest.raises(RuntimeError, match="too small"):
+        host_kernels.shift(torch.zeros(11), vel, [1.0])
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):
+        host_kernels.shift(torch.zeros(10, dtype=torch.float64), vel, [1.0])
+
+
+@pytest.mark.parametrize("stage", ["z1", "z2", "z3"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_the_engine_moves_host_copies_with_the_cpp_kernel_bit_for_bit(stage, where):
+    """Drift Predict runs under offload_optimizer: cpu with bf16 weights, the C++ kernels against
+    the torch ops. The host path's Predict steps move the fp32 masters; the device path's move
+    the 16-bit partitions (in host memory here, as ZeRO 3's with offload_param: cpu) and commit a
+    kept run into the masters. Every weight after every step and every master after every real
+    step are the torch ops' bit for bit. (The fold from a snapshot writes the torch ops' velocity
+    bit for bit, but its sums, which teach the step scale, add up in another order: the scale is
+    held at its clamp so that it cannot tell them apart.)"""
+    hybrid = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
+              "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
+              "predictor": {"direction": "drift", "step_scale": 1000.0, "max_step_scale": 0.5},
+              "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0}}
+    extra = dict(offload_param="cpu") if stage == "z3" else {}
+    engines = [make_engine(ds_config(stage=int(stage[1]), bf16=True, offload_opt="cpu", hybrid={
+        **hybrid, "memory": {"host_kernels": k, "offload_predict": where, "fold_source": "snapshot",
+                             "velocity_dtype": "int8"}}, **extra), seed=0) for k in ("cpp", "torch")]
+    cpp, ref = engines
+    assert [e.statistics()["host_kernels"] for e in engines] == ["cpp", "torch"]
+    assert cpp.statistics()["offload_predict"] == where
+    if where == "device":
+        assert cpp._device_predict.host_kernel and not ref._device_predict.host_kernel
+        assert all(cpp._masters.device_shard(i).dtype == torch.bfloat16 for i in range(cpp._masters._count()))
+    start = full_params(cpp)
+    ba, bb = Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(14):
+        phases.append(step_together(cpp, ref, ba, bb).phase)   # (every weight, every step)
+        if phases[-1] != "predict":
+            for x, y in zip(master_copies(cpp), master_copies(ref)):
+                assert torch.equal(x, y)
+    assert phases.count("predict") >= 4 and cpp.statistics()["predict_accepted"] >= 4
+    assert any(not torch.equal(x, y) for x, y in zip(full_params(cpp), start))
+
+
+@pytest.mark.parametrize("kernel", ["fold", "shift"])
+def test_cpp_kernels_release_the_gil(kernel):
+    """memory.fold_overlap runs the fold, and memory.commit_overlap a kept run's commit, on a host
+    thread while the main thread launches the next step: the pass must not hold Python's lock.
+    The main thread keeps running Python all through the call on the other thread (measured
+    here: with the fold holding the lock it stopped for ~75% of it)."""
     import threading
     import time
     host_kernels.load()
@@ -128,7 +236,10 @@ def test_cpp_fold_releases_the_gil():
 
     def call():
         span["start"] = time.perf_counter()
-        host_kernels.fold(w, m, v2, None, vel, [], CHUNK, 1e-3, 0.0, 0.9, 1.0, 1.0, 1e-8, False, True)
+        if kernel == "fold":
+            host_kernels.fold(w, m, v2, None, vel, [], CHUNK, 1e-3, 0.0, 0.9, 1.0, 1.0, 1e-8, False, True)
+        else:   # a long run's commit
+            host_kernels.shift(w, vel, [1e-3] * 16)
         span["end"] = time.perf_counter()
 
     threads = torch.get_num_threads()

@@ -272,7 +272,9 @@ def test_benchmark_scripts_print_tables_and_write_json(tmp_path):
         assert result["table_markdown"] in proc.stdout
     rows = json.loads((tmp_path / "host_path.py.json").read_text())["rows"]
     assert {r["part"] for r in rows} == {"capture", "fold", "velocity_update", "adam_update", "fold_from_state",
-                                         "fold_from_state_cpp", "fold_cpp"}
+                                         "fold_from_state_cpp", "fold_cpp", "velocity_update_cpp",
+                                         "shard_update_bf16", "shard_update_bf16_cpp", "commit_4_steps",
+                                         "commit_4_steps_cpp"}
     assert all(r["over_cpu_adam"] > 0 for r in rows)   # each against DeepSpeed's CPU Adam step on as many values
     assert all(r["ms"] > 0 for r in rows)
     cost = json.loads((tmp_path / "profiler_cost.py.json").read_text())
