@@ -12,7 +12,8 @@
 #   env      nvidia-smi, versions, `ds-hybrid report`
 #   ops      build DeepSpeed's FusedAdam and CPU Adam and ds_hybrid's host fold now (they JIT-compile at first use)
 #   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA,
-#            overlapped parking bit-identical, the RSSM predictor on the GPU against the CPU one)
+#            overlapped parking bit-identical, the RSSM predictor on the GPU against the CPU one,
+#            the device path's Predict run and commit under offload_optimizer)
 #   kernels  ds-hybrid kernel-bench                          -> OUT/kernels.json
 #   attn     ds-hybrid attn-bench on CUDA                    -> OUT/attention-cuda.json
 #   mem124   GPT-2 124M (86M at vocabulary 256), gpt2-124m preset, micro batch 16 x 1024:
@@ -84,7 +85,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
-        tests/test_memory_profiler.py \
+        tests/test_memory_profiler.py tests/test_device_predict.py \
         -rs 2>&1 | tail -25
       stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
     kernels)

@@ -424,8 +424,8 @@ class HybridPredictConfig(_Section):
     sections of the ds_config) when it is enabled."""
 
     kernels: Literal["auto", "cupy", "torch"] = "auto"
-    """Where the predictor's hot paths run (fused predicted update, RSSM step and rollout,
-    state encoding): ``cupy`` = the CUDA kernels of ``kernels/*.cu`` through CuPy (fails,
+    """Where the predictor's hot paths run (fused predicted update, the device path's drift step
+    into a GPU shard under ``offload_optimizer``, RSSM step and rollout, state encoding): ``cupy`` = the CUDA kernels of ``kernels/*.cu`` through CuPy (fails,
     naming what is missing, without CuPy or a CUDA device), ``torch`` = their torch
     references, ``auto`` = the kernels when CuPy imports and the tensors are on a CUDA
     device, else torch. ``ds-hybrid report`` shows what ``auto`` picks here."""

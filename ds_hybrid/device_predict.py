@@ -9,8 +9,10 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   optimizer owns on the device (``MasterAccess.device_shard``: ZeRO 1/2's partition of the
   flat 16-bit group, ZeRO 3's flat 16-bit sub-group partition), from a copy of the velocity
   on that device (int8 at 1 byte per parameter of the partition, uploaded once per run, not
-  per step), then gathered as DeepSpeed gathers after its own step. The host masters are
-  neither read nor written; only the coefficients (one per layer group per step) are kept.
+  per step), then gathered as DeepSpeed gathers after its own step. On a GPU the addition is one
+  kernel per step and partition (``kernels.drift_shift``, ``hybrid_predict.kernels``: the shard
+  read and written once, the velocity read once). The host masters are neither read nor
+  written; only the coefficients (one per layer group per step) are kept.
 * **Accepted run**: the masters take the run's displacement once, before the next real
   step's optimizer step, in one pass over each master chunk that adds the steps'
   ``coef * v`` in order (``commit``): the same additions as the host path, so the masters end
@@ -40,6 +42,7 @@ from typing import Sequence
 
 import torch
 
+from . import kernels
 from .host_worker import HostWorker
 from .quant import CompactBuffer, scratch
 from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
@@ -67,8 +70,9 @@ class DevicePredict:
     """The device-side Predict path of one engine: the velocity's device copy, the pending
     run's coefficients, and the three ways a run ends (commit, discard, replay)."""
 
-    def __init__(self, access: MasterAccess):
+    def __init__(self, access: MasterAccess, backend: str = "auto"):
         self.access = access
+        self.backend = backend   # hybrid_predict.kernels: a GPU shard's step by kernels.drift_shift
         # Per Predict step of the pending run: scale x LR of each layer group.
         self.pending: list[list[float]] = []
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
@@ -126,23 +130,14 @@ class DevicePredict:
             shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
             if shard.numel() == 0:
                 continue
+            # the host path's additions in its order; a 16-bit shard rounded after every step, as
+            # the weights were (host_kernels.shift / kernels.drift_shift, or their torch ops)
+            coefs = [step[gi] for step in steps]
             if self._on_host(shard):   # ZeRO 3's offload_param: cpu, or DeepSpeed's CPU accelerator
                 from . import host_kernels
-                host_kernels.shift(shard, buf, [coefs[gi] for coefs in steps])
-                continue
-            work, acc = scratch(shard.device, 0, shard.numel()), scratch(shard.device, 1, shard.numel())
-            for a, b in buf.chunks():
-                v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
-                if shard.dtype == torch.float32:
-                    for coefs in steps:   # the host path's own additions, in its order
-                        if coefs[gi] != 0.0:
-                            shard[a:b].add_(v, alpha=coefs[gi])
-                    continue
-                w = acc[:b - a]
-                for coefs in steps:   # each step rounds to 16 bits, as the weights were
-                    if coefs[gi] != 0.0:
-                        w.copy_(shard[a:b]).add_(v, alpha=coefs[gi])
-                        shard[a:b].copy_(w)
+                host_kernels.shift(shard, buf, coefs)
+            else:
+                kernels.drift_shift(shard, buf, coefs, backend=self.backend)
 
     def _on_host(self, t: torch.Tensor) -> bool:
         return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()

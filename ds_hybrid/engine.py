@@ -1175,7 +1175,7 @@ class PredictiveEngine(DeepSpeedEngine):
         # Saved by a device-side run, loaded on the host path: the masters are the rollback
         # snapshot, then they take the run, which is where the host path would hold them.
         za.capture_weights(self._masters, self._snapshot)
-        run = DevicePredict(self._masters)
+        run = DevicePredict(self._masters, backend=self.hybrid_config.kernels)
         run.host_kernel = self._host_kernel
         run.load_state_dict(saved)
         run.commit(self._velocity)
@@ -1218,7 +1218,7 @@ class PredictiveEngine(DeepSpeedEngine):
             return None
         why = device_unsupported(self._masters, self.hybrid_config.predictor.direction)
         if why is None:
-            return DevicePredict(self._masters)
+            return DevicePredict(self._masters, backend=self.hybrid_config.kernels)
         if setting == "device":
             raise ValueError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
         if self.global_rank == 0:

@@ -8,6 +8,7 @@ The repository's docs/results/ files (docs/kernels.md's tables) are written only
 On a GPU with CuPy: the fused predicted update's time and achieved bandwidth (bytes read and
 written / time) against the device's peak (memory clock x bus width, from the CUDA device
 attributes; a table by device name otherwise) and against a plain device-to-device copy; the
+device path's drift step (``drift_shift``) against its torch ops, in the same terms; the
 RSSM step and K-step rollout against torch eager; the encoder's window features against the
 torch reference (a CPU function). Kernel and GPU-reference timings use CUDA events around a
 batch of calls (median of several batches, after warm-up); CPU timings use perf_counter.
@@ -136,6 +137,40 @@ def bench_fused_update(device, sizes, timer) -> tuple[list[dict], str]:
     return rows, peak_src
 
 
+def drift_shift_bytes(n: int, x_bytes: int, vdtype: str) -> int:
+    """Bytes one drift step moves for n elements: the shard read and written, the velocity read
+    (int8: 1 byte a value and an fp32 scale per 256)."""
+    from .quant import BLOCK
+    v = {"fp32": 4 * n, "bf16": 2 * n, "int8": n + 4 * -(-n // BLOCK)}[vdtype]
+    return 2 * x_bytes * n + v
+
+
+def bench_drift_shift(device, sizes, timer) -> list[dict]:
+    """The device path's drift Predict step into a bf16 shard (kernels.drift_shift) against its
+    torch ops, with an int8 (the offload presets') and a bf16 velocity."""
+    from .quant import CompactBuffer
+    peak = peak_bandwidth(device)[0] if device.type == "cuda" else None
+    rows = []
+    for n in sizes:
+        shard = (torch.randn(n, device=device) * 0.02).to(torch.bfloat16)
+        for vdtype in ("int8", "bf16"):
+            vel = CompactBuffer(n, vdtype, device)
+            vel.store(torch.randn(n, device=device), generator=torch.Generator(device=device).manual_seed(0))
+            nbytes = drift_shift_bytes(n, 2, vdtype)
+            ref_s = timer(lambda: kernels.drift_shift_reference(shard, vel, [1e-6]))
+            row = {"n": n, "velocity": vdtype, "bytes": nbytes, "torch_ms": ref_s * 1e3,
+                   "torch_gb_s": nbytes / ref_s / 1e9}
+            if device.type == "cuda":
+                ker_s = timer(lambda: kernels.drift_shift(shard, vel, [1e-6], backend="cupy"))
+                bw = nbytes / ker_s
+                row.update(kernel_ms=ker_s * 1e3, speedup=ref_s / ker_s, kernel_gb_s=bw / 1e9,
+                           pct_of_peak=100 * bw / peak if peak else None)
+            rows.append(row)
+            del vel
+        del shard
+    return rows
+
+
 def bench_rssm(device, configs, timer) -> list[dict]:
     from .dynamics.rssm import RSSMEnsemble, RSSMShape
     rows = []
@@ -191,6 +226,13 @@ def format_tables(res: dict) -> str:
                                                    "pct_of_copy"] if gpu else [])
     out += _table(cols, res["fused_update"])
     out.append("")
+    if res.get("drift_shift"):
+        out.append("drift shift (the device path's Predict step into a bf16 shard; bytes: the shard read and "
+                   "written, the velocity read)")
+        cols = ["n", "velocity", "torch_ms"] + (["kernel_ms", "speedup", "kernel_gb_s", "pct_of_peak"] if gpu
+                                                 else ["torch_gb_s"])
+        out += _table(cols, res["drift_shift"])
+        out.append("")
     out.append("RSSM step / rollout")
     cols = ["members", "batch", "steps", "torch_step_ms", "torch_rollout_ms"] + (
         ["kernel_step_ms", "kernel_rollout_ms", "step_speedup", "rollout_speedup"] if gpu else [])
@@ -248,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     fused, peak_src = bench_fused_update(device, sizes, timer)
     res = {"device": name, "kernels_run": gpu_ok, "torch": torch.__version__, "peak_bandwidth_source": peak_src,
            "load_average_1min_at_start": load,
-           "fused_update": fused, "rssm": bench_rssm(device, rssm_cfgs, timer),
+           "fused_update": fused, "drift_shift": bench_drift_shift(device, sizes, timer),
+           "rssm": bench_rssm(device, rssm_cfgs, timer),
            "encoder": bench_encoder(device, encoder_batches, time_cuda if gpu_ok else time_cpu),
            "goals": {"fused_update_pct_of_peak": 80, "rollout_speedup": 3}}
     res["seconds"] = round(time.time() - t0, 1)

@@ -3,6 +3,7 @@
 | kernel (kernels/*.cu)                   | dispatcher        | torch reference                                      |
 |-----------------------------------------|-------------------|------------------------------------------------------|
 | ``fused_update.cu``                     | ``fused_update``  | ``fused_update_reference`` (below; the arithmetic of ``zero_access.adam_direction`` + ``apply_predicted_update``) |
+| ``fused_update.cu`` ``drift_shift``     | ``drift_shift``   | ``drift_shift_reference`` (below; ``DevicePredict``'s drift step into a 16-bit shard) |
 | ``rssm.cu`` ``rssm_step``               | ``rssm_step``     | ``RSSMEnsemble.step`` then ``.prior``                |
 | ``rssm.cu`` ``rssm_rollout``            | ``rssm_rollout``  | ``RSSMEnsemble.rollout``                             |
 | ``encoder.cu`` ``window_features``      | ``window_features`` | ``dynamics.window.window_features``                |
@@ -41,6 +42,7 @@ from typing import Any, Iterable
 import torch
 
 from .dynamics.window import NUM_CHANNELS, NUM_WINDOW_FEATURES, WINDOW
+from .quant import BLOCK, CompactBuffer, scratch
 from .dynamics.window import window_features as window_features_reference
 
 log = logging.getLogger(__name__)
@@ -382,7 +384,7 @@ def fused_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
         if backend == "cupy":
             raise ValueError("fused_update: the kernel needs contiguous tensors (flat partitions)")
         choice = "torch"
-    mod = _module_or_fallback("fused_update", backend, master.device, FUSED_UPDATE_NAMES) if choice == "cupy" else None
+    mod = _module_or_fallback("fused_update", backend, master.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
     if mod is None:
         return fused_update_reference(master, exp_avg, exp_avg_sq, lp_out=lp_out, snapshot_out=snapshot_out, **kw)
     if off_device_snapshot:
@@ -390,6 +392,66 @@ def fused_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
         snapshot_out = None
     return _fused_update_cupy(master, exp_avg, exp_avg_sq, lp_out=lp_out, snapshot_out=snapshot_out, mod=mod,
                               **kw)
+
+
+_X_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_VD_CODES = {"fp32": 0, "bf16": 1, "int8": 2}
+DRIFT_SHIFT_NAMES = tuple(f"drift_shift<{x},{vd},{vec}>" for x in (0, 1, 2) for vd in (0, 1, 2)
+                          for vec in ("true", "false"))
+# Every name expression of kernels/fused_update.cu: one module serves both dispatchers.
+FUSED_UPDATE_MODULE = FUSED_UPDATE_NAMES + DRIFT_SHIFT_NAMES
+assert BLOCK == 256, "kernels/fused_update.cu's drift_shift reads one int8 scale per 256 values"
+
+
+@torch.no_grad()
+def drift_shift_reference(x: torch.Tensor, buf: CompactBuffer, coefs: "list[float]") -> None:
+    """The device path's drift steps into a flat shard ``x`` (``device_predict.DevicePredict``):
+    ``x += c * v`` for each ``c`` in order (zeros skipped), ``v`` the velocity ``buf`` on x's
+    device, a chunk at a time. A 16-bit ``x`` is widened into an fp32 work chunk and copied back
+    after every step, so each step rounds it as the weights were rounded."""
+    work, acc = scratch(x.device, 0, x.numel()), scratch(x.device, 1, x.numel())
+    for a, b in buf.chunks():
+        v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
+        if x.dtype == torch.float32:
+            for c in coefs:
+                if c != 0.0:
+                    x[a:b].add_(v, alpha=c)
+            continue
+        w = acc[:b - a]
+        for c in coefs:
+            if c != 0.0:
+                w.copy_(x[a:b]).add_(v, alpha=c)
+                x[a:b].copy_(w)
+
+
+def drift_shift(x: torch.Tensor, buf: CompactBuffer, coefs: "list[float]", backend: str = "auto") -> None:
+    """``drift_shift_reference`` in one pass per step (``kernels/fused_update.cu``'s
+    ``drift_shift``: ``x`` read and written once, the velocity read once) or in torch. ``x``: a flat
+    contiguous fp32 / bf16 / fp16 shard with as many values as ``buf``, on one CUDA device with it."""
+    scale = buf.scale if buf.dtype == "int8" else None
+    choice = resolve_backend(backend, x, buf.data, scale)
+    if choice == "cupy" and not (x.is_contiguous() and x.dtype in _X_CODES and x.numel() == buf.numel):
+        if backend == "cupy":
+            raise ValueError("drift_shift: the kernel needs a contiguous fp32/bf16/fp16 shard as long as the velocity")
+        choice = "torch"
+    mod = _module_or_fallback("fused_update", backend, x.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
+    if mod is None:
+        return drift_shift_reference(x, buf, coefs)
+    n = x.numel()
+    steps = [float(c) for c in coefs if c != 0.0]
+    if n == 0 or not steps:
+        return None
+    vec = x.data_ptr() % (4 * x.element_size()) == 0 and buf.data.data_ptr() % (4 * buf.data.element_size()) == 0
+    work = (n + 3) // 4 if vec else n
+    blocks = max(1, min(math.ceil(work / FUSED_UPDATE_THREADS), 16 * _sm_count(x.device)))
+    with _on_torch_stream(x.device) as cp:
+        fn = mod.get_function(f"drift_shift<{_X_CODES[x.dtype]},{_VD_CODES[buf.dtype]},{'true' if vec else 'false'}>")
+        xs, vs = _cp(x), _cp(buf.data)
+        sc = _cp(scale) if scale is not None else vs   # unused pointer when there is no scale
+        for c in steps:
+            fn((blocks,), (FUSED_UPDATE_THREADS,), (xs, vs, sc, cp.int64(n), cp.float32(c)))
+            LAUNCHES["drift_shift"] += 1
+    return None
 
 
 def fused_update_bytes(n: int, lp: bool, snapshot: bool) -> int:
@@ -594,7 +656,7 @@ def smoke_test_kernels() -> dict[str, str]:
     dev = torch.device("cuda", torch.cuda.current_device())
     for name in KERNEL_FILES:
         try:
-            load_module(name, FUSED_UPDATE_NAMES if name == "fused_update" else (), device=dev.index)
+            load_module(name, FUSED_UPDATE_MODULE if name == "fused_update" else (), device=dev.index)
             results[name] = "compiled"
         except Exception as exc:  # report, don't raise
             results[name] = f"FAILED: {str(exc).splitlines()[0]}"
@@ -620,6 +682,13 @@ def _check_one(name: str, dev: torch.device) -> None:
         fused_update_reference(a, m, v, **kw)
         fused_update(b, m, v, backend="cupy", **kw)
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        vel = CompactBuffer(n, "int8", dev)
+        vel.store(torch.randn(n, generator=gen).to(dev), generator=torch.Generator(device=dev).manual_seed(0))
+        x = torch.randn(n, generator=gen).to(dev, torch.bfloat16)
+        a, b = x.clone(), x.clone()
+        drift_shift_reference(a, vel, [1e-3, 2e-3])
+        drift_shift(b, vel, [1e-3, 2e-3], backend="cupy")
+        assert torch.equal(a, b), "drift_shift differs from its reference"
     elif name == "rssm":
         from .dynamics.rssm import RSSMEnsemble
         model = RSSMEnsemble().to(dev)

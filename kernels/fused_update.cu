@@ -135,8 +135,106 @@ fused_predicted_update(float* __restrict__ master, const float* __restrict__ exp
     if (SQ) dsh_block_sum_atomic(acc, sq);
 }
 
+// ---------------------------------------------------------------------------------------
+// Drift shift: a drift Predict step on the device path (memory.offload_predict: device) into
+// a 16-bit (or fp32) partition on the GPU, from the GPU's copy of the velocity:
+//
+//   x = round_X(float(x) + c * v),   v = float(q) * scale[i / 256] (int8) | float(v16) | v32
+//
+// Reference: ds_hybrid.kernels.drift_shift_reference (DevicePredict's torch ops: a chunk of
+// the velocity dequantised into fp32, the 16-bit chunk widened, add_ with alpha, copied back,
+// four kernels and some 29 bytes per element). Here 5 bytes per element with a bf16 partition
+// and an int8 velocity (x read and written, the velocity read, a scale per 256 values). The
+// add is a fused multiply-add, as torch's CUDA add with alpha (a + alpha * b, contracted by
+// nvcc); a 16-bit x is rounded to nearest even, as its copy back.
+// X: 0 = fp32, 1 = bf16, 2 = fp16 partition. VD: 0 = fp32, 1 = bf16, 2 = int8 velocity.
+// VEC: x and v aligned to 4 of their elements, processed 4 at a time (one int8 scale block
+// is 256 values, so the 4 share a scale); the n % 4 tail by the first threads of the grid.
+
+__device__ __forceinline__ float dsh_bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+__device__ __forceinline__ float dsh_f16_to_f32(unsigned short h) {
+#ifdef DSH_EMULATE
+    _Float16 v;
+    __builtin_memcpy(&v, &h, 2);
+    return (float)v;
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+template <int VD>
+__device__ __forceinline__ float dsh_velocity(const void* v, const float* scale, long long i) {
+    if (VD == 0) return static_cast<const float*>(v)[i];
+    if (VD == 1) return dsh_bf16_to_f32(static_cast<const unsigned short*>(v)[i]);
+    return (float)static_cast<const signed char*>(v)[i] * __ldg(scale + (i >> 8));
+}
+
+template <int X>
+__device__ __forceinline__ unsigned short dsh_shift16(unsigned short h, float v, float c) {
+    const float w = X == 1 ? dsh_bf16_to_f32(h) : dsh_f16_to_f32(h);
+    return dsh_to_lp<X>(fmaf(v, c, w));
+}
+
+template <int X, int VD>
+__device__ __forceinline__ void dsh_shift_one(void* x, const void* v, const float* scale, long long i, float c) {
+    const float vi = dsh_velocity<VD>(v, scale, i);
+    if (X == 0) {
+        float* xf = static_cast<float*>(x);
+        xf[i] = fmaf(vi, c, xf[i]);
+    } else {
+        unsigned short* xh = static_cast<unsigned short*>(x);
+        xh[i] = dsh_shift16<X>(xh[i], vi, c);
+    }
+}
+
+template <int X, int VD, bool VEC>
+__global__ void
+drift_shift(void* __restrict__ x, const void* __restrict__ v, const float* __restrict__ scale, long long n,
+            float c) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (VEC) {
+        const long long nvec = n >> 2;
+        for (long long k = tid; k < nvec; k += stride) {
+            float vv[4];
+            if (VD == 0) {
+                const float4 t = reinterpret_cast<const float4*>(v)[k];
+                vv[0] = t.x; vv[1] = t.y; vv[2] = t.z; vv[3] = t.w;
+            } else if (VD == 1) {
+                const ushort4 t = reinterpret_cast<const ushort4*>(v)[k];
+                vv[0] = dsh_bf16_to_f32(t.x); vv[1] = dsh_bf16_to_f32(t.y);
+                vv[2] = dsh_bf16_to_f32(t.z); vv[3] = dsh_bf16_to_f32(t.w);
+            } else {
+                const char4 t = reinterpret_cast<const char4*>(v)[k];
+                const float s = __ldg(scale + (k >> 6));   // (4k) / 256
+                vv[0] = (float)t.x * s; vv[1] = (float)t.y * s; vv[2] = (float)t.z * s; vv[3] = (float)t.w * s;
+            }
+            if (X == 0) {
+                float4 w = reinterpret_cast<float4*>(x)[k];
+                w.x = fmaf(vv[0], c, w.x); w.y = fmaf(vv[1], c, w.y);
+                w.z = fmaf(vv[2], c, w.z); w.w = fmaf(vv[3], c, w.w);
+                reinterpret_cast<float4*>(x)[k] = w;
+            } else {
+                ushort4 h = reinterpret_cast<ushort4*>(x)[k];
+                h.x = dsh_shift16<X>(h.x, vv[0], c); h.y = dsh_shift16<X>(h.y, vv[1], c);
+                h.z = dsh_shift16<X>(h.z, vv[2], c); h.w = dsh_shift16<X>(h.w, vv[3], c);
+                reinterpret_cast<ushort4*>(x)[k] = h;
+            }
+        }
+        done = nvec << 2;
+    }
+    for (long long i = done + tid; i < n; i += stride) dsh_shift_one<X, VD>(x, v, scale, i, c);
+}
+
 // Every variant, instantiated here so that `nvcc -c` compiles them all and NVRTC finds
-// them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>").
+// them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>" and
+// "drift_shift<X,VD,VEC>").
 #define DSH_INST(LP, SNAP, SQ, VEC)                                                         \
     template __global__ void fused_predicted_update<LP, SNAP, SQ, VEC>(                   \
         float*, const float*, const float*, unsigned short*, float*, double*, long long,   \
@@ -147,3 +245,11 @@ fused_predicted_update(float* __restrict__ master, const float* __restrict__ exp
 DSH_INST_SNAP(0)
 DSH_INST_SNAP(1)
 DSH_INST_SNAP(2)
+
+#define DSH_INST_SHIFT(X, VD) \
+    template __global__ void drift_shift<X, VD, true>(void*, const void*, const float*, long long, float); \
+    template __global__ void drift_shift<X, VD, false>(void*, const void*, const float*, long long, float);
+#define DSH_INST_SHIFT_X(X) DSH_INST_SHIFT(X, 0) DSH_INST_SHIFT(X, 1) DSH_INST_SHIFT(X, 2)
+DSH_INST_SHIFT_X(0)
+DSH_INST_SHIFT_X(1)
+DSH_INST_SHIFT_X(2)

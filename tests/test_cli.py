@@ -207,6 +207,9 @@ def test_kernel_bench_writes_under_runs_unless_told(tmp_path, monkeypatch):
     kernel_bench.main(["--cpu-reference", "--quick"])
     result = json.loads((tmp_path / "runs" / "kernel-bench" / "kernels-cpu-reference.json").read_text())
     assert result["kernels_run"] is False
+    # the drift step's bytes: a bf16 shard read and written, an int8 velocity and a scale per 256 values
+    assert [(r["velocity"], r["bytes"]) for r in result["drift_shift"]] == [("int8", 2 ** 18 * 5 + 4 * 2 ** 10),
+                                                                           ("bf16", 2 ** 18 * 6)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 

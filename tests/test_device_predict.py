@@ -286,14 +286,18 @@ def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
     masters do not, and the commit adds each step's coef * v to them in order (the host path's
     arithmetic). (Compared with a replay, not with a second engine: CUDA backwards need not be
     bit-reproducible between two engines.)"""
+    from ds_hybrid import kernels
     dev = make_engine(ds_config(offload_opt="cpu", bf16=True, hybrid=_hybrid("auto"), **STAGES[stage]), seed=0)
     assert dev.statistics()["offload_predict"] == "device"
     b = Batches(seed=3, device=dev.device)
     while dev.controller.phase.value != "predict":
         dev.train_step(b.step())
     masters, weights = master_copies(dev), full_params(dev)
+    launches = kernels.LAUNCHES["drift_shift"]
     while dev.controller.phase.value == "predict":
         dev.train_step(b.step())
+    if kernels.cupy_available():   # hybrid_predict.kernels: auto takes the kernel for GPU shards
+        assert kernels.LAUNCHES["drift_shift"] > launches
     assert all(torch.equal(a, m) for a, m in zip(masters, master_copies(dev)))
     assert any(not torch.equal(a, w) for a, w in zip(weights, full_params(dev)))
     assert dev.statistics()["device_velocity_bytes"] > 0

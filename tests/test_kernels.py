@@ -281,6 +281,32 @@ def test_gpu_fused_update_unaligned_cpu_snapshot_and_streams():
 
 
 @gpu
+@pytest.mark.parametrize("n", [1, 1003, 2 ** 22 + 3])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vdtype", ["int8", "bf16", "fp32"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_gpu_drift_shift_matches_reference(n, xdtype, vdtype, offset):
+    """The device path's drift step on a GPU shard: bit for bit the torch ops on the same device
+    (torch's CUDA add with alpha is a fused multiply-add, as the kernel's), two steps, aligned
+    (vector variant) and 1-element-offset (scalar variant) shards."""
+    from ds_hybrid.quant import CompactBuffer
+    _need_cupy()
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(n)
+    base = (torch.randn(n + offset, generator=g) * 0.02).to(dev, xdtype)
+    shard = base[offset:]
+    vel = CompactBuffer(n, vdtype, dev)
+    vel.store(torch.randn(n, generator=g).to(dev), generator=torch.Generator(device=dev).manual_seed(1))
+    ref = shard.clone()
+    kernels.drift_shift_reference(ref, vel, [2e-3, -7e-4])
+    before = kernels.LAUNCHES["drift_shift"]
+    kernels.drift_shift(shard, vel, [2e-3, 0.0, -7e-4], backend="cupy")
+    assert kernels.LAUNCHES["drift_shift"] == before + 2
+    bits = torch.int32 if xdtype == torch.float32 else torch.int16
+    assert torch.equal(shard.view(bits), ref.view(bits))
+
+
+@gpu
 def test_gpu_auto_picks_the_kernel():
     _need_cupy()
     t = torch.zeros(8, device="cuda")

@@ -88,7 +88,7 @@ def test_kernels_compile_with_nvrtc_as_the_loader_does(arch):
     from ds_hybrid import kernels
     nvrtc = _nvrtc()
     for name in kernels.KERNEL_FILES:
-        names = kernels.FUSED_UPDATE_NAMES if name == "fused_update" else ()
+        names = kernels.FUSED_UPDATE_MODULE if name == "fused_update" else ()
         prog = nvrtc.createProgram(kernels.kernel_source(name), f"{name}.cu", [], [])
         try:
             for expr in names:

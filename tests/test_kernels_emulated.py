@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from ds_hybrid import kernels
+from ds_hybrid.device_predict import DevicePredict
+from ds_hybrid.quant import CompactBuffer
 from ds_hybrid.dynamics.window import window_features as window_features_ref
 from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape
 
@@ -123,6 +125,61 @@ def test_fused_update_kernel_source_variants(emu):
             assert_update_close(got, ref, master)
             assert torch.equal(lp.float().nan_to_num(0.0), got.to(dt).float().nan_to_num(0.0))
             assert lp[2].isnan() and lp[0] == float("inf") and lp[1] == float("-inf")
+
+
+# ---------------------------------------------------------------------------- drift shift
+
+def _velocity(n: int, dtype: str, seed: int) -> CompactBuffer:
+    buf = CompactBuffer(n, dtype, "cpu")
+    buf.store(torch.randn(n, generator=torch.Generator().manual_seed(seed)),
+              generator=torch.Generator().manual_seed(seed + 1))
+    return buf
+
+
+def _codes(x: torch.Tensor, buf: CompactBuffer) -> tuple[int, int]:
+    return ({torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype],
+            {"fp32": 0, "bf16": 1, "int8": 2}[buf.dtype])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 4099])   # (not a multiple of 4; several int8 scale blocks)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vdtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("vec", [True, False])
+def test_drift_shift_kernel_source_matches_reference(emu, n, xdtype, vdtype, vec):
+    """The device path's drift step: bit for bit the torch ops (a fused multiply-add, a 16-bit
+    shard rounded to nearest even), three steps in a row, every variant."""
+    g = torch.Generator().manual_seed(n)
+    x0 = (torch.randn(n, generator=g) * 0.02).to(xdtype)
+    buf = _velocity(n, vdtype, n)
+    coefs = [3e-3, -1e-3, 7e-4]
+    ref, got = x0.clone(), x0.clone()
+    kernels.drift_shift_reference(ref, buf, coefs)
+    xc, vc = _codes(got, buf)
+    scale = buf.scale if vdtype == "int8" else None
+    for c in coefs:
+        assert emu.emu_drift_shift(xc, vc, int(vec), 3, 64, _p(got), _p(buf.data), _p(scale),
+                                   ctypes.c_longlong(n), ctypes.c_float(c)) == 0
+    assert torch.equal(_bits(got), _bits(ref))
+    assert n < 5 or not torch.equal(got, x0)
+
+
+def test_drift_shift_kernel_source_rounds_non_finite_values_as_torch(emu):
+    """inf and NaN weights, a value that overflows fp16: the torch ops' results."""
+    n = 256
+    buf = _velocity(n, "int8", 7)
+    for dt in (torch.bfloat16, torch.float16):
+        x0 = (torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.02).to(dt)
+        x0[:3] = torch.tensor([float("inf"), float("-inf"), 65000.0 if dt == torch.float16 else 3e38])
+        ref, got = x0.clone(), x0.clone()
+        kernels.drift_shift_reference(ref, buf, [5e3])
+        xc, vc = _codes(got, buf)
+        emu.emu_drift_shift(xc, vc, 1, 2, 32, _p(got), _p(buf.data), _p(buf.scale), ctypes.c_longlong(n),
+                            ctypes.c_float(5e3))
+        assert torch.equal(_bits(got), _bits(ref))
 
 
 # ---------------------------------------------------------------------------- RSSM
@@ -242,6 +299,10 @@ class _FakeKernel:
             rc = self.emu.emu_fused_update(int(lp), int(snap == "true"), int(sq == "true"), int(vec == "true"),
                                            grid[0], block[0], *c)
             assert rc == 0
+        elif self.name.startswith("drift_shift<"):
+            x, vd, vec = self.name[len("drift_shift<"):-1].split(",")
+            assert len(args) == 5 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
+            assert self.emu.emu_drift_shift(int(x), int(vd), int(vec == "true"), grid[0], block[0], *c) == 0
         elif self.name in ("rssm_step", "rssm_rollout"):
             W = (ctypes.c_void_p * 12)(*[a.value for a in c[:12]])
             D, S, H, A, HO = (int(x) for x in args[19:24])
@@ -323,3 +384,39 @@ def test_rssm_and_encoder_dispatch_through_the_kernels(emulated_cupy):
     for i in range(hist.shape[0]):
         torch.testing.assert_close(out[i], window_features_ref(hist[i], counts[i]), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(single, out[1], rtol=0, atol=0)
+
+
+class _OneShard:
+    """What DevicePredict reads of a MasterAccess: one partition whose 16-bit copy is ``shard``."""
+
+    def __init__(self, shard: torch.Tensor):
+        self.shard = shard
+
+    def group_indices(self):
+        return [0]
+
+    def device_shard(self, i):
+        return self.shard
+
+
+@pytest.mark.parametrize("offset", [0, 1])          # 1: an unaligned view, the scalar variant
+@pytest.mark.parametrize("vdtype", ["bf16", "int8"])
+def test_drift_shift_dispatch_through_the_kernel(emulated_cupy, offset, vdtype):
+    """kernels.drift_shift and the device path's Predict step (DevicePredict on a shard it does
+    not take for host memory) launch the kernel once per step with a non-zero coefficient, and
+    leave the shard where the torch ops do."""
+    n = 3001
+    base = (torch.randn(n + offset, generator=torch.Generator().manual_seed(offset)) * 0.02).to(torch.bfloat16)
+    shard = base[offset:]
+    buf = _velocity(n, vdtype, 5)
+    steps = [[2e-3], [0.0], [-1e-3]]
+    ref = shard.clone()
+    kernels.drift_shift_reference(ref, buf, [c for (c,) in steps])
+    before = kernels.LAUNCHES["drift_shift"]
+    got = shard.clone()
+    kernels.drift_shift(got, buf, [c for (c,) in steps], backend="cupy")
+    assert torch.equal(_bits(got), _bits(ref)) and kernels.LAUNCHES["drift_shift"] == before + 2
+    dp = DevicePredict(_OneShard(shard), backend="cupy")   # host_kernel off: the shard is "on the GPU"
+    vel = SimpleNamespace(buffers=[buf], updates=1)
+    dp._add_to_shards(vel, steps)
+    assert torch.equal(_bits(shard), _bits(ref)) and kernels.LAUNCHES["drift_shift"] == before + 4

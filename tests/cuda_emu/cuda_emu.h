@@ -38,6 +38,7 @@ struct dim3 {
 };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) ushort4 { unsigned short x, y, z, w; };
+struct alignas(4) char4 { signed char x, y, z, w; };
 
 namespace emu {
 struct Block {
@@ -117,4 +118,5 @@ inline double atomicAdd(double* p, double v) {
     return old;
 }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }

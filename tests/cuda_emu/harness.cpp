@@ -35,6 +35,21 @@ extern "C" int emu_fused_update(int lp, int snap, int sq, int vec, int blocks, i
     return 1;
 }
 
+extern "C" int emu_drift_shift(int x, int vd, int vec, int blocks, int threads, void* xp, const void* v,
+                               const float* scale, long long n, float c) {
+#define DSH_SHIFT_CASE(X, VD, V)                                                                 \
+    if (x == X && vd == VD && vec == V) {                                                        \
+        emu::launch(dim3(blocks), dim3(threads), 0, [=] { drift_shift<X, VD, V>(xp, v, scale, n, c); }); \
+        return 0;                                                                                \
+    }
+#define DSH_SHIFT_CASE_V(X, VD) DSH_SHIFT_CASE(X, VD, true) DSH_SHIFT_CASE(X, VD, false)
+#define DSH_SHIFT_CASE_X(X) DSH_SHIFT_CASE_V(X, 0) DSH_SHIFT_CASE_V(X, 1) DSH_SHIFT_CASE_V(X, 2)
+    DSH_SHIFT_CASE_X(0)
+    DSH_SHIFT_CASE_X(1)
+    DSH_SHIFT_CASE_X(2)
+    return 1;
+}
+
 static size_t rssm_smem(int D, int S, int H, int A, int HO, int threads) {
     return 4 * (size_t)(D + S + A + H + 6 * D + 2 * S + H + HO + threads);
 }
