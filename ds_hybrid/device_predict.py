@@ -107,6 +107,19 @@ class DevicePredict:
         self._velocity, self._copies, self._uploaded = out, copies, vel.updates
         return out
 
+    def upload_due(self, vel: VelocityBuffers) -> bool:
+        """The next Predict step copies the velocity to the device first: it changed since the
+        last copy, and some shard is on another device than its velocity (a GPU beside host
+        masters). The engine times that copy on its own (``bookkeeping_seconds.velocity_upload``)."""
+        if self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers):
+            return False
+        return any(buf is not None and (shard := self.access.device_shard(i)) is not None
+                   and shard.device != buf.device for i, buf in enumerate(vel.buffers))
+
+    def upload(self, vel: VelocityBuffers) -> None:
+        """Make the device copy of the velocity current now (``apply`` would at its start)."""
+        self._device_velocity(vel)
+
     def device_bytes(self) -> int:
         """Bytes of velocity copies this path keeps beside the 16-bit shards."""
         return sum(b.nbytes() for b, copy in zip(self._velocity, self._copies) if copy)

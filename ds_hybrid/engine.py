@@ -677,6 +677,9 @@ class PredictiveEngine(DeepSpeedEngine):
             if cfg.predictor.direction == "none":
                 return   # the control: the step advances the schedule and moves nothing
             if device is not None:   # into the 16-bit copies, gathered; the masters wait for the check
+                if device.upload_due(self._velocity):   # once per run: host velocity -> beside the shards
+                    with self._timed("velocity_upload"):
+                        device.upload(self._velocity)
                 with self._timed("predicted_update"):
                     device.apply(self._velocity, scales)
                 return

@@ -59,6 +59,31 @@ def test_device_path_matches_the_host_path_bit_for_bit(stage):
     # the masters catch up once per kept run
     assert "snapshot" not in st["bookkeeping_seconds"] and "snapshot" in host.statistics()["bookkeeping_seconds"]
     assert "commit" in st["bookkeeping_seconds"]
+    # the velocity and the shards share the CPU accelerator's memory: nothing to upload
+    assert "velocity_upload" not in st["bookkeeping_seconds"] and st["device_velocity_bytes"] == 0
+
+
+def test_the_velocity_is_uploaded_once_per_velocity_state():
+    """A shard on another device than the host velocity (here the meta device, standing in for a
+    GPU) is due a copy when the velocity changed since the last one, and only then: a Predict
+    run uploads once, the first step after a real step's fold uploads again."""
+    import ds_hybrid.zero_access as za
+    from ds_hybrid.device_predict import DevicePredict
+
+    class Access:
+        def device_shard(self, i):
+            return torch.empty(1000, dtype=torch.bfloat16, device="meta")
+
+    vel = za.VelocityBuffers("int8")
+    vel.buffer(0, torch.zeros(1000))
+    dp = DevicePredict(Access())
+    for updates in (1, 2):
+        vel.updates = updates
+        assert dp.upload_due(vel)
+        dp.upload(vel)
+        assert not dp.upload_due(vel) and dp.device_bytes() == vel.nbytes()
+    dp.load_state_dict({"pending": []})   # a checkpoint load brings a velocity: copy it again
+    assert dp.upload_due(vel)
 
 
 @pytest.mark.parametrize("stage", ["z2", "z3"])
@@ -301,6 +326,7 @@ def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
     assert all(torch.equal(a, m) for a, m in zip(masters, master_copies(dev)))
     assert any(not torch.equal(a, w) for a, w in zip(weights, full_params(dev)))
     assert dev.statistics()["device_velocity_bytes"] > 0
+    assert dev.statistics()["bookkeeping_seconds"]["velocity_upload"] > 0   # timed on its own
     run = dev._device_predict.pending
     expected = []
     for m, gi, buf in zip(masters, dev._masters.group_indices(), dev._velocity.buffers):

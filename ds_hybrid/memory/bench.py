@@ -260,11 +260,16 @@ def predictor_figures(summary: dict) -> dict:
             "bookkeeping_ms": _bookkeeping_ms(st)}
 
 
+# Timed inside real steps: ms per real step. The rest (the Predict step's own work, the velocity's
+# upload at a run's first Predict step, a rollback) is given per Predict step.
+REAL_STEP_PARTS = ("capture", "fold", "stash", "compare", "commit", "commit_wait", "fold_wait")
+
+
 def _bookkeeping_ms(st: dict) -> dict:
-    """ms per real step (capture, fold, stash, compare) or per Predict step (the rest)."""
+    """ms per real step (``REAL_STEP_PARTS``) or per Predict step (the rest)."""
     n = st["steps_per_phase"]
     real = sum(v for k, v in n.items() if k != "predict")
-    per = {"capture": real, "fold": real, "stash": real, "compare": real}
+    per = dict.fromkeys(REAL_STEP_PARTS, real)
     return {k: 1e3 * v / max(per.get(k, n.get("predict", 0)), 1) for k, v in (st.get("bookkeeping_seconds") or {}).items()}
 
 
