@@ -81,6 +81,11 @@ VARIANTS: dict[str, dict | None] = {
                                  "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                             "fold_source": "optimizer_state", "commit_overlap": False,
                                             "fold_overlap": False}},
+    # ... with the torch ops instead of kernels/host_fold.cpp for its passes over host memory: the
+    # fold, the update of a 16-bit partition kept in host memory (ZeRO 3 offload_param: cpu), the commit.
+    "drift-int8-device-torch": {"predictor": {"direction": "drift"},
+                                "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                           "fold_source": "optimizer_state", "host_kernels": "torch"}},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},
