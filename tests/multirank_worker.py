@@ -96,8 +96,8 @@ if args.judge_harm:
     from ds_hybrid import zero_access as za
     _apply, _noise = za.apply_velocity_update, torch.Generator().manual_seed(100 + rank)
 
-    def noisy_update(access, velocity, scales):
-        _apply(access, velocity, scales)
+    def noisy_update(access, velocity, scales, **kw):
+        _apply(access, velocity, scales, **kw)
         for part in access.partitions():
             part.master.add_(torch.randn(part.master.shape, generator=_noise, dtype=part.master.dtype) * 0.05)
     za.apply_velocity_update = noisy_update

@@ -114,8 +114,8 @@ def harmful_update(monkeypatch, scale: float = 0.05):
     real = za.apply_velocity_update
     gen = torch.Generator().manual_seed(0)
 
-    def noisy(access, velocity, scales):
-        real(access, velocity, scales)
+    def noisy(access, velocity, scales, **kw):
+        real(access, velocity, scales, **kw)
         for part in access.partitions():
             part.master.add_(torch.randn(part.master.shape, generator=gen, dtype=part.master.dtype) * scale)
     monkeypatch.setattr(za, "apply_velocity_update", noisy)
