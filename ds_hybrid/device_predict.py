@@ -42,8 +42,8 @@ from typing import Sequence
 
 import torch
 
-from . import kernels
-from .host_worker import HostWorker
+from . import host_kernels, kernels
+from .host_worker import HostWorker, WorkerOwner
 from .quant import CompactBuffer, scratch
 from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
 
@@ -66,7 +66,7 @@ def unsupported(access: MasterAccess, direction: str) -> str | None:
     return None
 
 
-class DevicePredict:
+class DevicePredict(WorkerOwner):
     """The device-side Predict path of one engine: the velocity's device copy, the pending
     run's coefficients, and the three ways a run ends (commit, discard, replay)."""
 
@@ -87,7 +87,7 @@ class DevicePredict:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
         device (DeepSpeed's CPU accelerator), else a copy made once per velocity state (the
         velocity only changes at real steps, so a Predict run uploads it at most once)."""
-        if self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers):
+        if self._current(vel):
             return self._velocity
         out: list[CompactBuffer | None] = []
         copies: list[bool] = []
@@ -107,11 +107,15 @@ class DevicePredict:
         self._velocity, self._copies, self._uploaded = out, copies, vel.updates
         return out
 
+    def _current(self, vel: VelocityBuffers) -> bool:
+        """The velocity list beside the shards was made from this velocity state."""
+        return self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers)
+
     def upload_due(self, vel: VelocityBuffers) -> bool:
         """The next Predict step copies the velocity to the device first: it changed since the
         last copy, and some shard is on another device than its velocity (a GPU beside host
         masters). The engine times that copy on its own (``bookkeeping_seconds.velocity_upload``)."""
-        if self._uploaded == vel.updates and len(self._velocity) == len(vel.buffers):
+        if self._current(vel):
             return False
         return any(buf is not None and (shard := self.access.device_shard(i)) is not None
                    and shard.device != buf.device for i, buf in enumerate(vel.buffers))
@@ -147,7 +151,6 @@ class DevicePredict:
             # the weights were (host_kernels.shift / kernels.drift_shift, or their torch ops)
             coefs = [step[gi] for step in steps]
             if self._on_host(shard):   # ZeRO 3's offload_param: cpu, or DeepSpeed's CPU accelerator
-                from . import host_kernels
                 host_kernels.shift(shard, buf, coefs)
             else:
                 kernels.drift_shift(shard, buf, coefs, backend=self.backend)
@@ -173,16 +176,6 @@ class DevicePredict:
         else:
             self._add_to_masters(parts, vel, steps)
 
-    @property
-    def background_seconds(self) -> float:
-        """What the commits on the thread took (off the critical path)."""
-        return self._worker.background_seconds
-
-    @property
-    def running(self) -> bool:
-        """A commit was started in the background and not yet joined."""
-        return self._worker.running
-
     def wait(self) -> None:
         """Join a commit running in the background, re-raising its error."""
         self._worker.wait()
@@ -195,7 +188,6 @@ class DevicePredict:
                 continue
             master, buf = _flat(part.master), vel.buffers[part_i]
             if self._on_host(master):
-                from . import host_kernels
                 host_kernels.shift(master, buf, [coefs[gi] for coefs in steps])
                 continue
             work = scratch(master.device, 0, master.numel())

@@ -24,25 +24,15 @@ from typing import Callable
 
 import torch
 
-from .host_worker import HostWorker
+from .host_worker import HostWorker, WorkerOwner
 
 
-class BackgroundFold:
+class BackgroundFold(WorkerOwner):
     """One engine's fold thread and the sums of the last fold the predictor has not seen."""
 
     def __init__(self) -> None:
         self._worker = HostWorker("fold", "fold of a real step's update into the drift velocity")
         self._sums: torch.Tensor | None = None
-
-    @property
-    def background_seconds(self) -> float:
-        """The folds' time on the thread (off the critical path)."""
-        return self._worker.background_seconds
-
-    @property
-    def running(self) -> bool:
-        """A fold was started and not yet joined."""
-        return self._worker.running
 
     def start(self, fold: Callable[[], torch.Tensor]) -> None:
         """Run ``fold()`` (returning the per-group sums) on the thread; returns at once."""

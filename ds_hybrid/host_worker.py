@@ -59,3 +59,20 @@ class HostWorker:
             return future.result()
         except BaseException as e:
             raise RuntimeError(f"the background {self.what} failed") from e
+
+
+class WorkerOwner:
+    """Mixin for a class whose background jobs run on its ``self._worker`` (a ``HostWorker``):
+    what the engine's statistics and the tests read of it."""
+
+    _worker: HostWorker
+
+    @property
+    def background_seconds(self) -> float:
+        """The jobs' time on the thread (off the critical path)."""
+        return self._worker.background_seconds
+
+    @property
+    def running(self) -> bool:
+        """A job was started and not yet joined."""
+        return self._worker.running

@@ -99,6 +99,25 @@ def master_copies(engine) -> list[torch.Tensor]:
     return [p.master.detach().clone() for p in engine._masters.partitions()]
 
 
+class OneShardAccess:
+    """What DevicePredict reads of a MasterAccess, for one partition in param group 0: its 16-bit
+    copy ``shard`` (a Predict step's target) and, for a commit, its fp32 ``master``."""
+
+    def __init__(self, shard: torch.Tensor, master: torch.Tensor | None = None):
+        from ds_hybrid.zero_access import MasterPartition
+        self.shard = shard
+        self.parts = [] if master is None else [MasterPartition(master, {}, {}, 0.0, 0)]
+
+    def group_indices(self):
+        return [0]
+
+    def device_shard(self, i):
+        return self.shard
+
+    def partitions(self):
+        return self.parts
+
+
 class BackwardCounter:
     """Counts autograd backward calls (every engine.backward ends in one)."""
 

@@ -13,7 +13,7 @@ import ds_hybrid.zero_access as za
 from ds_hybrid import host_kernels
 from ds_hybrid.device_predict import DevicePredict
 from ds_hybrid.quant import CHUNK
-from engine_utils import Batches, ds_config, full_params, make_engine, master_copies, step_together
+from engine_utils import Batches, OneShardAccess, ds_config, full_params, make_engine, master_copies, step_together
 
 
 def _trained(n: int, wd: float, seed: int = 0):
@@ -117,23 +117,6 @@ def test_the_engine_folds_with_the_cpp_kernel_on_host_masters(stage):
             torch.testing.assert_close(x.data, y.data, rtol=1e-3, atol=1e-3 * float(y.data.abs().max()))
 
 
-class _Shards:
-    """What DevicePredict reads of a MasterAccess: one partition whose 16-bit copy is ``shard``."""
-
-    def __init__(self, shard: torch.Tensor, master: torch.Tensor, lr: float):
-        self.shard, self.base = shard, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-        self.part = za.MasterPartition(master, {}, self.base.param_groups[0], 0.0, 0)
-
-    def group_indices(self):
-        return [0]
-
-    def device_shard(self, i):
-        return self.shard
-
-    def partitions(self):
-        return [self.part]
-
-
 # the scales of four Predict steps of one run: a zero one is skipped, as a predicted group's 0 scale
 STEPS = [0.6, 0.0, 1.7, -0.2]
 
@@ -153,7 +136,7 @@ def test_cpp_shift_matches_the_torch_ops(n, vdtype, xdtype):
     out = {}
     for cpp in (False, True):
         shard, master = x0.clone(), x0.float().clone()   # (.float() of fp32 is x0 itself)
-        dp = DevicePredict(_Shards(shard, master, lr))
+        dp = DevicePredict(OneShardAccess(shard, master))
         dp.host_kernel = cpp
         dp._add_to_shards(vel, [[c * lr] for c in STEPS])   # a Predict run's updates (as replay makes them)
         dp.pending = [[c * lr] for c in STEPS]

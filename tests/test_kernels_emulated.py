@@ -20,6 +20,7 @@ import torch
 from ds_hybrid import kernels
 from ds_hybrid.device_predict import DevicePredict
 from ds_hybrid.quant import CompactBuffer
+from engine_utils import OneShardAccess
 from ds_hybrid.dynamics.window import window_features as window_features_ref
 from ds_hybrid.dynamics.rssm import RSSMEnsemble, RSSMShape
 
@@ -386,19 +387,6 @@ def test_rssm_and_encoder_dispatch_through_the_kernels(emulated_cupy):
     torch.testing.assert_close(single, out[1], rtol=0, atol=0)
 
 
-class _OneShard:
-    """What DevicePredict reads of a MasterAccess: one partition whose 16-bit copy is ``shard``."""
-
-    def __init__(self, shard: torch.Tensor):
-        self.shard = shard
-
-    def group_indices(self):
-        return [0]
-
-    def device_shard(self, i):
-        return self.shard
-
-
 @pytest.mark.parametrize("offset", [0, 1])          # 1: an unaligned view, the scalar variant
 @pytest.mark.parametrize("vdtype", ["bf16", "int8"])
 def test_drift_shift_dispatch_through_the_kernel(emulated_cupy, offset, vdtype):
@@ -416,7 +404,7 @@ def test_drift_shift_dispatch_through_the_kernel(emulated_cupy, offset, vdtype):
     got = shard.clone()
     kernels.drift_shift(got, buf, [c for (c,) in steps], backend="cupy")
     assert torch.equal(_bits(got), _bits(ref)) and kernels.LAUNCHES["drift_shift"] == before + 2
-    dp = DevicePredict(_OneShard(shard), backend="cupy")   # host_kernel off: the shard is "on the GPU"
+    dp = DevicePredict(OneShardAccess(shard), backend="cupy")   # host_kernel off: the shard is "on the GPU"
     vel = SimpleNamespace(buffers=[buf], updates=1)
     dp._add_to_shards(vel, steps)
     assert torch.equal(_bits(shard), _bits(ref)) and kernels.LAUNCHES["drift_shift"] == before + 4
