@@ -81,6 +81,16 @@ def add_flat(params: list, vec: torch.Tensor, alpha: float) -> None:
         off += n
 
 
+def fold_velocity(vel: torch.Tensor | None, w: torch.Tensor, prev: torch.Tensor | None, lr: float,
+                  beta: float) -> torch.Tensor | None:
+    """The drift velocity after a real update from ``prev`` to ``w`` at ``lr``: the running average (``beta``) of
+    the real updates per unit LR (``predictor.direction: drift``); unchanged with no previous point or at LR 0."""
+    if prev is None or lr <= 0:
+        return vel
+    delta = (w - prev) / lr
+    return delta if vel is None else vel.mul_(beta).add_(delta, alpha=1 - beta)
+
+
 def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: int, scale: float,
           beta: float = 0.95, warm: int = 50, batch: int = 16) -> dict:
     """One run; ``direction=None`` is plain AdamW for ``steps`` real steps."""
@@ -115,10 +125,7 @@ def train(seed: int, lr: float, steps: int, direction: str | None, F: int, H: in
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         w = flat()
-        if prev is not None and lr_at(t) > 0:
-            delta = (w - prev) / lr_at(t)
-            vel = delta if vel is None else vel.mul_(beta).add_(delta, alpha=1 - beta)
-        prev = w
+        vel, prev = fold_velocity(vel, w, prev, lr_at(t), beta), w
         t, real, since = t + 1, real + 1, since + 1
     seconds = time.perf_counter() - t0
     with torch.no_grad():

@@ -47,6 +47,11 @@
 #            covered by the last update; 8 x 256 bytes a step, 600 steps, peak LR 6e-4 and 1.2e-3, 3 seeds. It
 #            writes its JSON after every run and stops itself after 560 s
 #                                                            -> OUT/stale-update-study-124m.json
+#   grad124  what a Predict step that takes its gradient on the GPU is worth at GPT-2 124M
+#            (benchmarks/grad_step_study.py, plain PyTorch, bf16 autocast): 1 real : 1 and 1 : 3 Predict steps,
+#            skip, drift and adam-carry with the GPU's state in bf16 and its weights rounded stochastically;
+#            8 x 256 bytes a step, 600 steps, peak LR 6e-4, 3 seeds; JSON after every run, stopped at 560 s
+#                                                            -> OUT/grad-step-study-124m.json
 #
 # On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
 # ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
@@ -167,7 +172,12 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         --lrs 6e-4 1.2e-3 --seeds 1 2 3 --modes stale cover-last --json "$OUT/stale-update-study-124m.json" \
         > "$OUT/stale124.log" 2>&1
       rc=$?; tail -12 "$OUT/stale124.log"; stage_rc stale124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b stale124)"; status=2 ;;
+    grad124)
+      timeout 560 $PY benchmarks/grad_step_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
+        --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
+        --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
+      rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

@@ -1,0 +1,380 @@
+"""What a Predict step that takes its gradient on the GPU is worth, against a drift step (plain PyTorch).
+
+Issue 15's regime is ZeRO-Offload: there a real step's dear part is the CPU Adam step and the PCIe copies, not the
+forward and backward (on the 1B model under 16 GB the whole step took 801 ms on an H100). A drift Predict step
+(``predictor.direction: drift``) costs almost nothing but is worth little: ``direction_study.py`` measured 0.02-0.28
+of the loss gap a real step closes, and the ``offload`` suite's hybrid ends 4% above plain ZeRO-Offload at equal
+steps. Where the backward is cheap next to the host round trip, a Predict step can afford a gradient, as long as
+it stays on the GPU: it needs a preconditioner there, taken from the CPU optimizer's state at the last real step
+and held fixed (frozen) through the Predict run. This study measures what such steps are worth, in steps of plain
+AdamW, with the same model, data and schedule as ``direction_study.py`` (the ``tiny-cpu`` preset: GPT-2 0.84M,
+16 x 128 bytes of the Python standard library's source, AdamW, warmup + cosine to 0.1x, clipping 1.0).
+
+A hybrid run takes ``F`` real AdamW steps, then ``H`` Predict steps, from step ``--start`` on, and repeats; Predict
+steps advance the LR schedule. The optimizer's state (``m``, ``v``, step count) sees only the real steps' gradients:
+the CPU never receives a Predict step's gradient. Predict steps:
+
+* ``skip``:  nothing moves (the control: the same real steps on the stretched schedule);
+* ``drift``: ``lr x v``, ``v`` the running average (beta 0.95) of the real updates per unit LR (the engine's drift,
+  step scale 1), no gradient;
+* ``rms``:   ``lr x g / (sqrt(v_hat) + eps)`` plus AdamW's decay: the step's own clipped gradient ``g`` with the
+  second moment frozen at the last real step (on the GPU: one value per parameter);
+* ``adam-local``: ``lr x m_hat / (sqrt(v_hat) + eps)`` plus decay, ``m`` started from the optimizer's at the last
+  real step and updated with each Predict step's gradient on the GPU, dropped at the next real step (two values
+  per parameter on the GPU; the CPU's ``m`` never sees these gradients);
+* ``adam-carry``: the same, but the run's ``m`` goes back to the optimizer at the next real step, so the Predict
+  steps' gradients stay in the first moment as a real step's do (on the GPU: ``m`` sent back once per run, as a
+  gradient is); ``v`` and the step count still see only the real steps.
+
+``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
+update), as a 2-bytes-a-value copy would.
+
+Each hybrid run is placed on plain AdamW's curve: plain AdamW runs of several lengths, each on its own full
+schedule (the hybrid's real-step count among them), give validation loss against steps; the hybrid's loss read on
+that curve is ``n_eq``, the plain steps it is worth. A Predict step's **step worth** is ``(n_eq - n_real) /
+n_predict`` (1: as good as a real step; 0: as good as not taking it). At a Predict-step cost ``c`` in plain steps,
+the hybrid reaches its loss in ``(n_real + c x n_predict) / n_eq`` of plain AdamW's steps; the table gives the
+``c`` at which that is 1 (break-even) and 0.6 (issue 15's goal). ``c`` itself is a GPU number: for ``rms`` and
+``adam-local`` it is the forward and backward over a plain ZeRO-Offload step (DeepSpeed's ``wall_clock_breakdown``
+in ``benchmarks/gpu_run.sh off1b``); for ``drift``, the drift kernel's pass.
+
+    .venv/bin/python benchmarks/grad_step_study.py --json docs/results/grad-step-study.json   # ~35 min on 2 cores
+    .venv/bin/python benchmarks/grad_step_study.py --seeds 1 --schedules 1:3 --modes rms skip --json /tmp/g.json
+
+Prints a table and writes JSON after every run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from direction_study import add_flat, fold_velocity, schedule, setup  # noqa: E402
+from ds_hybrid.data import val_batches  # noqa: E402
+
+MODES = ("skip", "drift", "rms", "adam-local", "adam-carry")
+GRADIENT_MODES = ("rms", "adam-local", "adam-carry")
+BETAS, EPS, WEIGHT_DECAY, CLIP = (0.9, 0.999), 1e-8, 0.01, 1.0   # setup()'s AdamW and the preset's clipping
+
+
+def real_steps(steps: int, F: int, H: int, start: int) -> int:
+    """Real steps in a hybrid run of ``steps``: all before ``start``, then ``F`` of every ``F + H``."""
+    n, t, since = 0, 0, 0
+    while t < steps:
+        if t >= start and since >= F:
+            t, since = t + H, 0
+            continue
+        t, n, since = t + 1, n + 1, since + 1
+    return n
+
+
+def run_key(row: dict) -> tuple:
+    """What identifies a run: a plain run by its seed and length; a hybrid also by its Predict settings."""
+    if row["mode"] == "plain":
+        return ("plain", row["seed"], row["steps"])
+    return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
+            row.get("weights", "fp32"))
+
+
+def job_key(args: tuple, kw: dict) -> tuple:
+    """``run_key`` of the row that ``train(*args, **kw)`` will return."""
+    seed, _, steps, mode, *rest = args
+    if mode is None:
+        return ("plain", seed, steps)
+    F, H, start = rest
+    return (mode, seed, steps, F, H, start, kw.get("state_dtype", "fp32"), kw.get("weights", "fp32"))
+
+
+def stochastic_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (fp32) rounded to bf16 stochastically: up with probability the dropped fraction of an ulp (unbiased,
+    so updates far below a bf16 ulp still move the weights on average)."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=x.device)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)   # low 16 bits zero: exact in bf16
+
+
+def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int = 1, start: int = 50, *,
+          state_dtype: str = "fp32", weights: str = "fp32", batch: int = 16, model_name: str = "gpt2-tiny",
+          seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95) -> dict:
+    """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
+    gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
+    ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
+    real step by the 16-bit weights' change over the run."""
+    model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
+    vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
+    autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
+                                      enabled=bf16)
+    lr_at = schedule(lr, steps)
+    flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
+    held = torch.bfloat16 if state_dtype == "bf16" else torch.float32
+    rounding = torch.Generator(device=device).manual_seed(seed)
+
+    def gradient() -> float:
+        with autocast():
+            loss = model(**next(stream)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        return float(loss.detach())
+
+    prev = vel = None
+    t = real = predicted = since = 0
+    t0 = time.perf_counter()
+    while t < steps:
+        if mode is not None and t >= start and since >= F:
+            # A Predict run of H steps. The GPU's copy of the optimizer state, frozen at the last real step.
+            k = int(opt.state[params[0]]["step"])
+            denom = [(opt.state[p]["exp_avg_sq"] / (1 - BETAS[1] ** k)).sqrt().to(held) for p in params]
+            # clone: the optimizer's own m is touched only where adam-carry hands the run's m back
+            m_loc = ([opt.state[p]["exp_avg"].to(held).float().clone() for p in params]
+                     if mode in ("adam-local", "adam-carry") else None)
+            sixteen = weights == "bf16-sr" and mode in GRADIENT_MODES
+            if sixteen:   # the GPU's 16-bit weights, which the Predict steps' forwards see
+                start_masters = [p.detach().clone() for p in params]
+                w16 = [p.detach().to(torch.bfloat16) for p in params]
+                with torch.no_grad():
+                    for p, w in zip(params, w16):
+                        p.copy_(w.float())
+            for j in range(H):
+                if t + j >= steps:
+                    break
+                step_lr = lr_at(t + j)
+                if mode in GRADIENT_MODES:
+                    gradient()
+                with torch.no_grad():
+                    if mode == "drift" and vel is not None:
+                        add_flat(params, vel, step_lr)
+                    elif mode in GRADIENT_MODES:
+                        for i, p in enumerate(params):
+                            if mode == "rms":
+                                d = p.grad
+                            else:
+                                m_loc[i] = m_loc[i].mul_(BETAS[0]).add_(p.grad, alpha=1 - BETAS[0]).to(held).float()
+                                d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
+                            p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
+                            if sixteen:
+                                w16[i] = stochastic_bf16(p.detach(), rounding)
+                                p.copy_(w16[i].float())
+                predicted += 1
+            if mode == "adam-carry":
+                for p, m in zip(params, m_loc):
+                    opt.state[p]["exp_avg"].copy_(m)
+            if sixteen:   # the masters catch up by what the 16-bit weights moved
+                with torch.no_grad():
+                    for p, m0, w in zip(params, start_masters, w16):
+                        p.copy_(m0 + (w.float() - m0.to(torch.bfloat16).float()))
+            t, since = t + H, 0
+            opt.zero_grad(set_to_none=True)
+            prev = flat()   # the drift velocity folds real updates only
+            continue
+        for g in opt.param_groups:
+            g["lr"] = lr_at(t)
+        gradient()
+        opt.step()
+        if mode == "drift":
+            w = flat()
+            vel, prev = fold_velocity(vel, w, prev, lr_at(t), drift_beta), w
+        t, real, since = t + 1, real + 1, since + 1
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    with torch.no_grad(), autocast():
+        val = sum(float(model(**b).loss) for b in vb) / len(vb)
+    return {"seed": seed, "lr": lr, "steps": steps, "mode": mode or "plain", "F": F if mode else 0,
+            "H": H if mode else 0, "start": start,
+            "real_steps": real, "predicted_steps": predicted, "state_dtype": state_dtype, "weights": weights,
+            "val_loss": val,
+            "train_seconds": seconds}
+
+
+def steps_worth(val: float, curve: list[tuple[int, float]]) -> tuple[float | None, str]:
+    """Plain AdamW steps a validation loss is worth on ``curve`` ((steps, val) of plain runs, each on its own
+    schedule), linear between neighbours; ``(None, "below")`` when worse than the shortest plain run,
+    ``(None, "above")`` when better than the longest."""
+    pts = sorted(curve)
+    if val > pts[0][1]:
+        return None, "below"
+    for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
+        if min(v0, v1) <= val <= max(v0, v1):
+            return (float(n0) if v0 == v1 else n0 + (n1 - n0) * (v0 - val) / (v0 - v1)), ""
+    return None, "above"
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], seconds: float,
+           complete: bool) -> dict:
+    """Per (schedule, mode): val loss, plain steps it is worth, step worth, and the Predict-step costs at which
+    the hybrid breaks even with plain AdamW and reaches 0.6x its steps. Seeds without every plain run are left
+    out of the worth columns."""
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["mode"] == "plain":
+            curves.setdefault(r["seed"], []).append((r["steps"], r["val_loss"]))
+    plain_full = {r["seed"]: r["val_loss"] for r in rows if r["mode"] == "plain" and r["steps"] == args.steps}
+    lines = ["| schedule (real : Predict) | mode | Predict share | val loss (mean ± sd) | gap to plain, all real | "
+             "plain steps it is worth | step worth (mean ± sd) | cost c for break-even | cost c for 0.6x |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for F, H in args.schedules:
+        for mode in args.modes:
+            rs = [r for r in rows if r["mode"] == mode and (r["F"], r["H"]) == (F, H)]
+            if not rs:
+                continue
+            per_seed = []
+            for r in rs:
+                n_eq, bound = steps_worth(r["val_loss"], curves.get(r["seed"], [(0, float("inf"))]))
+                r["plain_steps_worth"], r["bound"] = n_eq, bound
+                if n_eq is not None:
+                    r["step_worth"] = (n_eq - r["real_steps"]) / r["predicted_steps"]
+                    # hybrid steps, in plain steps, over n_eq: 1 at break-even, 0.6 at the goal
+                    r["cost_break_even"] = (n_eq - r["real_steps"]) / r["predicted_steps"]
+                    r["cost_for_0.6x"] = (0.6 * n_eq - r["real_steps"]) / r["predicted_steps"]
+                    per_seed.append(r)
+            val, val_sd = _mean_sd([r["val_loss"] for r in rs])
+            gap = [r["val_loss"] - plain_full[r["seed"]] for r in rs if r["seed"] in plain_full]
+            agg = {"F": F, "H": H, "mode": mode, "runs": len(rs), "seeds": [r["seed"] for r in rs],
+                   "predicted_share": rs[0]["predicted_steps"] / rs[0]["steps"], "val": val, "val_sd": val_sd,
+                   "gap_to_plain_full": statistics.mean(gap) if gap else None,
+                   "bounds": [r["bound"] for r in rs if r["bound"]]}
+            for key in ("plain_steps_worth", "step_worth", "cost_for_0.6x"):
+                xs = [r[key] for r in per_seed]
+                agg[key], agg[key + "_sd"] = _mean_sd(xs) if xs else (None, None)
+            summary.append(agg)
+            cell = lambda k, f: "-" if agg[k] is None else f"{agg[k]:{f}} ± {agg[k + '_sd']:{f}}"  # noqa: E731
+            bound = (f" ({len(agg['bounds'])} of {len(rs)} outside the plain curve: "
+                     f"{', '.join(sorted(set(agg['bounds'])))})" if agg["bounds"] else "")
+            lines.append(f"| {F} : {H} | {mode} | {agg['predicted_share']:.0%} | {val:.4f} ± {val_sd:.4f} | "
+                         + ("-" if agg["gap_to_plain_full"] is None else f"{agg['gap_to_plain_full']:+.4f}")
+                         + f" | {cell('plain_steps_worth', '.0f')}{bound} | {cell('step_worth', '.2f')} | "
+                         + ("-" if agg["step_worth"] is None else f"below {agg['step_worth']:.2f}")
+                         + " | " + ("-" if agg["cost_for_0.6x"] is None else
+                                    ("unreachable" if agg["cost_for_0.6x"] <= 0 else
+                                     f"below {agg['cost_for_0.6x']:.2f}")) + " |")
+    plain_lines = ["| plain AdamW steps | val loss (mean ± sd) |", "|---|---|"]
+    for n in sorted({r["steps"] for r in rows if r["mode"] == "plain"}):
+        v, sd = _mean_sd([r["val_loss"] for r in rows if r["mode"] == "plain" and r["steps"] == n])
+        plain_lines.append(f"| {n} | {v:.4f} ± {sd:.4f} |")
+    return {"command": "benchmarks/grad_step_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds, 1), "complete": complete,
+            "setup": {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "steps": args.steps,
+                      "lr": args.lr, "start": args.start, "state_dtype": args.state_dtype, "weights": args.weights,
+                      "device": args.device,
+                      "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
+            "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
+            "plain_markdown": "\n".join(plain_lines)}
+
+
+def _init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run(job: tuple) -> dict:
+    args, kw = job
+    return train(*args, **kw)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lr", type=float, default=2e-3, help="peak LR (2e-3: plain AdamW's swept best on the preset)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--steps", type=int, default=600, help="schedule length of the hybrid runs")
+    p.add_argument("--schedules", nargs="+", default=["1:1", "1:3"],
+                   help="F:H, real steps then Predict steps per cycle")
+    p.add_argument("--start", type=int, default=50, help="first step of a Predict run")
+    p.add_argument("--modes", nargs="*", default=["skip", "drift", "adam-local", "adam-carry"], choices=MODES,
+                   help="rms: the gradient over the frozen sqrt(v_hat), no first moment; none: plain runs only")
+    p.add_argument("--plain-steps", type=float, nargs="*", default=[0.75, 1.0],
+                   help="plain run lengths besides the hybrids' real-step counts, as fractions of --steps")
+    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="precision of the frozen optimizer state the Predict steps use")
+    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16-sr"],
+                   help="what a gradient Predict step updates: the weights exactly (fp32 displacement on the GPU), "
+                        "or 16-bit weights with stochastic rounding, the masters catching up by their change")
+    p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda")
+    p.add_argument("--bf16", action="store_true", help="forward and backward under bf16 autocast (fp32 masters)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once, each in its own process")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per run")
+    p.add_argument("--json", default=None, help="written after every run, so a study cut short keeps what it did")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="JSON",
+                   help="JSONs of this study with the same model, shape, LR and device: their runs are taken "
+                        "instead of run again (plain AdamW runs do not depend on the Predict settings), so a study "
+                        "can be extended by schedules, modes or plain lengths, or resumed")
+    args = p.parse_args(argv)
+    try:
+        args.schedules = [tuple(int(x) for x in s.split(":")) for s in args.schedules]
+    except ValueError:
+        p.error(f"--schedules: F:H pairs of integers, e.g. 1:3 (got {args.schedules})")
+    if any(F < 1 or H < 1 for F, H in args.schedules) or args.steps <= args.start:
+        p.error("--schedules: F and H at least 1; --steps above --start")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here")
+    shape = dict(batch=args.batch, model_name=args.model, seq_len=args.seq_len, device=args.device, bf16=args.bf16)
+    lengths = sorted({real_steps(args.steps, F, H, args.start) for F, H in args.schedules}
+                     | {round(f * args.steps) for f in args.plain_steps})
+    want = {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "lr": args.lr, "bf16": args.bf16,
+            "device": args.device}
+    prior: dict[tuple, dict] = {}
+    for path in args.reuse:
+        try:
+            saved = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--reuse {path}: {e}")
+        if any(saved.get("setup", {}).get(k) != v for k, v in want.items()):
+            p.error(f"--reuse {path}: its setup {saved.get('setup')} differs from this study's {want}")
+        prior.update({run_key(r): r for r in saved["rows"]})
+    jobs, reused = [], []
+    for seed in args.seeds:
+        wanted = [((seed, args.lr, n, None), shape) for n in lengths]
+        wanted += [((seed, args.lr, args.steps, mode, F, H, args.start),
+                    {**shape, "state_dtype": args.state_dtype, "weights": args.weights})
+                   for F, H in args.schedules for mode in args.modes]
+        for job in wanted:
+            key = job_key(*job)
+            if key in prior:
+                reused.append(prior.pop(key))
+            else:
+                jobs.append(job)
+    t0 = time.time()
+    rows: list[dict] = list(reused)
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        print(f"seed {row['seed']} {row['mode']}" + (f" {row['F']}:{row['H']}" if row["H"] else "")
+              + f" {row['steps']} steps "
+              f"({row['real_steps']} real): val {row['val_loss']:.4f} ({row['train_seconds']:.0f} s)", flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report(args, argv, rows, time.time() - t0, False), indent=2))
+
+    if args.jobs > 1 and not args.device.startswith("cuda"):
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(args.jobs, initializer=_init, initargs=(args.threads,)) as pool:
+            for row in pool.imap_unordered(_run, jobs):
+                done(row)
+    else:
+        _init(args.threads)
+        for job in jobs:
+            done(_run(job))
+    result = report(args, argv, rows, time.time() - t0, complete=True)
+    print(result["plain_markdown"])
+    print(result["table_markdown"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""benchmarks/grad_step_study.py: Predict steps that take their gradient on the GPU with the optimizer state frozen
+at the last real step. Tiny runs (36 steps of GPT-2 0.84M at 4 x 64 bytes) check the study's mechanics; its numbers
+are in docs/results/grad-step-study.json."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SHAPE = dict(batch=4, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def study():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "grad_step_study.py"
+    spec = importlib.util.spec_from_file_location("grad_step_study", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_steps_counts_the_steps_before_start_and_F_of_every_F_plus_H(study):
+    assert study.real_steps(600, 1, 1, 50) == 325
+    assert study.real_steps(600, 1, 3, 50) == 50 + 137     # a run starts at step 50; the last is cut to 2
+    assert study.real_steps(10, 4, 2, 10) == 10            # no Predict run before the end
+
+
+def test_a_run_whose_predict_runs_never_start_is_plain_adamw_bit_for_bit(study):
+    torch.set_num_threads(2)
+    plain = study.train(1, 2e-3, 36, None, **SHAPE)
+    never = study.train(1, 2e-3, 36, "adam-carry", 1, 1, start=36, **SHAPE)
+    assert never["val_loss"] == plain["val_loss"]
+    assert (plain["mode"], plain["F"], plain["H"]) == ("plain", 0, 0)
+
+
+def test_predict_steps_count_and_each_mode_moves_the_weights_its_own_way(study):
+    """From step 30 on, one real step then three Predict steps: 30 real steps, a run of 3, one real step, and a
+    run cut to 2 by the end. ``skip`` moves nothing in
+    its Predict steps (the same as plain AdamW on the stretched schedule would be with those steps missing);
+    the gradient modes differ from it and from each other: ``adam-carry`` hands the run's first moment back to
+    the optimizer, ``adam-local`` drops it, ``rms`` has none."""
+    runs = {m: study.train(1, 2e-3, 36, m, 1, 3, start=30, **SHAPE)
+            for m in ("skip", "drift", "rms", "adam-local", "adam-carry")}
+    for r in runs.values():
+        assert (r["real_steps"], r["predicted_steps"]) == (31, 5) == (study.real_steps(36, 1, 3, 30), 5)
+    vals = {m: r["val_loss"] for m, r in runs.items()}
+    assert len(set(vals.values())) == len(vals)
+    # the same run twice: the same loss (seeded data, seeded rounding)
+    assert study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)["val_loss"] == vals["adam-carry"]
+
+
+def test_sixteen_bit_predict_weights_round_stochastically_and_the_masters_catch_up(study):
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((100_000,), 1.0 + 2 ** -10)               # an eighth of a bf16 ulp above 1
+    for sign in (1, -1):
+        y = study.stochastic_bf16(sign * x, g).float()
+        assert set(y.abs().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+        assert y.mean().item() == pytest.approx(sign * (1.0 + 2 ** -10), abs=2e-5)   # unbiased
+    exact = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)
+    sixteen = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, weights="bf16-sr", state_dtype="bf16",
+                          **SHAPE)
+    assert sixteen["weights"] == "bf16-sr" and sixteen["val_loss"] != exact["val_loss"]
+    assert sixteen["val_loss"] == pytest.approx(exact["val_loss"], rel=0.02)
+
+
+def test_steps_worth_reads_a_loss_on_the_plain_curve(study):
+    curve = [(100, 3.0), (200, 2.0), (400, 1.5)]
+    assert study.steps_worth(2.5, curve) == (150.0, "")
+    assert study.steps_worth(1.75, curve) == (300.0, "")
+    assert study.steps_worth(3.5, curve) == (None, "below")
+    assert study.steps_worth(1.0, curve) == (None, "above")
+
+
+def test_the_study_reports_step_worth_and_reuses_plain_runs(study, tmp_path, capsys):
+    """End to end at 36 steps: the table places each hybrid on the plain curve; a second study with
+    ``--reuse`` runs only what the first did not (no plain AdamW again); a bad schedule or a JSON of another setup
+    is refused naming the flag."""
+    out = tmp_path / "g.json"
+    common = ["--steps", "36", "--start", "30", "--seeds", "1", "--schedules", "1:3", "--batch", "4",
+              "--seq-len", "64", "--jobs", "1", "--threads", "2", "--plain-steps", "0.9", "1.0"]
+    res = study.main([*common, "--modes", "skip", "adam-carry", "--json", str(out)])
+    # the hybrid's real-step count, 0.9 and 1.0 of the schedule
+    assert sorted(r["steps"] for r in res["rows"] if r["mode"] == "plain") == [31, 32, 36]
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and {a["mode"] for a in saved["summary"]} == {"skip", "adam-carry"}
+    for a in saved["summary"]:
+        if a["step_worth"] is not None:   # on the curve: worth = (n_eq - real) / predicted
+            rows = [r for r in saved["rows"] if r["mode"] == a["mode"]]
+            n_eq = rows[0]["plain_steps_worth"]
+            assert a["step_worth"] == pytest.approx((n_eq - rows[0]["real_steps"]) / rows[0]["predicted_steps"])
+    again = study.main([*common, "--modes", "skip", "adam-local", "--reuse", str(out),
+                        "--json", str(tmp_path / "h.json")])
+    fresh = [r for r in again["rows"] if r not in res["rows"]]
+    assert [r["mode"] for r in fresh] == ["adam-local"] and len(again["rows"]) == len(res["rows"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        study.main([*common, "--schedules", "1-3"])
+    assert "--schedules" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main([*common, "--lr", "1e-3", "--reuse", str(out)])
+    assert "--reuse" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (2, "cpu")])
+def test_a_private_backward_through_the_module_leaves_deepspeeds_gradient_path_alone(stage, offload):
+    """What a gradient Predict step on the GPU would rest on: on ZeRO 1 and 2 (optimizer offloaded or not), a
+    forward through ``engine.module`` and ``torch.autograd.grad`` give the step's full 16-bit gradient on the
+    device while DeepSpeed's reduction hooks, its offload copies and its counters never run: an engine that
+    takes such a backward between its real steps trains bit for bit as one that does not. (Through the engine's
+    own forward, DeepSpeed 0.19.8 queues its backward epilogue on any backward, ``autograd.grad`` included.)"""
+    from engine_utils import Batches, ds_config, full_params, make_engine
+    cfg = ds_config(stage, bf16=True, offload_opt=offload)
+    a, b = make_engine(cfg, plain=True), make_engine(cfg, plain=True)
+    ba, bb, extra = Batches(1), Batches(1), Batches(7)
+    for step in range(3):
+        if step:
+            params = [p for p in b.module.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(b.module(**extra.micro()).loss, params)
+            assert all(p.grad is None for p in params)
+            assert all(g.dtype == torch.bfloat16 and g.shape == p.shape for g, p in zip(grads, params))
+            assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        for eng, batches in ((a, ba), (b, bb)):
+            eng.backward(eng(**batches.micro()).loss)
+            eng.step()
+    assert a.global_steps == b.global_steps == 3
+    assert all(torch.equal(x, y) for x, y in zip(full_params(a), full_params(b)))
