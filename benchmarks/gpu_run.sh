@@ -31,7 +31,9 @@
 #   off1b    the same, the hybrid's host path (masters moved every Predict step, snapshots) against
 #            the device path (memory.offload_predict: device, fold_source: optimizer_state), its commit
 #            on a host thread behind the backward (commit_overlap, the default) and inline: step time
-#            per phase and the bookkeeping timers        -> OUT/offload-gpu-1b.json
+#            per phase, the bookkeeping timers and DeepSpeed's forward / backward / step timers per phase
+#            (--wall-clock: what a Predict step that takes its gradient on the GPU would cost)
+#                                                            -> OUT/offload-gpu-1b.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
@@ -133,7 +135,8 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       stage_rc mem1b $rc "$t0" ;;
     off1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device drift-int8-device-inline --out /tmp/off1b \
+        --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device drift-int8-device-inline --wall-clock \
+        --out /tmp/off1b \
         --json /tmp/res/offload-gpu-1b.json
       rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
       stage_rc off1b $rc "$t0" ;;

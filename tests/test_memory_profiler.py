@@ -279,3 +279,25 @@ def test_benchmark_scripts_print_tables_and_write_json(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
     cost = json.loads((tmp_path / "profiler_cost.py.json").read_text())
     assert cost["records"] == 20 and cost["record_ms"] > 0
+
+
+def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_path):
+    """``--wall-clock``: the runs' ds_config turns on DeepSpeed's ``wall_clock_breakdown``, each run keeps the
+    engine's per-phase timers, and a table gives forward, backward (own + reduction) and optimizer step beside the
+    whole step: the forward and backward's own part are a share of it. Without the flag neither appears."""
+    from ds_hybrid.memory import bench as mbench
+    result = mbench.main(["--models", "gpt2-test", "--variants", "full", "drift-int8", "--steps", "10", "--wall-clock",
+                          "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "m.json")])
+    cfg = json.loads((tmp_path / "runs" / "gpt2-test-full" / "ds_config.json").read_text())
+    assert cfg["wall_clock_breakdown"] is True
+    runs = {r["run"]: r for r in result["runs"]}
+    full = runs["full"]["wall_clock_ms"]["full"]
+    assert full["steps"] == 10 and all(full["mean_ms"][k] > 0 for k in ("fwd", "bwd", "bwd_inner", "step"))
+    assert {"warmup", "predict"} <= set(runs["drift-int8"]["wall_clock_ms"])
+    table = result["table_markdown"]
+    assert "| (forward + backward's own) / whole |" in table
+    line = next(x for x in table.splitlines() if x.startswith("| gpt2-test | full | full | 10 |") and "(" in x)
+    assert 0 < float(line.rstrip(" |").rsplit("|", 1)[1]) < 1.5
+    plain = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4",
+                         "--out", str(tmp_path / "plain"), "--json", str(tmp_path / "p.json")])
+    assert plain["runs"][0]["wall_clock_ms"] is None and "backward's own" not in plain["table_markdown"]

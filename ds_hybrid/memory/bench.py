@@ -100,9 +100,10 @@ DEFAULT_VARIANTS = ("full", "adam", "drift-fp32", "drift-int8")
 
 
 def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset: str = "tiny-cpu",
-               grad_accum: int = 1, precision: str = "preset") -> dict:
+               grad_accum: int = 1, precision: str = "preset", wall_clock: bool = False) -> dict:
     """``preset`` with the given micro batch and accumulation and a phase cycle short enough for a
-    few steps; ``precision`` other than ``preset`` replaces its bf16 / fp16 sections."""
+    few steps; ``precision`` other than ``preset`` replaces its bf16 / fp16 sections; ``wall_clock``
+    turns on DeepSpeed's ``wall_clock_breakdown`` (the engine books it per phase)."""
     from ..bench import deep_merge
     cfg, _ = resolve_config(preset, "--preset")
     if precision != "preset":
@@ -111,6 +112,8 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = grad_accum
     cfg.pop("train_batch_size", None)   # follows from the two above
+    if wall_clock:
+        cfg["wall_clock_breakdown"] = True
     cfg["hybrid_predict"].update({"warmup_steps": max(2, steps // 8), "full_steps": 2, "min_predict_steps": 2,
                                   "max_predict_steps": 4, "verify_every": 1, "correction_steps": 1,
                                   "confidence_threshold": 0.0, "predict_lr_fraction": 1.0})
@@ -119,12 +122,13 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
 
 
 def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset: str = "tiny-cpu",
-            grad_accum: int = 1, gpu_mem_cap: str | None = None, precision: str = "preset") -> dict:
+            grad_accum: int = 1, gpu_mem_cap: str | None = None, precision: str = "preset",
+            wall_clock: bool = False) -> dict:
     """One training subprocess for variant ``kind``; returns its summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
     cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum,
-                                              precision), indent=2))
+                                              precision, wall_clock), indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", model.name,
            "--steps", str(model.steps), "--seq-len", str(model.seq_len), "--eval-every", str(model.steps),
            "--val-batches", "1", "--out", str(out), "--no-progress"]
@@ -211,7 +215,30 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r['run']} | {r.get('moment_parking') or '-'} | "
                          f"{r.get('predictor_device') or '-'} | {'-' if pm is None else f'{pm:.2f}'} | {launches} | "
                          f"{prof} | {', '.join(f'{k} {v:.1f}' for k, v in (r.get('bookkeeping_ms') or {}).items()) or '-'} |")
+    lines += wall_clock_table(rows, runs)
     return "\n".join(lines)
+
+
+def wall_clock_table(rows: list[dict], runs: list[dict]) -> list[str]:
+    """``--wall-clock``: DeepSpeed's forward, backward (its own part and the gradient reduction, which under
+    ZeRO-Offload includes the copies to the host) and optimizer-step timers per phase, ms per step, beside the
+    whole step. The forward and the backward's own part over the whole step is what a Predict step that took its
+    gradient on the device and skipped the rest would cost, before its own update and copies."""
+    if not any(r.get("wall_clock_ms") for r in runs):
+        return []
+    whole = {(r["model"], r["run"], r["phase"]): r["mean_step_ms"] for r in rows}
+    lines = ["", "| model | run | phase | steps | forward ms | backward ms (own + reduction) | optimizer step ms | "
+             "whole step ms | (forward + backward's own) / whole |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for phase, wc in (r.get("wall_clock_ms") or {}).items():
+            if phase == "real":   # the real phases together; each is listed on its own
+                continue
+            t, step_ms = wc["mean_ms"], whole.get((r["model"], r["run"], phase))
+            share = "-" if not step_ms else f"{(t['fwd'] + t['bwd_inner']) / step_ms:.2f}"
+            lines.append(f"| {r['model']} | {r['run']} | {phase} | {wc['steps']} | {t['fwd']:.1f} | {t['bwd']:.1f} "
+                         f"({t['bwd_inner']:.1f} + {t['bwd_allreduce']:.1f}) | {t['step']:.1f} | "
+                         f"{'-' if step_ms is None else f'{step_ms:.1f}'} | {share} |")
+    return lines
 
 
 def device_used_mb(per_phase: dict) -> float | None:
@@ -304,6 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the result here; the hybrid runs' memory.png are copied next to it (default: "
                         "--out's result.json)")
+    p.add_argument("--wall-clock", action="store_true",
+                   help="time DeepSpeed's forward, backward and optimizer step per phase (wall_clock_breakdown; "
+                        "its timers synchronise the device, in every run alike)")
     p.add_argument("--live", action="store_true", help="show the runs' output")
     p.add_argument("--retable", type=Path, default=None, metavar="JSON",
                    help="run nothing: re-derive a saved result's per-run figures and rewrite its tables")
@@ -330,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
             summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
-                              args.gpu_mem_cap, args.precision)
+                              args.gpu_mem_cap, args.precision, args.wall_clock)
             mem = summary["memory"]
             rows += rows_from_summary(name, kind, summary)
             gpu = {}
@@ -354,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "steps_per_phase": summary["statistics"]["steps_per_phase"],
                          "snapshot_bytes": summary["statistics"].get("snapshot_bytes"),
                          "velocity_bytes": summary["statistics"].get("velocity_bytes"),
+                         "wall_clock_ms": summary["statistics"].get("wall_clock_breakdown"),
                          **predictor_figures(summary),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
                          "accelerator": summary["host"]["accelerator"], **gpu})
