@@ -171,7 +171,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                         p.copy_(m0 + (w.float() - m0.to(torch.bfloat16).float()))
             t, since = t + H, 0
             opt.zero_grad(set_to_none=True)
-            prev = flat()   # the drift velocity folds real updates only
+            if mode == "drift":
+                prev = flat()   # the drift velocity folds real updates only
             continue
         for g in opt.param_groups:
             g["lr"] = lr_at(t)
