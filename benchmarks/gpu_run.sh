@@ -34,6 +34,12 @@
 #            per phase, the bookkeeping timers and DeepSpeed's forward / backward / step timers per phase
 #            (--wall-clock: what a Predict step that takes its gradient on the GPU would cost)
 #                                                            -> OUT/offload-gpu-1b.json
+#   grad1b   the same layout, Predict steps that take their own gradient (predictor.direction: gradient, 1 real :
+#            3 Predict): on the host path (the gradient brought to the host masters) and on the device path (the
+#            run's Adam moments in bf16 beside the GPU's 16-bit weights, the masters caught up once per kept run),
+#            against plain ZeRO-Offload: step time per phase, bookkeeping and DeepSpeed's timers (the issue's bar:
+#            a Predict step at most 0.1x a plain step, real steps at most 1.05x)
+#                                                            -> OUT/offload-gpu-1b-grad.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
@@ -92,7 +98,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
-        tests/test_memory_profiler.py tests/test_device_predict.py \
+        tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py \
         -rs 2>&1 | tail -25
       stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
     kernels)
@@ -140,6 +146,12 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
         --json /tmp/res/offload-gpu-1b.json
       rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
       stage_rc off1b $rc "$t0" ;;
+    grad1b)
+      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
+        --gpu-mem-cap 16GB --variants full grad-host grad-device --wall-clock --out /tmp/grad1b \
+        --json /tmp/res/offload-gpu-1b-grad.json
+      rc=$?; cp /tmp/res/offload-gpu-1b-grad.json "$OUT/"
+      stage_rc grad1b $rc "$t0" ;;
     offbench)
       launcher=python; command -v numactl >/dev/null && launcher=deepspeed
       echo "launcher: $launcher"
@@ -180,7 +192,7 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b offbench train7b stale124 grad124)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

@@ -63,6 +63,13 @@ _WHOLE = {"enabled": True, "warmup_steps": 50, "full_steps": 4, "min_predict_ste
           "predictor": {"direction": "drift", "drift_beta": 0.95, "step_scale": 1.0, "max_step_scale": 1.0},
           "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
           "dynamics": {"progress_every": 0}}
+# Predict steps that take their own gradient: 3 after every real step from step 50 (the study's
+# 1 : 3, each worth a real step in loss; they pay where the optimizer step is dear: ZeRO-Offload).
+_GRADIENT = {"enabled": True, "warmup_steps": 50, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
+             "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
+             "predictor": {"direction": "gradient"},
+             "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
+             "dynamics": {"progress_every": 0}}
 _GROUPS = {"enabled": True, "warmup_steps": 50, "full_steps": 8, "whole_model": False, "predict_lr_fraction": 1.0,
            "predictor": {"direction": "drift", "drift_beta": 0.95},
            "group_predict": {"enabled": True, "refresh_every": 4, "min_gain": 0.05},
@@ -96,6 +103,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         "next real step's forward (`check: next_step`)", _WHOLE, budgets=_HYBRID_BUDGETS),
     Arm("predict-skip", "its control: the same runs with `predictor.direction: none` (Predict steps advance the "
         "schedule and move nothing)", _with(_WHOLE, predictor__direction="none"), budgets=(1.0, 1.25)),
+    Arm("predict-gradient", "whole-model Predict runs whose steps take their own gradient (`predictor.direction: "
+        "gradient`: Adam's step with the second moment held, the run's first moment handed to the optimizer when "
+        "kept; 3 after every real step from step 50), checked by the next real step's forward", _GRADIENT,
+        budgets=_HYBRID_BUDGETS),
     Arm("groups", "layer-group Predict chosen by the planner (`group_predict`), no whole-model runs", _GROUPS,
         budgets=(1.0,)),
     Arm("groups-pinned", "the lower 2 of 4 layer groups predicted on 3 of every 4 Full steps",
@@ -384,6 +395,9 @@ def analyse(raw: dict, profile: dict | None) -> dict:
                 row["eq_curve"] = fr.step_costs_curve(row["val_points"],
                                                       [cost_of(k, profile) for k in row["step_kinds"]])
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
+                # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
+                row["opt_curve"] = fr.step_costs_curve(row["val_points"], [0.0 if k.startswith("predict") else 1.0
+                                                                           for k in row["step_kinds"]])
     for arm, by_seed in raw["rows"].items():
         if arm == "baseline":
             continue
@@ -398,6 +412,7 @@ def analyse(raw: dict, profile: dict | None) -> dict:
             per_seed[seed] = {
                 "seconds": fr.ratios(arm_runs, base_runs, targets, "val_curve"),
                 "equivalents": fr.ratios(arm_runs, base_runs, targets, "eq_curve"),
+                "optimizer_steps": fr.ratios(arm_runs, base_runs, targets, "opt_curve"),
                 "full_budget": None if full is None else {
                     "final_val_loss": full["final_val_loss"], "baseline_final_val_loss": bfull["final_val_loss"],
                     "final_gap_pct": 100 * (full["final_val_loss"] - bfull["final_val_loss"]) / bfull["final_val_loss"],
@@ -412,10 +427,10 @@ def analyse(raw: dict, profile: dict | None) -> dict:
                     "peak_rss_mb": full.get("peak_rss_mb"), "baseline_peak_rss_mb": bfull.get("peak_rss_mb")},
             }
         agg = {}
-        for unit in ("seconds", "equivalents"):
+        for unit in ("seconds", "equivalents", "optimizer_steps"):
             agg[unit] = {}
             for t in TARGETS:
-                vals = [p[unit][t]["ratio"] for p in per_seed.values()]
+                vals = [p[unit][t]["ratio"] for p in per_seed.values() if unit in p]   # (older results: no such unit)
                 agg[unit][t] = dict(fr.mean_spread(vals), reached=sum(v is not None for v in vals), seeds=len(vals))
         fulls = [p["full_budget"] for p in per_seed.values() if p["full_budget"]]
         agg["full_budget"] = {k: fr.mean_spread([f[k] for f in fulls])
@@ -584,6 +599,19 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     for k in range(1, engine._layout.max_prefix + 1):
         kinds[f"partial_{k}"] = lambda k=k: full(k)
     kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
+    try:   # a Predict step that takes its own gradient (predictor.direction: gradient), on this suite's layout
+        gradient = engine._make_gradient_predict()
+    except ValueError:
+        gradient = None
+    if gradient is not None:
+        def predict_gradient():
+            engine._gradient = gradient
+            try:
+                predict(False)
+            finally:
+                engine._gradient = None
+                gradient.discard()   # (each timed step begins its run: the moment's copy included)
+        kinds["predict_gradient"] = predict_gradient
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for fn in kinds.values():

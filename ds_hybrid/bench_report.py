@@ -78,6 +78,12 @@ def markdown(result: dict) -> str:
                      f"{_ms(fb.get('time_ratio'), '{:.3f}')}x | {skipped} |")
     for name, err in result.get("errors", {}).items():
         lines.append(f"| `{name}` | did not run: {err} | | | | | | |")
+    opt = [(n, a["aggregate"]["optimizer_steps"]["target+1%"]) for n, a in an["arms"].items()
+           if "optimizer_steps" in a["aggregate"]]
+    if opt:
+        lines += ["", "Optimizer steps to reach the target +1% (every step but a Predict step: under ZeRO-Offload "
+                  "the CPU Adam steps and their PCIe copies), over plain DeepSpeed's: "
+                  + "; ".join(f"`{n}` {_ratio_cell(o)}" for n, o in opt) + "."]
     lines += ["", "Systems:", ""]
     for name, arm in result["arms"].items():
         lines.append(f"- `{name}`: {arm['doc']}.")

@@ -60,19 +60,20 @@ SUITES: dict[str, Suite] = {
         doc="optimizer in CPU memory (ZeRO-Offload): hybrid against ZeRO-Offload and DeepSpeed's ZenFlow",
         model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "predict", "zenflow"), launcher="deepspeed",
+        arms=("baseline", "predict", "predict-gradient", "zenflow"), launcher="deepspeed",
         overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
     # Where ZeRO-Offload users are: the CPU Adam step and the PCIe copies of a model far bigger
-    # than its batch dominate the step, so a predicted step (no backward, no host round trip:
-    # memory.offload_predict "auto" takes the device path beside a GPU) saves most of one.
+    # than its batch dominate the step, so a predicted step that stays on the GPU (memory.offload_predict
+    # "auto" takes the device path beside a GPU: drift with no backward, or a gradient step with its
+    # own forward and backward) saves most of one.
     "offload-gpu": Suite(
         name="offload-gpu",
         doc="GPT-2 124M (byte-level vocabulary) on one GPU with the optimizer in pinned CPU memory (ZeRO 2 "
             "+ ZeRO-Offload, bf16), 8 sequences of 256 bytes a step: hybrid against ZeRO-Offload and "
             "DeepSpeed's ZenFlow",
         model="gpt2-124m", config="gpt2-124m", steps=200, seq_len=256, seeds=(1, 2, 3),
-        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8, arms=("baseline", "predict", "zenflow"),
-        needs_gpu=True, launcher="deepspeed",
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
+        arms=("baseline", "predict", "predict-gradient", "zenflow"), needs_gpu=True, launcher="deepspeed",
         overrides={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                          "overlap_comm": True, "contiguous_gradients": True}}),

@@ -85,7 +85,9 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
     ``hybrid_predict.lazy_bookkeeping``; ``real_groups`` with layer-group Predict on, whose planner
     also observes every whole step), ``partial_K`` (K lower
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
-    / with its verification forward); ``+forward`` where a rejected check ran a forward again."""
+    / with its verification forward; ``predict_gradient`` / ``predict_gradient_verified`` where it
+    took its own gradient, ``predictor.direction: gradient``); ``+forward`` where a rejected check
+    ran a forward again."""
     f = run_dir / "steps.jsonl"
     if not f.is_file():
         return []
@@ -94,7 +96,8 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
         r = json.loads(line)
         phase = r.get("phase")
         if phase == "predict":
-            kind = "predict_verified" if r.get("verified") else "predict"
+            kind = ("predict_gradient" if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified")
+                                                                                   else "")
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:

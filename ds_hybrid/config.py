@@ -80,7 +80,7 @@ class PredictorConfig(_Section):
     real step and uses the snapshot buffer. (``direction: drift`` compares on every real
     step whatever this says: its velocity is updated there.)"""
 
-    direction: Literal["adam", "drift", "none"] = "adam"
+    direction: Literal["adam", "drift", "gradient", "none"] = "adam"
     """What a Predict step moves the weights along. ``adam``: the bias-corrected Adam
     direction of the optimizer state plus AdamW's decay (the optimizer's next step if the
     gradient did not change). ``drift``: the running average of the real steps' updates
@@ -89,7 +89,16 @@ class PredictorConfig(_Section):
     state in Predict steps, and its step scale is the running projection of each real
     update on that average. ``none``: the control that measures what predicted updates are
     worth: everything as ``drift`` (the velocity, its statistics and the decisions they feed),
-    but Predict steps move nothing (they still advance the LR schedule and the step counters)."""
+    but Predict steps move nothing (they still advance the LR schedule and the step counters).
+    ``gradient``: each Predict step takes its own gradient (a forward and backward of its own
+    through the module, outside DeepSpeed's gradient path: no reduction buckets, no offload
+    copies, no optimizer step) into a first moment the run keeps, and moves by Adam's step with
+    the second moment held at the last real step's; a kept run hands its first moment to the
+    optimizer, a rolled-back one drops it. Worth about a real step in loss
+    (``benchmarks/grad_step_study.py``); its step costs a forward and a backward, so it pays
+    where the optimizer step is dear (ZeRO-Offload: ``memory.offload_predict`` keeps the run on
+    the GPU). Real steps keep no direction statistics for it: the confidence is the share of
+    checked runs kept. ZeRO 0 fp32 and ZeRO 1/2, bf16 or fp32."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -225,15 +234,26 @@ class MemoryConfig(_Section):
     reserved memory during the run."""
 
     offload_predict: Literal["auto", "host", "device"] = "auto"
-    """Where a Predict step's drift update goes when the fp32 masters live in host memory
-    (``zero_optimization.offload_optimizer``, ZeRO 1-3). ``host``: into the masters, then
-    propagated to the 16-bit parameters (a host pass and a parameter copy per step, a host
-    snapshot per run). ``device``: into the 16-bit parameters from a copy of the velocity
-    beside them, with no host-master read or write and no snapshot; the masters take the
-    run's displacement once, when the next real step's check keeps it (bit for bit the host
-    path's masters), and a rejected run is undone by re-propagating the untouched masters
-    (``ds_hybrid/device_predict.py``). Needs ``predictor.direction: drift``. ``auto``:
-    ``device`` where the masters are in host memory beside a GPU."""
+    """Where a Predict step's update goes when the fp32 masters live in host memory
+    (``zero_optimization.offload_optimizer``). ``host``: into the masters, then propagated to
+    the 16-bit parameters (a host pass and a parameter copy per step, a host snapshot per
+    run). ``device``: into the 16-bit parameters, with no host-master read or write and no
+    snapshot; the masters catch up once, when the next real step's check keeps the run, and a
+    rejected run is undone by re-propagating the untouched masters. ``predictor.direction:
+    drift`` (ZeRO 1-3, ``ds_hybrid/device_predict.py``): from a copy of the velocity beside
+    the 16-bit parameters, the masters taking the run's displacement bit for bit as the host
+    path's. ``gradient`` (ZeRO 1/2, ``ds_hybrid/grad_predict.py``): from copies of the Adam
+    moments beside them (``gradient_state_dtype``), made once per run; the masters take the
+    16-bit weights plus their own sub-16-bit residual (with fp32 weights bit for bit the host
+    path's). ``auto``: ``device`` where the masters are in host memory beside a GPU."""
+
+    gradient_state_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype
+    of the run's copies of Adam's first and second moments beside the 16-bit parameters
+    (8 bytes per parameter of the rank's partition in fp32, 4 in bf16; the first moment goes
+    back to the optimizer when the run is kept). ``auto``: bf16 where the parameters are bf16
+    on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
+    0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.)"""
 
     commit_overlap: bool | Literal["auto"] = "auto"
     """With the device-side Predict path (``offload_predict``): the masters take a kept run's
@@ -456,9 +476,18 @@ class HybridPredictConfig(_Section):
         if self.predictor.type == "rssm" and self.dynamics.horizon < self.max_predict_steps:
             raise ValueError(f"dynamics.horizon ({self.dynamics.horizon}) must be at least "
                              f"max_predict_steps ({self.max_predict_steps})")
-        if self.memory.park_optimizer_states and self.predictor.direction == "adam":
-            raise ValueError("memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
-                             "along the Adam direction read the moments it would move off the accelerator")
+        if self.predictor.direction == "gradient":
+            if self.predictor.type == "rssm":
+                raise ValueError("predictor.type: rssm learns its step scales from the direction statistics of real "
+                                 "steps; predictor.direction 'gradient' takes Adam's own step and needs type "
+                                 "'adam_direction'")
+            if self.group_predict.enabled:
+                raise ValueError("group_predict.enabled: layer-group Predict moves the lower groups along a "
+                                 "predicted direction with no gradient; predictor.direction 'gradient' takes one")
+        if self.memory.park_optimizer_states and self.predictor.direction in ("adam", "gradient"):
+            raise ValueError(f"memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
+                             f"with direction {self.predictor.direction!r} read the moments it would move off "
+                             "the accelerator")
         return self
 
 
@@ -491,6 +520,16 @@ def parse_hybrid_config(ds_config: Mapping[str, Any]) -> HybridPredictConfig:
         if isinstance(zo, Mapping) and zo.get("ignore_unused_parameters", True) is False:
             raise ConfigError("zero_optimization.ignore_unused_parameters: must be true for layer-group Predict "
                               f"({SECTION}.group_predict.enabled): its predicted groups get no gradient")
+    if cfg.enabled and cfg.predictor.direction == "gradient":
+        zo = ds_config.get("zero_optimization") or {}
+        if isinstance(zo, Mapping) and int(zo.get("stage", 0) or 0) == 3:
+            raise ConfigError("zero_optimization.stage: 3 partitions every parameter across ranks; "
+                              f"{SECTION}.predictor.direction 'gradient' takes its gradient through the whole "
+                              "module outside DeepSpeed's hooks and needs ZeRO 0, 1 or 2")
+        fp16 = ds_config.get("fp16") or {}
+        if isinstance(fp16, Mapping) and fp16.get("enabled"):
+            raise ConfigError(f"fp16.enabled: {SECTION}.predictor.direction 'gradient' takes its gradient without "
+                              "DeepSpeed's loss scaling (fp16 gradients would underflow); use bf16")
     if cfg.enabled:
         opt = ds_config.get("optimizer")
         # A client optimizer passed to initialize() is checked by the engine instead.

@@ -48,6 +48,7 @@ from .dist_env import ensure_distributed_env
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
 from .fold_overlap import BackgroundFold
+from .grad_predict import GradientPredict
 from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
@@ -70,7 +71,8 @@ def default_loss(engine: "PredictiveEngine", batch: Any) -> torch.Tensor:
 @dataclass
 class StepResult:
     """What one optimizer step did. ``loss`` is the data-parallel mean loss of the
-    step's micro-batches (None for an unverified Predict step)."""
+    step's micro-batches (None for an unverified Predict step; a ``direction: gradient``
+    Predict step's is its own forward's, before its update, as a real step's)."""
 
     step: int                       # engine.global_steps after this step
     phase: str                      # warmup | full | predict | correct
@@ -138,7 +140,18 @@ class _NonFiniteGuard:
     def __init__(self, module: torch.nn.Module):
         self._losses: list[torch.Tensor] = []
         self._grad_sum: torch.Tensor | None = None
+        self._off = False
         self._handles = [p.register_hook(self._check_grad) for p in module.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def off(self):
+        """Backwards in the block are not this step's (``direction: gradient``'s private one,
+        which judges its own gradient): their gradients are not watched."""
+        self._off = True
+        try:
+            yield
+        finally:
+            self._off = False
 
     def remove(self) -> None:
         """Take the hooks off (a benchmark swaps guards on one engine)."""
@@ -147,6 +160,8 @@ class _NonFiniteGuard:
         self._handles = []
 
     def _check_grad(self, grad: torch.Tensor) -> None:
+        if self._off:
+            return
         s = grad.sum(dtype=torch.float32)  # stays on the device: no sync inside backward
         self._grad_sum = s if self._grad_sum is None else self._grad_sum + s.to(self._grad_sum.device)
 
@@ -209,6 +224,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._commit_overlap = False    # memory.commit_overlap resolved
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
+        self._gradient: GradientPredict | None = None   # predictor.direction: gradient
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -244,6 +260,10 @@ class PredictiveEngine(DeepSpeedEngine):
                 self._device_predict.host_kernel = self._host_kernel
         self._parking = (za.MomentParking(self, self._masters, overlap=mem.park_overlap)
                          if mem.park_optimizer_states else None)
+        if self.hybrid_config.predictor.direction == "gradient":
+            self._gradient = self._make_gradient_predict()
+            if self._gradient.on_device:   # its work is on the 16-bit shards: time it there
+                self._masters_on_cuda = any(self._gradient._shard(i).is_cuda for i in range(self._masters._count()))
         self.controller = PhaseController(self.hybrid_config)
         self.predictor = make_predictor(self.hybrid_config)
         if self.hybrid_config.group_predict.enabled:
@@ -380,7 +400,7 @@ class PredictiveEngine(DeepSpeedEngine):
             out["snapshot_bytes"] = self._snapshot.nbytes()
             out["velocity_bytes"] = self._velocity.nbytes() if self._velocity is not None else 0
             out["direction"] = self.hybrid_config.predictor.direction
-            out["offload_predict"] = "device" if self._device_predict is not None else "host"
+            out["offload_predict"] = "device" if self._device_path() else "host"
             out["fold_source"] = "optimizer_state" if self._fold_from_state else "snapshot"
             out["host_kernels"] = "cpp" if self._host_kernel else "torch"
             out["fold_overlap"] = self._folds is not None
@@ -391,6 +411,8 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["commit_background_seconds"] = self._device_predict.background_seconds
             if self._parking is not None:
                 out["moment_parking"] = self._parking.mode
+            if self._gradient is not None:   # Predict steps whose gradient was NaN/Inf on a rank: moved nothing
+                out["gradient_nonfinite_steps"] = self._gradient.nonfinite
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type
@@ -460,8 +482,9 @@ class PredictiveEngine(DeepSpeedEngine):
         idle = self._idle(phase)
         self._stats.idle_steps += int(idle)
         drift = self._velocity is not None and not idle
-        probe = not idle and (drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps)
-                                        and self._masters.has_adam_state()))
+        # (direction: gradient moves by Adam's own step: no direction statistics to learn from)
+        probe = not idle and self._gradient is None and (
+            drift or ((phase is Phase.CORRECT or cfg.predictor.learn_from_full_steps) and self._masters.has_adam_state()))
         # Layer-group Predict: the lower k groups take the predicted update and no backward.
         k = self._next_groups if phase is Phase.FULL else 0
         self._next_groups = 0
@@ -476,6 +499,8 @@ class PredictiveEngine(DeepSpeedEngine):
             # First the check of the last predicted update (the snapshot still holds its
             # rollback point), then this step's own snapshot.
             redo = self._check_predicted_update(loss, batch, checked)
+            if self._gradient is not None and self._gradient.pending:
+                self._gradient.commit()   # (a run kept without a check: the optimizer takes its first moment)
             if self._device_predict is not None and self._device_predict.pending:
                 self._commit_run()   # (a run kept without a check: its masters catch up here)
             capture = predicted or (drift and not self._fold_from_state)
@@ -628,14 +653,22 @@ class PredictiveEngine(DeepSpeedEngine):
         else:
             self._stats.group_checks += 1
         device = self._device_predict if run else None
+        gradient = self._gradient if run else None
         if accepted:
             if device is not None:
                 self._commit_run()   # before this step's optimizer reads the masters
+            if gradient is not None:   # the run's first moment (and on the device path its weights)
+                with self._timed("commit"):
+                    gradient.commit()
             return False
         with self._timed("restore"):
             if device is not None:
                 device.discard()
+            elif gradient is not None and gradient.on_device:
+                gradient.discard()   # the 16-bit weights from the untouched masters
             else:
+                if gradient is not None:
+                    gradient.discard()
                 za.restore_weights(self._masters, self._snapshot, groups=set(groups))
         if not run:
             self._stats.group_rolled_back += 1
@@ -648,7 +681,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._wait_fold()   # the velocity this step moves along, and the masters a snapshot copies
         if ctl.predict_index == 0:
             if self._check_groups is None:
-                if device is None:   # (device-side runs leave the masters at the last good point)
+                if not self._device_path():   # (device-side runs leave the masters at the last good point)
                     with self._timed("snapshot"):
                         za.capture_weights(self._masters, self._snapshot)
                 self._pending = 0
@@ -656,8 +689,12 @@ class PredictiveEngine(DeepSpeedEngine):
             # the last good point and the next real step checks both runs together)
             if self._parking is not None:
                 self._parking.park()  # back when the run ends, before the next real step
-        with self._timed_predictor():
-            scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
+        gradient = self._gradient
+        if gradient is not None:   # the optimizer's own step with the new gradient: no learned scale
+            scales = [1.0] * self._masters.num_groups()
+        else:
+            with self._timed_predictor():
+                scales = self._agreed(self.predictor.step_scales(self._masters.num_groups(), ctl.predict_index))
         scale = sum(scales) / len(scales) if scales else 0.0
         lr = self._lr()
         verify = ctl.verify_now() and not next_step
@@ -672,10 +709,20 @@ class PredictiveEngine(DeepSpeedEngine):
             with self._predict_forwards():
                 local[2] = sum(float(loss_fn(self, b).detach().float()) for b in batches)
 
+        took = False   # direction: gradient: the step's own forward and backward, outside DeepSpeed's gradient path
+        if gradient is not None:
+            with self._guard.off():   # (its gradient is judged here, not by the next real step's skip)
+                took = gradient.take(self, batches, loss_fn, timed=self._timed)
+
         @torch.no_grad()
         def predicted_update() -> None:
             if cfg.predictor.direction == "none":
                 return   # the control: the step advances the schedule and moves nothing
+            if gradient is not None:
+                if took:   # (the same on every rank: a NaN/Inf gradient anywhere moves nothing anywhere)
+                    with self._timed("predicted_update"):   # (with the propagate or the all-gather)
+                        gradient.apply(self.global_steps)
+                return
             if device is not None:   # into the 16-bit copies, gathered; the masters wait for the check
                 if device.upload_due(self._velocity):   # once per run: host velocity -> beside the shards
                     with self._timed("velocity_upload"):
@@ -719,19 +766,27 @@ class PredictiveEngine(DeepSpeedEngine):
             ok, predicted = self._agreed([float(accepted), predicted])
             accepted = ok > 0.5
             self.predictor.record_verification(self.global_steps, predicted, observed, Phase.PREDICT.value, accepted)
+            goes_on = ctl.predict_index + 1 < ctl.horizon
             if accepted:
                 self._stats.predict_accepted += self._pending
                 if device is not None:
                     with self._timed("commit"):
                         device.commit(self._velocity)   # the masters become the new last good point
-                elif ctl.predict_index + 1 < ctl.horizon:
+                if gradient is not None:   # the run's first moment (and on the device path its weights)
+                    with self._timed("commit"):
+                        gradient.commit(resync=goes_on)
+                if goes_on and not self._device_path():
                     with self._timed("snapshot"):
                         za.capture_weights(self._masters, self._snapshot)  # the new last good point
             else:
                 with self._timed("restore"):
                     if device is not None:
                         device.discard()
+                    elif gradient is not None and gradient.on_device:
+                        gradient.discard()   # the 16-bit weights from the untouched masters
                     else:
+                        if gradient is not None:
+                            gradient.discard()
                         za.restore_weights(self._masters, self._snapshot)
                 undone = self._pending
                 self._stats.predict_rolled_back += undone
@@ -754,8 +809,10 @@ class PredictiveEngine(DeepSpeedEngine):
             self._check_run = True
         if self._parking is not None and ctl.phase is not Phase.PREDICT:
             self._parking.unpark()  # the run is over: the next step is real and needs the moments
+        if observed is None and gradient is not None:
+            observed = gradient.last_loss   # the step's own forward (before its update), as a real step reports
         return StepResult(self.global_steps, Phase.PREDICT.value, observed, predicted, self.predictor.confidence(),
-                          False, 0.0, step_scale=scale, verified=verify, accepted=accepted,
+                          gradient is not None, 0.0, step_scale=scale, verified=verify, accepted=accepted,
                           rolled_back_steps=undone, lr=lr, progress=progress)
 
     @contextlib.contextmanager
@@ -1128,7 +1185,9 @@ class PredictiveEngine(DeepSpeedEngine):
                 "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save(),
                 "velocity": self._velocity.state_dict() if self._velocity is not None else None,
                 # memory.fold_overlap: the last fold's sums, which the next real step observes
-                "fold": self._folds.state_dict() if self._folds is not None else None}
+                "fold": self._folds.state_dict() if self._folds is not None else None,
+                # direction: gradient: the Predict run's own first moment on this rank's partitions
+                "gradient": self._gradient.state_dict() if self._gradient is not None else None}
 
     def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
         """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
@@ -1144,6 +1203,11 @@ class PredictiveEngine(DeepSpeedEngine):
                                "the next real steps")
             if self._folds is not None:
                 self._folds.load_state_dict(None if sd is None else sd.get("fold"))
+        if self.hybrid_config.enabled and self._gradient is not None:
+            why = self._gradient.load_state_dict(None if sd is None else sd.get("gradient"))
+            if why is not None:
+                logger.warning(f"{source}: saved in the middle of a gradient Predict run, which cannot be taken up "
+                               f"as it was: {why}")
         if self.hybrid_config.enabled and self._load_device_run(sd, source):
             return
         if not self.hybrid_config.enabled or not self._snapshot_needed():
@@ -1197,7 +1261,7 @@ class PredictiveEngine(DeepSpeedEngine):
         # after a partial step it is the predicted groups' rollback point until the next step's
         # check; at every other step boundary it is retaken (or unused) before it is read.
         # Device-side Predict runs leave the masters at the last good point: no snapshot.
-        if self._device_predict is not None:
+        if self._device_path():
             return self._check_groups is not None and not self._check_run
         return (self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0) \
             or self._check_groups is not None
@@ -1217,6 +1281,8 @@ class PredictiveEngine(DeepSpeedEngine):
     def _make_device_predict(self) -> "DevicePredict | None":
         """``memory.offload_predict``: the device-side Predict path, or None (the host path)."""
         setting = self.hybrid_config.memory.offload_predict
+        if self.hybrid_config.predictor.direction == "gradient":
+            return None   # (its own device path: grad_predict.GradientPredict)
         if not offload_predict_on_device(setting, self._host_masters_beside_an_accelerator()):
             return None
         why = device_unsupported(self._masters, self.hybrid_config.predictor.direction)
@@ -1227,6 +1293,44 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.global_rank == 0:
             logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
         return None
+
+    def _make_gradient_predict(self) -> GradientPredict:
+        """``predictor.direction: gradient``: where each master partition lies in the model's
+        parameters and where the run's state lives (``memory.offload_predict``), or a config
+        error naming what this layout lacks."""
+        from .config import ConfigError
+        if not self._masters.decoupled_decay and any(g.get("weight_decay") for g in self._masters.base.param_groups):
+            raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
+                              "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
+                              "L2 decay would have to go into the gradient")
+        mem = self.hybrid_config.memory
+        on_device = offload_predict_on_device(mem.offload_predict, self._host_masters_beside_an_accelerator())
+        if on_device and self._masters.kind != "zero1-2":
+            why = (f"the device path keeps the run beside ZeRO 1/2's 16-bit partitions; this optimizer is "
+                   f"{self._masters.kind}")
+            if mem.offload_predict == "device":
+                raise ConfigError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
+            if self.global_rank == 0:
+                logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
+            on_device = False
+        dtype = torch.float32
+        if on_device:
+            shard = self._masters.device_shard(0)
+            if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
+                                                      and shard.dtype == torch.bfloat16):
+                dtype = torch.bfloat16
+        try:
+            return GradientPredict(self._masters, self.gradient_clipping(), self._all_reduce_in_place, self._world(),
+                                   on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
+                                   seed=self.hybrid_config.dynamics.seed)
+        except NotImplementedError as err:
+            raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1/2 or ZeRO 0 in fp32 "
+                              f"(zero_optimization.stage, bf16.enabled): {err}") from None
+
+    def _device_path(self) -> bool:
+        """Predict runs leave the masters at the last good point (``memory.offload_predict``
+        resolved to the device path, for the drift or the gradient direction)."""
+        return self._device_predict is not None or (self._gradient is not None and self._gradient.on_device)
 
     def _resolve_fold_overlap(self) -> bool:
         """``memory.fold_overlap``: whether real steps fold on a host thread behind the next step."""
@@ -1279,6 +1383,10 @@ class PredictiveEngine(DeepSpeedEngine):
         buf = t.to(dev)
         torch.distributed.all_reduce(buf)
         return buf.cpu()
+
+    def _all_reduce_in_place(self, t: torch.Tensor) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(t)
 
     def _world(self) -> int:
         if not torch.distributed.is_initialized():

@@ -4,6 +4,7 @@
 |-----------------------------------------|-------------------|------------------------------------------------------|
 | ``fused_update.cu``                     | ``fused_update``  | ``fused_update_reference`` (below; the arithmetic of ``zero_access.adam_direction`` + ``apply_predicted_update``) |
 | ``fused_update.cu`` ``drift_shift``     | ``drift_shift``   | ``drift_shift_reference`` (below; ``DevicePredict``'s drift step into a 16-bit shard) |
+| (``fused_update.cu`` for fp32)          | ``held_adam_step`` | its own torch path (below; a ``direction: gradient`` step into a 16-bit shard) |
 | ``rssm.cu`` ``rssm_step``               | ``rssm_step``     | ``RSSMEnsemble.step`` then ``.prior``                |
 | ``rssm.cu`` ``rssm_rollout``            | ``rssm_rollout``  | ``RSSMEnsemble.rollout``                             |
 | ``encoder.cu`` ``window_features``      | ``window_features`` | ``dynamics.window.window_features``                |
@@ -392,6 +393,51 @@ def fused_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
         snapshot_out = None
     return _fused_update_cupy(master, exp_avg, exp_avg_sq, lp_out=lp_out, snapshot_out=snapshot_out, mod=mod,
                               **kw)
+
+
+@torch.no_grad()
+def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                   eps: float, step: float, weight_decay: float, decoupled: bool, bias_correction: bool = True,
+                   generator: torch.Generator | None = None, backend: str = "auto") -> None:
+    """Adam's step on one flat shard ``x`` from its first moment ``m`` (which already holds the
+    step's gradient) and a second moment ``v`` held from the last real step, in place:
+    ``x += -lr * (m / bc1) / (sqrt(v / bc2) + eps) - lr * wd * x`` (``predictor.direction:
+    gradient`` on the device path, ``grad_predict.GradientPredict``).
+
+    ``x`` fp32, bf16; ``m`` and ``v`` fp32 or bf16, all of one length on one device. With all
+    three fp32 this is ``fused_update`` at scale 1 (the kernel on a GPU), bit for bit the host
+    path's update of the masters. Otherwise the arithmetic is the same in fp32, a chunk at a
+    time, and a bf16 ``x`` is written back rounded stochastically (``quant.stochastic_round_bf16_``,
+    draws from ``generator`` on x's device): an Adam step is often under half a bf16 step of
+    the weight it moves, and round to nearest would drop it."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"held_adam_step: x must be float32 or bfloat16 (got {x.dtype})")
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, weight_decay=weight_decay, decoupled=decoupled,
+              bias_correction=bias_correction)
+    if x.dtype == m.dtype == v.dtype == torch.float32:
+        fused_update(x, m, v, scale=1.0, backend=backend, **kw)
+        return
+    from .quant import CHUNK, stochastic_round_bf16_
+    bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
+    decay = -lr * weight_decay if decoupled and weight_decay else 0.0
+    xs, ms, vs = x.view(-1), m.view(-1), v.view(-1)
+    w0, w1 = scratch(x.device, 0, xs.numel()), scratch(x.device, 1, xs.numel())
+    w2 = scratch(x.device, 2, xs.numel())
+    for a in range(0, xs.numel(), CHUNK):
+        b = min(a + CHUNK, xs.numel())
+        n = b - a
+        # the fused_update_reference arithmetic, with each operand widened to fp32 first
+        denom = w0[:n].copy_(vs[a:b]).div_(bc2).sqrt_().add_(eps)
+        update = w1[:n].copy_(ms[a:b]).div_(bc1).div_(denom).mul_(-lr)
+        if x.dtype == torch.float32:
+            if decay:
+                update.add_(xs[a:b], alpha=decay)
+            xs[a:b].add_(update)
+            continue
+        w = w2[:n].copy_(xs[a:b])
+        if decay:
+            update.add_(w, alpha=decay)
+        stochastic_round_bf16_(xs[a:b], w.add_(update), generator)
 
 
 _X_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -18,7 +18,8 @@ What it learns, and from what:
 * **Confidence**: the running cosine between consecutive real Adam directions
   (a direction that keeps turning cannot be extrapolated) times the share of
   verified Predict steps accepted so far, ``(accepted + 1) / (accepted + rejected + 1)``.
-  It is 0 until real steps have been measured.
+  It is 0 until real steps have been measured. (``direction: gradient``: the accepted share
+  alone, once three real-step losses are in.)
 
 With ``predictor.direction: drift`` the same sums compare each real update (per unit
 LR) with the velocity, the running average of the updates before it: the projection
@@ -75,6 +76,8 @@ class AdamDirectionPredictor:
 
     # -- predictions -----------------------------------------------------------
     def ready(self) -> bool:
+        if self.pcfg.direction == "gradient":   # Adam's own step: no direction statistics to wait for
+            return len(self.losses) >= 3
         return self.proj_ema is not None and len(self.losses) >= 3
 
     def step_scale(self) -> float:
@@ -130,6 +133,10 @@ class AdamDirectionPredictor:
         if not self.ready():
             return 0.0
         evidence = (self.accepted + 1) / (self.accepted + self.rejected + 1)
+        if self.pcfg.direction == "gradient":
+            # The step is Adam's with its own gradient: whether it can be trusted is what the
+            # checks of its runs say, not how far one real step's direction carries into the next.
+            return evidence
         if self.pcfg.direction in ("drift", "none"):
             # A single real update is mostly oscillation around the drift (a low cosine with
             # it by nature); what matters is whether the next step keeps going that way: the

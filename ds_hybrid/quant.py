@@ -184,3 +184,22 @@ class CompactBuffer:
         self.data.copy_(sd["data"])
         if self.dtype == "int8":
             self.scale.copy_(sd["scale"])
+
+
+def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """``dst`` (bf16) = ``src`` (fp32, at most ``CHUNK`` values, clobbered) rounded stochastically:
+    up with probability equal to the fraction of a bf16 step that the value lies above the one
+    below. Unbiased, so updates smaller than half a bf16 step still move the weights on average
+    (round to nearest would drop every one of them). Random 16 bits are added to the 16 bits a
+    bf16 value drops, then those are cleared: a carry rounds the magnitude up, inf and a quiet
+    NaN (their low 16 bits zero) stay what they are, and the largest finite values may round
+    up to inf. On the CPU the noise is a window of the fixed table (``_cpu_noise``)."""
+    if src.numel() == 0:
+        return
+    bits = src.view(torch.int32)
+    if src.device.type == "cpu":
+        noise = _cpu_noise(src.numel(), generator).mul(65536.0).to(torch.int32)
+    else:
+        noise = torch.randint(0, 1 << 16, src.shape, generator=generator, device=src.device, dtype=torch.int32)
+    bits.add_(noise.view_as(bits)).bitwise_and_(-65536)   # (0xFFFF0000: the bits bf16 keeps)
+    dst.copy_(src)   # exact: the dropped bits are zero

@@ -155,6 +155,13 @@ class MasterAccess(abc.ABC):
         step to make every rank's parameters see them (an all-gather). Collective."""
         raise NotImplementedError(f"{self.kind}: no device shards")
 
+    def param_slices(self, i: int) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+        """Where master entry ``i`` lies in the model's parameters: ``(param, start in the
+        param's flat values, start in the master, length)`` for each piece, so a gradient taken
+        per parameter (``predictor.direction: gradient``) can be laid out like the master."""
+        raise NotImplementedError(f"{self.kind}: ds_hybrid does not map this optimizer's masters to the model's "
+                                  "parameters")
+
     def has_adam_state(self) -> bool:
         """True once a real optimizer step has created ``exp_avg`` / ``exp_avg_sq``."""
         return any(p.master.numel() and "exp_avg" in p.state and "exp_avg_sq" in p.state
@@ -183,6 +190,10 @@ class _PlainAccess(MasterAccess):
     def _entry(self, i):
         p, gi = self._params[i]
         return p.data, p, gi
+
+    def param_slices(self, i):
+        p = self._params[i][0]
+        return [(p, 0, 0, p.numel())]
 
     def _step_count(self, state, group):
         # FusedAdam increments state["step"] of the last parameter of a group only
@@ -308,6 +319,21 @@ class _Zero12Access(MasterAccess):
     def gather_device_shards(self):
         self.lp_current = True   # the partitions hold the update: only the all-gather is left
         self.propagate()
+
+    def param_slices(self, i):
+        # The parameters are views into the group's flat 16-bit buffer (round-robin order), and
+        # this rank's shard is a view into it too: their offsets there give the overlap.
+        flat, shard = self.optimizer.bit16_groups_flat[i], self.device_shard(i)
+        size = flat.element_size()
+        start = (shard.data_ptr() - flat.data_ptr()) // size
+        end = start + self.optimizer.single_partition_of_fp32_groups[i].numel()
+        out = []
+        for p in self.optimizer.bit16_groups[i]:
+            p0 = (p.data_ptr() - flat.data_ptr()) // size
+            lo, hi = max(p0, start), min(p0 + p.numel(), end)
+            if lo < hi:
+                out.append((p, lo - p0, lo - start, hi - lo))
+        return out
 
 
 def _lp_shard(partitions: list, group: Any, master: torch.Tensor) -> torch.Tensor | None:
@@ -521,7 +547,8 @@ def _scale_of(scale: "float | Sequence[float]", gi: int) -> float:
 
 
 @torch.no_grad()
-def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]", backend: str = "torch") -> float:
+def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]", backend: str = "torch",
+                           first_moments: "Sequence[torch.Tensor] | None" = None) -> float:
     """Add ``-scale * lr * adam_direction`` (plus AdamW's decoupled decay) to the masters.
 
     ``scale`` is one number, or one per layer group (optimizer param group); a
@@ -530,11 +557,13 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
     on GPU partitions, or its torch reference, which is bit-identical to
     ``adam_direction`` + add on the same device. Returns the squared norm of the
     applied update on this rank. The caller propagates to the model parameters.
+    ``first_moments``: one tensor per partition that stands in for the optimizer's ``exp_avg``
+    (``predictor.direction: gradient``, whose Predict run keeps its own).
     """
     from . import kernels
     sq = []
     wrote_lp = True
-    for part in access.partitions():
+    for i, part in enumerate(access.partitions()):
         if part.master.numel() == 0 or "exp_avg" not in part.state:
             continue
         s = _scale_of(scale, part.group_index)
@@ -545,8 +574,9 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
                                "least one real optimizer step first (hybrid_predict.warmup_steps >= 1)")
         g = part.group
         beta1, beta2 = g.get("betas", (0.9, 0.999))
+        m = part.state["exp_avg"] if first_moments is None else first_moments[i]
         sq.append(kernels.fused_update(
-            part.master, part.state["exp_avg"], part.state["exp_avg_sq"], lr=float(g["lr"]), scale=s,
+            part.master, m, part.state["exp_avg_sq"], lr=float(g["lr"]), scale=s,
             beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
             weight_decay=float(g.get("weight_decay", 0.0)), decoupled=access.decoupled_decay,
             bias_correction=g.get("bias_correction", True), compute_sq=True, backend=backend,

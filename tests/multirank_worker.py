@@ -8,6 +8,8 @@ all-reduced decisions must act on every rank:
 * step 2: the last rank's loss is NaN                -> every rank skips the update
 * step 3: rank 0's loss is finite, its gradient NaN  -> every rank skips the update
 * rank 1's second Predict verification: loss x 10    -> every rank rolls back
+* ``--direction gradient``: rank 0's first gradient Predict step has a NaN loss
+                                                     -> that Predict step moves nothing on any rank
 
 With ``--save-dir`` the ranks save a checkpoint tagged ``final`` at the end.
 """
@@ -51,6 +53,8 @@ parser.add_argument("--fold-source", default="snapshot", choices=["snapshot", "o
                     help="with --offload-predict: memory.fold_source")
 parser.add_argument("--fold-overlap", action="store_true",
                     help="with --offload-predict: memory.fold_overlap true (the fold behind the next real step)")
+parser.add_argument("--direction", default="drift", choices=["drift", "gradient"],
+                    help="with --offload-predict: predictor.direction")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -73,7 +77,8 @@ if args.judge_harm:
 offload = {}
 if args.offload_predict:
     hybrid = {"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0, "min_predict_steps": 2,
-              "max_predict_steps": 2, "correction_steps": 0, "check": "next_step", "predictor": {"direction": "drift"},
+              "max_predict_steps": 2, "correction_steps": 0, "check": "next_step",
+              "predictor": {"direction": args.direction},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto"}}
@@ -104,6 +109,7 @@ if args.judge_harm:
 corpus = torch.randint(0, 48, (8192,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
 stream = train_batches(corpus, SEQ, MICRO, seed=7, rank=rank, world_size=world)
 predict_verifications = {"seen": 0}
+predict_gradients = {"seen": 0}
 
 
 def nan_gradient_loss(eng, batch, poison: bool):
@@ -131,6 +137,10 @@ def loss_fn(eng, batch):
                 return loss * 10
         return loss
     if args.offload_predict:
+        if args.faults and args.direction == "gradient" and eng.phase is Phase.PREDICT and rank == 0:
+            predict_gradients["seen"] += 1   # (a gradient Predict step's own forward)
+            if predict_gradients["seen"] == 1:
+                return loss * float("nan")
         if args.faults and rank == 1 and real and eng._check_groups is not None and eng._check_run:
             predict_verifications["seen"] += 1
             if predict_verifications["seen"] == 2:

@@ -52,9 +52,11 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     """A real step that lazy_bookkeeping left bare is a ``real_idle`` step; plain runs stay plain."""
     from ds_hybrid.compare import step_kinds
     rows = [{"phase": "warmup", "bookkeeping": False}, {"phase": "warmup", "bookkeeping": True},
-            {"phase": "full"}, {"phase": "predict"}, {"phase": "full", "bookkeeping": False, "checked": False}]
+            {"phase": "full"}, {"phase": "predict"}, {"phase": "full", "bookkeeping": False, "checked": False},
+            {"phase": "predict", "backward_ran": True}, {"phase": "predict", "backward_ran": True, "verified": True}]
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict", "real_idle+forward"]
+    assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict", "real_idle+forward",
+                                                 "predict_gradient", "predict_gradient_verified"]
     assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
 
 
@@ -93,6 +95,8 @@ def test_analyse_scores_each_seed_on_the_frontier():
     assert fb["backward_skipped"] == 5
     agg = an["arms"]["predict"]["aggregate"]
     assert agg["seconds"]["target"]["mean"] == pytest.approx(0.55) and agg["seconds"]["target"]["reached"] == 2
+    # optimizer steps: the hybrid's 5 real steps of its 10 against plain DeepSpeed's 10
+    assert seed["optimizer_steps"]["target"]["time"] == 5 and seed["optimizer_steps"]["target"]["ratio"] == 0.5
 
 
 def _result(tmp_path):
@@ -193,7 +197,7 @@ def test_the_gpu_offload_suite_is_zero_offload_with_a_batch_small_beside_its_mod
         zo = cfg["zero_optimization"]
         assert zo["stage"] == 2 and zo["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
         assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
-        assert cfg["bf16"]["enabled"] and plain == (arm != "predict")
+        assert cfg["bf16"]["enabled"] and plain == (arm in ("baseline", "zenflow"))
     assert "zenflow" in bench.arm_config(base, bench.ARMS["zenflow"], quick=False)[0]["zero_optimization"]
 
 
@@ -309,7 +313,7 @@ def test_a_run_started_by_the_launcher_bound_to_its_cores(tmp_path):
 def test_quick_bench_end_to_end(tmp_path):
     """The CI-sized run: sweep, every budget of each system interleaved, profile, JSON/markdown/PNG."""
     out = tmp_path / "b"
-    saved = bench.main(["--quick", "--arms", "predict", "groups", "default", "--out", str(out)])
+    saved = bench.main(["--quick", "--arms", "predict", "predict-gradient", "groups", "default", "--out", str(out)])
     saved = json.loads((out / "result.json").read_text())
     sweep = sorted(float(m) for m in saved["sweep"])
     assert saved["best_lr_multiplier"] in sweep
@@ -327,6 +331,12 @@ def test_quick_bench_end_to_end(tmp_path):
     assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < prof["cost"]["forward"] < 1
     assert 0 < prof["cost"]["partial_1"] and prof["partial_share"]["partial_2"] > 0
     assert prof["cost"]["deepspeed"] > 0   # DeepSpeed's own engine timed beside the unit
+    # a Predict step with its own forward and backward costs more than one without them
+    assert prof["cost"]["predict_gradient"] > prof["cost"]["predict"]
+    grad = saved["analysis"]["arms"]["predict-gradient"]
+    assert grad["aggregate"]["full_budget"]["backward_skipped"]["mean"] == 0   # (its Predict steps run a backward)
+    assert set(grad["per_seed"]["1"]["optimizer_steps"]) == {"target", "target+1%", "target+2%"}
+    assert "Optimizer steps to reach the target +1%" in (out / "result.md").read_text()
     # Whole hybrid real steps are costed against the plain work inside them (more than none of it).
     for kind in bench.PAIRED_KINDS:
         assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]
@@ -334,7 +344,8 @@ def test_quick_bench_end_to_end(tmp_path):
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert "Full-step equivalents" in (out / "result.md").read_text()
     # --reuse keeps every finished run whose config and arguments match: nothing retrains.
-    again = bench.main(["--quick", "--arms", "predict", "groups", "default", "--out", str(out), "--reuse",
+    again = bench.main(["--quick", "--arms", "predict", "predict-gradient", "groups", "default", "--out", str(out),
+                        "--reuse",
                         "--no-profile"])
     assert again["runs"]["predict"]["1"]["1"]["train_seconds"] == runs["predict"]["1"]["1"]["train_seconds"]
 

@@ -125,3 +125,28 @@ def test_fold_behind_the_next_step_keeps_the_ranks_together(tmp_path):
     st = ranks[0]["statistics"]
     assert st["fold_overlap"] is True and st["fold_background_seconds"] > 0
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
+
+
+@pytest.mark.slow
+def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(tmp_path):
+    """predictor.direction: gradient, ZeRO 2 with offload_optimizer: cpu, 2 ranks: each Predict
+    step's private gradient is all-reduced by ds_hybrid itself, so both ranks take the same
+    steps; rank 0's NaN loss in the first Predict step moves nothing on either rank, and rank 1's
+    spike at the second check rolls the run back on both. The device path (the run beside the
+    16-bit partitions, the masters untouched until the check) ends bit for bit where the host
+    path does (fp32 weights: the same arithmetic)."""
+    runs = {}
+    for where in ("host", "device"):
+        (tmp_path / where).mkdir()
+        runs[where] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults",
+                                                        "--offload-predict", where, "--direction", "gradient"],
+                                2, tmp_path / where)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
+    want = [tuple(s[c] for c in cols) for s in runs["host"][0]["record"]]
+    for where, ranks in runs.items():
+        for rep in ranks:
+            assert [tuple(s[c] for c in cols) for s in rep["record"]] == want, f"{where} differs from host rank 0"
+            st = rep["statistics"]
+            assert st["offload_predict"] == where and st["gradient_nonfinite_steps"] == 1
+            assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1

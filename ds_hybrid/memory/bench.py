@@ -86,6 +86,16 @@ VARIANTS: dict[str, dict | None] = {
     "drift-int8-device-torch": {"predictor": {"direction": "drift"},
                                 "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                            "fold_source": "optimizer_state", "host_kernels": "torch"}},
+    # Predict steps that take their own gradient (1 real : 3 of them, checked by the next real step),
+    # under offload_optimizer on the host path (the masters moved, the gradient brought to them)
+    # and on the device path (the run beside the 16-bit weights on the GPU, the masters caught up
+    # once per kept run).
+    "grad-host": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "host"},
+                  "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
+                  "check": "next_step"},
+    "grad-device": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "device"},
+                    "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
+                    "check": "next_step"},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

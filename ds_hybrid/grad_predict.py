@@ -1,0 +1,321 @@
+"""``predictor.direction: gradient``: a Predict step that takes its own gradient.
+
+Under ZeRO-Offload a real step's dear part is the CPU Adam step and the PCIe copies, not the
+forward and backward (docs/memory.md). This Predict step runs a forward and backward of its own
+through ``engine.module`` and moves the weights by Adam's step with the new gradient in the first
+moment and the second moment held at the last real step's. The run keeps its own first moment,
+begun from the optimizer's: a run that is kept hands it to the optimizer (``commit``), so each
+Predict gradient stays in the moment as a real step's does; a rolled-back run drops it
+(``discard``). Measured with ``benchmarks/grad_step_study.py`` (mode ``adam-carry``): 0.98-1.01 of
+a real step in loss at 1 real step in every 2 to 16.
+
+The backward is private: ``torch.autograd.grad`` through ``engine.module`` accumulates into no
+``.grad``, so DeepSpeed's gradient hooks, its reduction buckets, offload copies and counters never
+see it (tests/test_grad_step_study.py: an engine taking such backwards trains bit for bit as one
+that does not). Going through the engine's own forward would not do: DeepSpeed 0.19.8 queues its
+backward epilogue on any backward of that graph. Several ranks all-reduce the gradient themselves.
+
+Where the run's state lives (``memory.offload_predict``, resolved by the engine):
+
+* **host path** (``on_device=False``): the run's first moment is a copy of ``exp_avg`` beside the
+  fp32 masters, the step moves the masters (``zero_access.apply_predicted_update``) and propagates
+  them to the 16-bit weights; the engine's snapshot of the masters is the rollback point.
+* **device path** (``on_device=True``, ZeRO 1/2 under ``offload_optimizer``): at a run's first
+  step the first and second moments are copied next to this rank's 16-bit partition
+  (``MasterAccess.device_shard``: on the GPU), in ``memory.gradient_state_dtype``; each step moves
+  that partition (``kernels.held_adam_step``; a bf16 partition rounded stochastically) and
+  all-gathers it. The host masters are neither read nor written during the run, and nothing
+  crosses PCIe but the losses. A kept run's masters take the 16-bit weights once (``commit``:
+  ``master = weight + (master - round(master))``, the weight plus the sub-16-bit residual the
+  master had, so with fp32 weights the master becomes the weight exactly); a rejected run
+  re-propagates the 16-bit weights from the masters, which never left the last good point
+  (``discard``: an exact rollback, no snapshot).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from . import kernels
+from .zero_access import MasterAccess, _flat
+
+Timer = Callable[[str], ContextManager]
+
+
+class ModuleCaller:
+    """The engine as a loss function sees it in the private forward: calling it runs
+    ``engine.module``; every other attribute is the engine's."""
+
+    def __init__(self, engine: Any):
+        object.__setattr__(self, "_engine", engine)
+
+    def __call__(self, *args, **kwargs):
+        return self._engine.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def _untimed(part: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+class GradientPredict:
+    """One engine's gradient Predict steps: the gradient's layout on this rank's partitions and
+    the run's state: its first moment ``m`` (one tensor per master partition; None outside a
+    run) and, on the device path, the second moment ``v`` beside the 16-bit partition."""
+
+    def __init__(self, access: MasterAccess, clip: float, all_reduce: Callable[[torch.Tensor], None], world: int,
+                 on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
+                 seed: int = 0):
+        self.access = access
+        self.clip = float(clip or 0.0)   # the ds_config's gradient_clipping, as DeepSpeed applies it
+        self._all_reduce, self._world = all_reduce, world
+        self.on_device = on_device
+        self.state_dtype = state_dtype   # the device path's m and v (the host path keeps fp32)
+        self.backend = backend           # hybrid_predict.kernels, for the update
+        self.seed = seed                 # the stochastic rounding's draws: (seed, step, partition)
+        self._slices = [access.param_slices(i) for i in range(access._count())]   # NotImplementedError: refused
+        self.params = [p for group in access.model_param_groups() for p in group]
+        self._index = {p: k for k, p in enumerate(self.params)}
+        self.m: list[torch.Tensor | None] | None = None
+        self.v: list[torch.Tensor | None] = []
+        self.nonfinite = 0   # Predict steps whose gradient was NaN/Inf on some rank (they moved nothing)
+        self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
+
+    @property
+    def pending(self) -> bool:
+        """A run's first moment the optimizer has not taken yet."""
+        return self.m is not None
+
+    def _shard(self, i: int) -> torch.Tensor:
+        return _flat(self.access.device_shard(i))
+
+    # ------------------------------------------------------------------ a step
+    def take(self, engine: Any, batches: list, loss_fn: Callable, timed: Timer = _untimed) -> bool:
+        """This step's gradient (the mean over its micro-batches and the ranks, clipped as
+        DeepSpeed clips) into the run's first moment. Collective. False (nothing changed) when it
+        is not finite on some rank."""
+        with timed("gradient"):
+            grads = self._gradient(engine, batches, loss_fn)
+            sq = torch.zeros((), dtype=torch.float32, device=self._device(grads))
+            for g in grads:
+                if g is not None:
+                    sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+            norm = float(sq.sqrt())   # the same on every rank: the gradient was all-reduced
+        if norm != norm or norm == float("inf"):
+            self.nonfinite += 1
+            return False
+        # DeepSpeed's ZeRO 1/2 clipping: divide by (norm + 1e-6) / clip where that is above 1.
+        coef = (norm + 1e-6) / self.clip if self.clip > 0.0 else 1.0
+        coef = max(coef, 1.0)
+        if self.m is None:
+            with timed("state_upload"):
+                self._begin()
+        with timed("moment"), torch.no_grad():
+            for i, part in enumerate(self.access.partitions()):
+                m = self.m[i]
+                if m is None:
+                    continue
+                beta1 = part.group.get("betas", (0.9, 0.999))[0]
+                m = m.view(-1)
+                m.mul_(beta1)
+                for p, ps, ms, n in self._slices[i]:
+                    g = grads[self._index[p]]
+                    if g is not None:
+                        m[ms:ms + n].add_(g.reshape(-1)[ps:ps + n].to(m.device),
+                                          alpha=(1.0 - beta1) / coef)
+        return True
+
+    @staticmethod
+    def _device(grads: list) -> torch.device:
+        return next((g.device for g in grads if g is not None), torch.device("cpu"))
+
+    def _gradient(self, engine: Any, batches: list, loss_fn: Callable) -> list[torch.Tensor | None]:
+        """Per parameter (``self.params``' order), the gradient averaged over the micro-batches
+        and the ranks; sets ``last_loss``. One micro-batch on one rank: autograd's own tensors
+        (nothing else allocated). Otherwise they are summed into one flat fp32 buffer, which a
+        single all-reduce averages over the ranks."""
+        caller = ModuleCaller(engine)
+        flat = None
+        losses = []
+        grads: list = []
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += p.numel()
+        for batch in batches:
+            with torch.enable_grad():
+                loss = loss_fn(caller, batch)
+                grads = list(torch.autograd.grad(loss, self.params, allow_unused=True))
+            losses.append(loss.detach().float().reshape(1))
+            if len(batches) == 1 and self._world == 1:
+                break
+            if flat is None:
+                flat = torch.zeros(total, dtype=torch.float32, device=loss.device)
+            for k, g in enumerate(grads):
+                if g is not None:
+                    flat[offsets[k]:offsets[k] + g.numel()].add_(g.reshape(-1))
+                grads[k] = None   # (freed as it goes)
+        loss_sum = torch.cat(losses).sum(dtype=torch.float64)
+        if flat is None:
+            self.last_loss = float(loss_sum)
+            return grads
+        both = torch.cat([loss_sum.reshape(1).to(flat.device, torch.float32), torch.ones(1, device=flat.device)])
+        self._all_reduce(flat)
+        self._all_reduce(both)
+        flat.div_(len(batches) * self._world)
+        self.last_loss = float(both[0]) / (len(batches) * self._world)
+        return [flat[o:o + p.numel()] for o, p in zip(offsets, self.params)]
+
+    def _begin(self) -> None:
+        """The run's first moment (and on the device path its second moment) beside what the
+        steps move: copies of the optimizer's, taken once per run."""
+        self.m, self.v = [], []
+        for i, part in enumerate(self.access.partitions()):
+            if "exp_avg" not in part.state or part.master.numel() == 0:
+                self.m.append(None)
+                self.v.append(None)
+                continue
+            if not self.on_device:
+                self.m.append(part.state["exp_avg"].detach().clone())
+                self.v.append(None)   # (the optimizer's own exp_avg_sq is read in place)
+                continue
+            shard = self._shard(i)
+            m = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
+            m.copy_(part.state["exp_avg"].view(-1), non_blocking=True)
+            v = part.state["exp_avg_sq"].view(-1)
+            if v.device != shard.device or v.dtype != self.state_dtype:   # (read-only: no copy where it can be read)
+                v = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device).copy_(v, non_blocking=True)
+            self.m.append(m)
+            self.v.append(v)
+
+    @torch.no_grad()
+    def apply(self, step: int) -> None:
+        """The step's update from the run's first moment, then what makes every rank's
+        parameters see it (the host path's propagate, the device path's all-gather). Collective."""
+        if not self.on_device:
+            from .zero_access import apply_predicted_update
+            apply_predicted_update(self.access, 1.0, backend=self.backend, first_moments=self.m)
+            self.access.propagate()
+            return
+        for i, part in enumerate(self.access.partitions()):
+            if self.m[i] is None:
+                continue
+            g = part.group
+            beta1, beta2 = g.get("betas", (0.9, 0.999))
+            x = self._shard(i)
+            gen = None
+            if x.dtype != torch.float32:   # the stochastic rounding's draws: the same on a rerun and a resume
+                gen = torch.Generator(device=x.device).manual_seed((self.seed * 1_000_003 + int(step)) * 1009 + i)
+            kernels.held_adam_step(x, self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
+                                   eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
+                                   decoupled=self.access.decoupled_decay, bias_correction=g.get("bias_correction", True),
+                                   generator=gen, backend=self.backend)
+        self.access.gather_device_shards()
+
+    # --------------------------------------------------------- how a run ends
+    @torch.no_grad()
+    def commit(self, resync: bool = False) -> None:
+        """The run is kept: its first moment becomes the optimizer's and, on the device path, the
+        masters take the 16-bit weights (plus their own sub-16-bit residual). ``resync``: the run
+        goes on (a verified step in the middle of it), so the 16-bit weights are then written from
+        the masters again, which keeps "weight = round(master)" true at the next commit (a
+        collective on ZeRO 1/2)."""
+        if self.m is None:
+            return
+        for i, (part, m) in enumerate(zip(self.access.partitions(), self.m)):
+            if m is None:
+                continue
+            part.state["exp_avg"].view(-1).copy_(m.view(-1))
+            if self.on_device:
+                _catch_up(_flat(part.master), self._shard(i))
+        self.m, self.v = None, []
+        if self.on_device and resync:
+            self.access.lp_current = False
+            self.access.propagate()
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """The run is rolled back: the optimizer's first moment is still the last good point's.
+        On the device path the masters are too: the 16-bit weights are written from them (an
+        exact rollback; a collective on ZeRO 1/2). On the host path the engine restores the
+        masters from its snapshot."""
+        self.m, self.v = None, []
+        if self.on_device:
+            self.access.lp_current = False
+            self.access.propagate()
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The run's first moment (in the middle of a run) and, on the device path, this rank's
+        16-bit partitions, which hold the run while the masters hold the last good point."""
+        sd: dict = {"nonfinite": self.nonfinite, "on_device": self.on_device, "m": None, "shards": None}
+        if self.m is not None:
+            sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
+            if self.on_device:
+                sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.m))]
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict | None) -> str | None:
+        """Restore ``state_dict()`` after DeepSpeed loaded the weights and masters. Collective on
+        the device path. Returns why a saved run could not be taken up as it was (None: it was,
+        or there was none); the loaded weights are then the last good point."""
+        self.m, self.v = None, []
+        if not sd:
+            return None
+        self.nonfinite = int(sd.get("nonfinite", 0))
+        saved = sd.get("m")
+        if saved is None:
+            return None
+        parts = list(self.access.partitions())
+        want = [tuple(p.state["exp_avg"].reshape(-1).shape) if "exp_avg" in p.state and p.master.numel() else None
+                for p in parts]
+        if [None if t is None else tuple(t.reshape(-1).shape) for t in saved] != want:
+            if self.on_device:
+                self.discard()   # (the loaded 16-bit weights from the loaded masters: the last good point)
+            return "this rank's partitions have other sizes here (another world size)"
+        if bool(sd.get("on_device")) != self.on_device:
+            # Saved on the other path. Host -> device: the masters hold the run, so it is kept now.
+            # Device -> host: the masters are the last good point and the run's weights are not
+            # in them, so it is dropped.
+            if self.on_device:
+                self.m = [None if t is None else t.to(p.state["exp_avg"].device) for t, p in zip(saved, parts)]
+                self.on_device = False
+                try:
+                    self.commit()
+                finally:
+                    self.on_device = True
+                return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
+            self.access.lp_current = False
+            self.access.propagate()
+            return "saved on the device path: the run is dropped (the masters hold its last good point)"
+        self._begin()   # (allocates m and v where they belong; v read again from the optimizer)
+        for m, t in zip(self.m, saved):
+            if m is not None:
+                m.view(-1).copy_(t.view(-1))
+        if self.on_device:
+            for i, t in enumerate(sd["shards"]):
+                self._shard(i).copy_(t.view(-1))
+            self.access.gather_device_shards()
+        return None
+
+
+@torch.no_grad()
+def _catch_up(master: torch.Tensor, shard: torch.Tensor) -> None:
+    """``master = shard + (master - round(master))`` a chunk at a time: the master moves by the
+    16-bit weight's change over the run (the weight was ``round(master)`` at its start) and keeps
+    its residual below 16 bits. With an fp32 shard the master becomes the shard exactly."""
+    if shard.dtype == torch.float32:
+        master.copy_(shard)
+        return
+    from .quant import CHUNK, scratch
+    work, res = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
+    for a in range(0, master.numel(), CHUNK):
+        b = min(a + CHUNK, master.numel())
+        w = work[:b - a].copy_(shard[a:b])   # (a GPU shard's chunk comes down here)
+        r = res[:b - a].copy_(master[a:b].to(shard.dtype))
+        master[a:b].sub_(r).add_(w)

@@ -1,0 +1,439 @@
+"""``predictor.direction: gradient``: a Predict step takes its own gradient (a private forward
+and backward through the module), moves by Adam's step with that gradient in a first moment the
+run keeps and the second moment held, hands that moment to the optimizer when the run is kept
+and drops it when the run is rolled back; on ZeRO 0 (fp32) and ZeRO 1/2, offloaded or not."""
+import pytest
+import torch
+
+from ds_hybrid.config import ConfigError
+from ds_hybrid.engine import default_loss
+from ds_hybrid.phases import Phase
+from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, master_copies
+
+GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
+SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
+          "z1-offload-gas2": dict(stage=1, offload_opt="cpu", gas=2)}
+
+
+def _engine(setup: dict, hybrid: dict = GRAD, **extra):
+    setup = dict(setup)
+    setup.pop("gas", None)
+    return make_engine(ds_config(hybrid=hybrid, gas=extra.pop("gas", 1), **setup, **extra))
+
+
+def _until(engine, batches, phase: Phase, gas: int = 1, loss_fn=None, limit: int = 40) -> list:
+    """Train until the next step is in ``phase``; the results so far."""
+    out = []
+    while engine.phase is not phase:
+        out.append(engine.train_step(batches.step(gas), loss_fn=loss_fn))
+        assert len(out) < limit, f"no {phase.value} step within {limit} steps"
+    return out
+
+
+def _moments(engine, key: str) -> list[torch.Tensor]:
+    return [p.state[key].detach().clone() for p in engine._masters.partitions()]
+
+
+def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_moment_held():
+    """ZeRO 0 fp32, where the masters are the parameters: one gradient Predict step, computed by
+    hand from the step's batch (clipped as DeepSpeed clips), the optimizer's first moment, its
+    second moment and step count untouched."""
+    engine = _engine(SETUPS["z0"])
+    batches = Batches()
+    _until(engine, batches, Phase.PREDICT)
+    opt = engine._masters.base
+    group = opt.param_groups[0]
+    params = [p for p in engine.module.parameters()]
+    before = [p.detach().clone() for p in params]
+    m0 = [opt.state[p]["exp_avg"].clone() for p in params]
+    v0 = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    step = next(engine._masters.partitions()).step   # (FusedAdam counts on the group's last parameter only)
+    batch = batches.step()
+    loss = default_loss(engine.module, batch[0])   # (module(**batch).loss: the private forward)
+    grads = torch.autograd.grad(loss, params)
+    norm = float(torch.cat([g.reshape(-1) for g in grads]).norm())
+    coef = max((norm + 1e-6) / 1.0, 1.0)   # ds_config gradient_clipping 1.0
+    beta1, beta2 = group["betas"]
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    r = engine.train_step(batch)
+    assert r.phase == "predict" and r.backward_ran and r.loss == pytest.approx(float(loss), rel=1e-6)
+    for p, x, g, m, v in zip(params, before, grads, m0, v0):
+        m_run = beta1 * m + (1 - beta1) * g / coef
+        expect = x - lr * wd * x - lr * (m_run / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps)
+        torch.testing.assert_close(p.detach(), expect, rtol=1e-6, atol=1e-7)
+        assert torch.equal(opt.state[p]["exp_avg"], m), "the optimizer's first moment waits for the run's end"
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert p.grad is None, "the private backward accumulates into no .grad"
+    assert next(engine._masters.partitions()).step == step
+
+
+@pytest.mark.parametrize("name", ["z1", "z2", "z2-offload", "z1-offload-gas2"])
+def test_zero_1_and_2_take_the_same_steps_as_zero_0(name):
+    """The gradient laid onto ZeRO 1/2's flat master partition (MasterAccess.param_slices) moves
+    every parameter as ZeRO 0 moves it, over Predict runs kept by the next step's check."""
+    gas = SETUPS[name].get("gas", 1)
+    ref, eng = _engine(SETUPS["z0"], gas=gas), _engine(SETUPS[name], gas=gas)
+    a, b = Batches(), Batches()
+    phases = []
+    for _ in range(16):
+        ra, rb = ref.train_step(a.step(gas)), eng.train_step(b.step(gas))
+        assert ra.phase == rb.phase
+        assert rb.loss == pytest.approx(ra.loss, rel=1e-5)
+        phases.append(ra.phase)
+    assert phases.count("predict") >= 6 and eng.statistics()["predict_accepted"] >= 6
+    # ZeRO's reductions round differently from ZeRO 0's; a gradient laid on the wrong values
+    # would move them by about the LR (2e-3 here) per Predict step.
+    for x, y in zip(full_params(ref), full_params(eng)):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("name", ["z0", "z2-offload"])
+def test_a_kept_run_hands_its_first_moment_to_the_optimizer_before_the_next_step(name, monkeypatch):
+    engine = _engine(SETUPS[name])
+    batches = Batches()
+    _until(engine, batches, Phase.PREDICT)
+    events = []
+    grad = engine._gradient
+    original_commit = grad.commit
+
+    def commit():
+        run_m = [t.clone() for t in grad.m]
+        original_commit()
+        parts = list(engine._masters.partitions())
+        events.append(("commit", all(torch.equal(p.state["exp_avg"], m) for p, m in zip(parts, run_m)),
+                       # the optimizer has not stepped yet: the second moment is still the run's
+                       all(torch.equal(p.state["exp_avg_sq"], v) for p, v in zip(parts, v_run))))
+    monkeypatch.setattr(grad, "commit", commit)
+    v_run = _moments(engine, "exp_avg_sq")
+    while engine.phase is Phase.PREDICT:
+        engine.train_step(batches.step())
+        assert grad.pending and not events
+    r = engine.train_step(batches.step())
+    assert r.checked is True
+    assert events == [("commit", True, True)]
+    assert not any(torch.equal(x, y) for x, y in zip(_moments(engine, "exp_avg_sq"), v_run)), "then it stepped"
+    assert not grad.pending
+
+
+def test_a_rolled_back_run_restores_the_weights_and_drops_its_first_moment(monkeypatch):
+    """The next step's check rejects the run: the masters and the model are back at the last
+    good point bit for bit, and the optimizer's first moment is the one from before the run."""
+    engine = _engine(SETUPS["z2-offload"])
+    batches = Batches()
+    _until(engine, batches, Phase.PREDICT)
+    good_masters, good_params, good_m = master_copies(engine), full_params(engine), _moments(engine, "exp_avg")
+    while engine.phase is Phase.PREDICT:
+        engine.train_step(batches.step())
+    assert any(not torch.equal(x, y) for x, y in zip(good_masters, master_copies(engine)))
+    seen = {}
+    check = engine._check_predicted_update
+
+    def checked(loss, batch, out):
+        redo = check(loss * 10, batch, out)   # a spike: out of the band
+        seen.update(masters=master_copies(engine), params=full_params(engine), m=_moments(engine, "exp_avg"))
+        return redo
+    monkeypatch.setattr(engine, "_check_predicted_update", checked)
+    r = engine.train_step(batches.step())
+    assert r.checked is False and engine.statistics()["predict_rolled_back"] == 2
+    for got, want in ((seen["masters"], good_masters), (seen["params"], good_params), (seen["m"], good_m)):
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert not engine._gradient.pending
+
+
+def test_a_nonfinite_gradient_moves_nothing_and_is_counted():
+    engine = _engine(SETUPS["z2"])
+    batches = Batches()
+    _until(engine, batches, Phase.PREDICT)
+    before, m = full_params(engine), engine._gradient.m
+
+    def nan_in_predict(eng, batch):
+        loss = default_loss(eng, batch)
+        return loss * float("nan") if eng.phase is Phase.PREDICT else loss
+    r = engine.train_step(batches.step(), loss_fn=nan_in_predict)
+    assert r.phase == "predict"
+    assert all(torch.equal(x, y) for x, y in zip(before, full_params(engine)))
+    assert engine._gradient.m is m is None and engine.statistics()["gradient_nonfinite_steps"] == 1
+    # the private backward's NaN is not the next real step's: that one steps as usual
+    while engine.phase is Phase.PREDICT:
+        engine.train_step(batches.step())
+    r = engine.train_step(batches.step())
+    assert r.phase in ("full", "correct") and not r.skipped and engine.statistics()["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("name", ["z1", "z2-offload"])
+def test_a_save_in_the_middle_of_a_run_resumes_bit_for_bit(name, tmp_path):
+    """Saved after the first step of a 2-step run (the run's first moment pending, the snapshot
+    older than the weights), resumed in a fresh engine: the same steps, weights, masters and
+    moments as the run never interrupted, the run kept and its moment handed over."""
+    engine = _engine(SETUPS[name])
+    batches = Batches()
+    _until(engine, batches, Phase.PREDICT)
+    engine.train_step(batches.step())
+    assert engine.phase is Phase.PREDICT and engine._gradient.pending
+    engine.save_checkpoint(tmp_path, "mid")
+    consumed = engine.global_steps
+    rows = [engine.train_step(batches.step()) for _ in range(6)]
+    resumed = _engine(SETUPS[name])
+    resumed.load_checkpoint(tmp_path, "mid")
+    assert resumed._gradient.pending
+    replay = Batches()
+    for _ in range(consumed):
+        replay.step()
+    again = [resumed.train_step(replay.step()) for _ in range(6)]
+    key = lambda r: (r.step, r.phase, r.loss, r.checked, r.accepted)   # noqa: E731
+    assert [key(r) for r in again] == [key(r) for r in rows]
+    assert any(r.checked for r in rows)
+    for got, want in ((full_params(resumed), full_params(engine)), (master_copies(resumed), master_copies(engine)),
+                      (_moments(resumed, "exp_avg"), _moments(engine, "exp_avg")),
+                      (_moments(resumed, "exp_avg_sq"), _moments(engine, "exp_avg_sq"))):
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("setup, hybrid, match", [
+    (dict(stage=3), GRAD, "zero_optimization.stage: 3"),
+    (dict(stage=0, bf16=True), GRAD, "bf16.enabled"),
+    (dict(stage=2), dict(GRAD, memory={"park_optimizer_states": True}), "park_optimizer_states"),
+    (dict(stage=0), dict(GRAD, memory={"offload_predict": "device"}), "offload_predict: device"),
+    (dict(stage=2, fp16={"enabled": True}), GRAD, "fp16.enabled"),
+    (dict(stage=2), dict(GRAD, predictor={"direction": "gradient", "type": "rssm"}), "predictor.type: rssm"),
+    (dict(stage=2), dict(GRAD, group_predict={"enabled": True}), "group_predict.enabled"),
+    (dict(stage=2, optimizer={"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01, "adam_w_mode": False}}),
+     GRAD, "optimizer.params.weight_decay"),
+])
+def test_layouts_it_cannot_take_are_refused_naming_the_key(setup, hybrid, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        make_engine(ds_config(hybrid=hybrid, **setup))
+
+
+# ---------------------------------------------------------------- the device path under offload
+# memory.offload_predict: device on DeepSpeed's CPU accelerator: the run's moments are copies beside
+# this rank's 16-bit partition, each step moves that partition, and the masters wait for the check.
+
+def _paths(stage: int = 2, bf16: bool = False, gas: int = 1, **changes) -> list:
+    """The host path and the device path, built alike (offload_optimizer: cpu)."""
+    out = []
+    for where in ("host", "device"):
+        hybrid = dict(GRAD, correction_steps=0, **changes)
+        hybrid["memory"] = {**hybrid.get("memory", {}), "offload_predict": where}
+        out.append(make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, gas=gas, hybrid=hybrid)))
+    return out
+
+
+def _equal(xs, ys) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("stage, gas", [(1, 1), (2, 1), (2, 2)])
+def test_device_path_matches_the_host_path_bit_for_bit(stage, gas):
+    """fp32 parameters: the same arithmetic on the same values, so the weights are the host path's
+    after every step, and the masters and first moments after every real step (inside a run they
+    wait at the last good point); the device path takes no snapshot of the masters."""
+    host, dev = _paths(stage, gas=gas)
+    assert (host.statistics()["offload_predict"], dev.statistics()["offload_predict"]) == ("host", "device")
+    bh, bd = Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(15):
+        rh, rd = host.train_step(bh.step(gas)), dev.train_step(bd.step(gas))
+        assert (rh.phase, rh.loss, rh.checked) == (rd.phase, rd.loss, rd.checked)
+        assert _equal(full_params(host), full_params(dev))
+        if rd.phase != "predict":
+            assert _equal(master_copies(host), master_copies(dev))
+            assert _equal(_moments(host, "exp_avg"), _moments(dev, "exp_avg"))
+        phases.append(rd.phase)
+    st = dev.statistics()
+    assert phases.count("predict") >= 6 and st["predict_accepted"] == host.statistics()["predict_accepted"] >= 4
+    assert "snapshot" not in st["bookkeeping_seconds"] and "snapshot" in host.statistics()["bookkeeping_seconds"]
+    assert st["snapshot_bytes"] == 0
+
+
+def test_a_device_run_leaves_the_masters_and_moments_alone_and_rolls_back_exactly(monkeypatch):
+    """During the run the host masters and both Adam moments do not change (the run's state is
+    its own copy); the next step's check rejects it: the weights are back where they were before
+    it, bit for bit, with no snapshot (the masters re-propagated), and training goes on."""
+    _, dev = _paths(2)
+    b = Batches(seed=5)
+    _until(dev, b, Phase.PREDICT)
+    masters, weights = master_copies(dev), full_params(dev)
+    m, v = _moments(dev, "exp_avg"), _moments(dev, "exp_avg_sq")
+    while dev.phase is Phase.PREDICT:
+        dev.train_step(b.step())
+        assert _equal(masters, master_copies(dev)) and _equal(m, _moments(dev, "exp_avg"))
+        assert _equal(v, _moments(dev, "exp_avg_sq"))
+    assert not _equal(weights, full_params(dev)) and dev._gradient.pending
+    seen = {}
+    check = dev._check_predicted_update
+
+    def rejected(loss, batch, out):
+        redo = check(loss * 10, batch, out)
+        seen.update(weights=full_params(dev), masters=master_copies(dev), m=_moments(dev, "exp_avg"))
+        return redo
+    monkeypatch.setattr(dev, "_check_predicted_update", rejected)
+    r = dev.train_step(b.step())
+    assert r.checked is False and dev.statistics()["predict_rolled_back"] == 2
+    assert _equal(seen["weights"], weights) and _equal(seen["masters"], masters) and _equal(seen["m"], m)
+    assert not dev._gradient.pending
+
+
+def test_device_path_bf16_weights_within_stochastic_rounding():
+    """bf16 parameters: the first Predict step of a run moves the host path's weights and the
+    device path's by the same update (the same gradient and moments), rounded to nearest from the
+    fp32 master there and stochastically from the bf16 weight here: within two bf16 steps. The
+    kept run's masters are the device path's 16-bit weights plus the residual the masters had
+    below 16 bits, and the losses stay within 1% of the host path's."""
+    host, dev = _paths(2, bf16=True)
+    bh, bd = Batches(seed=3), Batches(seed=3)
+    while dev.phase is not Phase.PREDICT:
+        assert host.train_step(bh.step()).loss == dev.train_step(bd.step()).loss
+    good, before = master_copies(dev), full_params(dev)
+    assert _equal(master_copies(host), good)
+    host.train_step(bh.step()), dev.train_step(bd.step())
+    ulp = torch.finfo(torch.bfloat16).eps   # a bf16 step at x is at most eps |x|
+    for x, y, w in zip(full_params(host), full_params(dev), before):
+        x, y, w = x.float(), y.float(), w.float()
+        # the master's residual below bf16 at the start (the device path starts from the rounded
+        # weight), then one rounding of the result on either side
+        assert bool(((x - y).abs() <= ulp * (w.abs() + 2 * torch.maximum(x.abs(), y.abs()))).all())
+    while dev.phase is Phase.PREDICT:
+        host.train_step(bh.step()), dev.train_step(bd.step())
+    weights = [w.float() for w in _params_of(dev, [dev._gradient._shard(i) for i in range(len(good))])]
+    dev._gradient.commit()   # what the next real step does when its check keeps the run
+    residual = [g - g.to(torch.bfloat16).float() for g in good]
+    assert _equal(_params_of(dev, master_copies(dev)), [w + r for w, r in
+                                                         zip(weights, _params_of(dev, residual))])
+    for _ in range(6):
+        rh, rd = host.train_step(bh.step()), dev.train_step(bd.step())
+        assert rh.phase == rd.phase and rd.loss == pytest.approx(rh.loss, rel=1e-2)
+
+
+@pytest.mark.parametrize("stage, bf16", [(1, False), (2, False), (2, True)])
+def test_a_save_in_the_middle_of_a_device_run_resumes_bit_for_bit(stage, bf16, tmp_path):
+    """The masters in the checkpoint are the last good point and the run lives in the 16-bit
+    weights and the run's moments: resumed in a fresh engine with other initial weights, the
+    weights, masters, moments and every later step equal the uninterrupted run's."""
+    _, ref = _paths(stage, bf16=bf16)
+    b = Batches(seed=6)
+    _until(ref, b, Phase.PREDICT)
+    ref.train_step(b.step())
+    assert ref.phase is Phase.PREDICT and ref._gradient.pending
+    ref.save_checkpoint(str(tmp_path), tag="mid")
+    state = b.gen.get_state()
+    hybrid = dict(GRAD, correction_steps=0, memory={"offload_predict": "device"})
+    resumed = make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, hybrid=hybrid), seed=1)
+    resumed.load_checkpoint(str(tmp_path), tag="mid")
+    assert resumed._gradient.pending
+    b2 = Batches(seed=6)
+    b2.gen.set_state(state)
+    for _ in range(6):
+        r1, r2 = ref.train_step(b.step()), resumed.train_step(b2.step())
+        assert (r1.phase, r1.loss, r1.checked) == (r2.phase, r2.loss, r2.checked)
+        for got, want in ((full_params(resumed), full_params(ref)), (master_copies(resumed), master_copies(ref)),
+                          (_moments(resumed, "exp_avg"), _moments(ref, "exp_avg"))):
+            assert _equal(got, want)
+    assert ref.statistics()["predict_accepted"] >= 2
+
+
+def test_a_device_run_saved_and_loaded_on_the_host_path_is_dropped_with_a_warning(tmp_path, caplog):
+    """Saved on the device path, loaded on the host path: the masters hold the last good point and
+    not the run, so the run is dropped (the weights re-propagated from the masters), and the log
+    says so."""
+    _, dev = _paths(2)
+    b = Batches(seed=6)
+    _until(dev, b, Phase.PREDICT)
+    good = master_copies(dev)
+    dev.train_step(b.step())
+    dev.save_checkpoint(str(tmp_path), tag="mid")
+    host = make_engine(ds_config(stage=2, offload_opt="cpu", hybrid=dict(GRAD, memory={"offload_predict": "host"})),
+                       seed=1)
+    with caplog.at_level("WARNING"):
+        host.load_checkpoint(str(tmp_path), tag="mid")
+    assert "the run is dropped" in caplog.text
+    assert not host._gradient.pending and _equal(master_copies(host), good)
+    assert _equal([p.reshape(-1) for p in full_params(host)], _params_of(host, master_copies(host)))
+
+
+def _params_of(engine, masters) -> list:
+    """The model's parameters as they lie in the (unpartitioned, one-rank) masters."""
+    out = []
+    for i, m in enumerate(masters):
+        for p, ps, ms, n in engine._masters.param_slices(i):
+            out.append(m.view(-1)[ms:ms + n])
+    return out
+
+
+def test_held_adam_step_in_fp32_is_the_fused_update_and_in_bf16_unbiased():
+    """kernels.held_adam_step: with fp32 weights and moments it is fused_update at scale 1 bit for
+    bit; with bf16 weights each value lands on one of the two bf16 neighbours of the fp32 result,
+    with the fp32 result as the mean over draws; with bf16 moments it stays within their rounding."""
+    from ds_hybrid import kernels
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=gen)
+    m, v = torch.randn(5000, generator=gen) * 1e-3, torch.rand(5000, generator=gen) * 1e-6
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=7, weight_decay=0.01, decoupled=True)
+    a, b = x.clone(), x.clone()
+    kernels.held_adam_step(a, m, v, backend="torch", **kw)
+    kernels.fused_update(b, m, v, scale=1.0, backend="torch", **kw)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    xb = x.to(torch.bfloat16)
+    exact = xb.float()
+    kernels.held_adam_step(exact, m, v, backend="torch", **kw)   # the fp32 result from the bf16 weights
+    lo = exact.to(torch.bfloat16)   # round to nearest
+    draws = []
+    for seed in range(200):
+        y = xb.clone()
+        kernels.held_adam_step(y, m, v, generator=torch.Generator().manual_seed(seed), backend="torch", **kw)
+        draws.append(y.float())
+    draws = torch.stack(draws)
+    step = torch.finfo(torch.bfloat16).eps * exact.abs()
+    assert bool(((draws - exact).abs() <= step).all()), "every draw is a neighbour of the fp32 result"
+    mean_err = (draws.mean(0) - exact).abs() / step
+    assert float(mean_err.mean()) < 0.05, "unbiased: the mean over draws is the fp32 result"
+    # the step is mostly a few percent of a bf16 step here: round to nearest leaves most weights
+    # where they were; stochastic rounding moves each of those with the probability of its share
+    stuck = lo.float() == xb.float()
+    assert float(stuck.float().mean()) > 0.5
+    assert float((draws[:, stuck] != xb.float()[stuck]).float().mean()) > 0.01
+    c = x.clone()
+    kernels.held_adam_step(c, m.to(torch.bfloat16), v.to(torch.bfloat16), backend="torch", **kw)
+    torch.testing.assert_close(c - x, a - x, rtol=1e-2, atol=3e-7)   # (x + u rounds in fp32)
+
+
+def test_the_private_backward_works_under_non_reentrant_activation_checkpointing():
+    """The main job turns transformers' non-reentrant checkpointing on for presets with an
+    activation_checkpointing section; autograd.grad goes through it (the reentrant kind would
+    refuse it), and the Predict step moves the weights as without checkpointing."""
+    ref, ckpt = _engine(SETUPS["z2"]), _engine(SETUPS["z2"])
+    ckpt.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a, b = Batches(), Batches()
+    for _ in range(8):
+        ra, rb = ref.train_step(a.step()), ckpt.train_step(b.step())
+        assert ra.phase == rb.phase and rb.loss == pytest.approx(ra.loss, rel=1e-5)
+    assert ckpt.statistics()["steps_per_phase"]["predict"] >= 2
+    for x, y in zip(full_params(ref), full_params(ckpt)):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_path_on_gpu_keeps_the_run_beside_the_bf16_weights():
+    """On a GPU with offload_optimizer: cpu and bf16 weights: offload_predict auto takes the device
+    path with the run's moments in bf16 on the GPU; during the run the host masters and moments do
+    not move while the GPU weights do; the kept run's masters are the GPU weights plus their
+    residual below bf16, and the optimizer's first moment is the run's."""
+    hybrid = dict(GRAD, correction_steps=0)
+    eng = make_engine(ds_config(stage=2, offload_opt="cpu", bf16=True, hybrid=hybrid))
+    assert eng.statistics()["offload_predict"] == "device" and eng._gradient.state_dtype == torch.bfloat16
+    b = Batches(seed=3, device=eng.device)
+    _until(eng, b, Phase.PREDICT)
+    masters, weights, m = master_copies(eng), full_params(eng), _moments(eng, "exp_avg")
+    while eng.phase is Phase.PREDICT:
+        eng.train_step(b.step())
+    assert _equal(masters, master_copies(eng)) and _equal(m, _moments(eng, "exp_avg"))
+    assert not _equal(weights, full_params(eng))
+    assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in eng._gradient.m if t is not None)
+    shards = [eng._gradient._shard(i).float().cpu() for i in range(len(masters))]
+    run_m = [t.float().cpu() for t in eng._gradient.m]
+    eng._gradient.commit()
+    for got, good, w in zip(master_copies(eng), masters, shards):
+        assert torch.equal(got.view(-1), w + (good.view(-1) - good.view(-1).to(torch.bfloat16).float()))
+    for got, want in zip(_moments(eng, "exp_avg"), run_m):
+        assert torch.equal(got.view(-1), want)
