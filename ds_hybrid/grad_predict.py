@@ -34,6 +34,7 @@ Where the run's state lives (``memory.offload_predict``, resolved by the engine)
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -80,6 +81,9 @@ class GradientPredict:
         self._slices = [access.param_slices(i) for i in range(access._count())]   # NotImplementedError: refused
         self.params = [p for group in access.model_param_groups() for p in group]
         self._index = {p: k for k, p in enumerate(self.params)}
+        self._offsets = [0]   # where each parameter's gradient lies in a flat buffer of them all
+        for p in self.params:
+            self._offsets.append(self._offsets[-1] + p.numel())
         self.m: list[torch.Tensor | None] | None = None
         self.v: list[torch.Tensor | None] = []
         self.nonfinite = 0   # Predict steps whose gradient was NaN/Inf on some rank (they moved nothing)
@@ -105,7 +109,7 @@ class GradientPredict:
                 if g is not None:
                     sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
             norm = float(sq.sqrt())   # the same on every rank: the gradient was all-reduced
-        if norm != norm or norm == float("inf"):
+        if not math.isfinite(norm):
             self.nonfinite += 1
             return False
         # DeepSpeed's ZeRO 1/2 clipping: divide by (norm + 1e-6) / clip where that is above 1.
@@ -136,16 +140,13 @@ class GradientPredict:
     def _gradient(self, engine: Any, batches: list, loss_fn: Callable) -> list[torch.Tensor | None]:
         """Per parameter (``self.params``' order), the gradient averaged over the micro-batches
         and the ranks; sets ``last_loss``. One micro-batch on one rank: autograd's own tensors
-        (nothing else allocated). Otherwise they are summed into one flat fp32 buffer, which a
-        single all-reduce averages over the ranks."""
+        (nothing else allocated). Otherwise they are summed into one flat fp32 buffer, the losses'
+        sum in its last value, which a single all-reduce averages over the ranks."""
         caller = ModuleCaller(engine)
+        offsets, total = self._offsets, self._offsets[-1]
         flat = None
         losses = []
         grads: list = []
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += p.numel()
         for batch in batches:
             with torch.enable_grad():
                 loss = loss_fn(caller, batch)
@@ -154,7 +155,7 @@ class GradientPredict:
             if len(batches) == 1 and self._world == 1:
                 break
             if flat is None:
-                flat = torch.zeros(total, dtype=torch.float32, device=loss.device)
+                flat = torch.zeros(total + 1, dtype=torch.float32, device=loss.device)
             for k, g in enumerate(grads):
                 if g is not None:
                     flat[offsets[k]:offsets[k] + g.numel()].add_(g.reshape(-1))
@@ -163,11 +164,10 @@ class GradientPredict:
         if flat is None:
             self.last_loss = float(loss_sum)
             return grads
-        both = torch.cat([loss_sum.reshape(1).to(flat.device, torch.float32), torch.ones(1, device=flat.device)])
+        flat[-1] = loss_sum
         self._all_reduce(flat)
-        self._all_reduce(both)
         flat.div_(len(batches) * self._world)
-        self.last_loss = float(both[0]) / (len(batches) * self._world)
+        self.last_loss = float(flat[-1])
         return [flat[o:o + p.numel()] for o, p in zip(offsets, self.params)]
 
     def _begin(self) -> None:
@@ -206,14 +206,13 @@ class GradientPredict:
                 continue
             g = part.group
             beta1, beta2 = g.get("betas", (0.9, 0.999))
-            x = self._shard(i)
-            gen = None
-            if x.dtype != torch.float32:   # the stochastic rounding's draws: the same on a rerun and a resume
-                gen = torch.Generator(device=x.device).manual_seed((self.seed * 1_000_003 + int(step)) * 1009 + i)
-            kernels.held_adam_step(x, self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
-                                   eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
-                                   decoupled=self.access.decoupled_decay, bias_correction=g.get("bias_correction", True),
-                                   generator=gen, backend=self.backend)
+            # the stochastic rounding's random bits: a hash of (seed, step, partition) and the index,
+            # the same on a rerun and after a resume
+            key = ((self.seed * 1_000_003 + int(step)) * 1009 + i) & 0xFFFFFFFF
+            kernels.held_adam_step(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1,
+                                   beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
+                                   weight_decay=float(g.get("weight_decay", 0.0)), decoupled=self.access.decoupled_decay,
+                                   bias_correction=g.get("bias_correction", True), key=key, backend=self.backend)
         self.access.gather_device_shards()
 
     # --------------------------------------------------------- how a run ends

@@ -173,8 +173,9 @@ class HybridTrainer(Trainer):
         engine = self.hybrid_engine
         if engine is not None and ("loss" in logs or "train_loss" in logs):
             logs = dict(logs, **_hybrid_log_entries(engine, self.hybrid_result))
-            if self.hybrid_result is not None and not self.hybrid_result.backward_ran:
-                # No gradient this step: DeepSpeed's norm is the last real step's.
+            if self.hybrid_result is not None and self.hybrid_result.phase == "predict":
+                # No DeepSpeed gradient this step (a gradient Predict step's own is private):
+                # DeepSpeed's norm is the last real step's.
                 logs.pop("grad_norm", None)
         super().log(logs, start_time)
 

@@ -8,7 +8,7 @@ The repository's docs/results/ files (docs/kernels.md's tables) are written only
 On a GPU with CuPy: the fused predicted update's time and achieved bandwidth (bytes read and
 written / time) against the device's peak (memory clock x bus width, from the CUDA device
 attributes; a table by device name otherwise) and against a plain device-to-device copy; the
-device path's drift step (``drift_shift``) against its torch ops, in the same terms; the
+device path's drift step (``drift_shift``) and gradient step (``held_adam_step``) against their torch ops, in the same terms; the
 RSSM step and K-step rollout against torch eager; the encoder's window features against the
 torch reference (a CPU function). Kernel and GPU-reference timings use CUDA events around a
 batch of calls (median of several batches, after warm-up); CPU timings use perf_counter.
@@ -171,6 +171,29 @@ def bench_drift_shift(device, sizes, timer) -> list[dict]:
     return rows
 
 
+def bench_held_adam_step(device, sizes, timer) -> list[dict]:
+    """A gradient Predict step on the device path into a bf16 shard (kernels.held_adam_step, bf16
+    moments: the shard read and written, m and v read, 8 bytes a value) against its torch ops."""
+    peak = peak_bandwidth(device)[0] if device.type == "cuda" else None
+    kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, step=10, weight_decay=0.1, decoupled=True, key=1)
+    rows = []
+    for n in sizes:
+        x = (torch.randn(n, device=device) * 0.02).to(torch.bfloat16)
+        m = (torch.randn(n, device=device) * 1e-3).to(torch.bfloat16)
+        v = (torch.rand(n, device=device) * 1e-6).to(torch.bfloat16)
+        nbytes = 8 * n
+        ref_s = timer(lambda: kernels.held_adam_step_reference(x, m, v, **kw))
+        row = {"n": n, "bytes": nbytes, "torch_ms": ref_s * 1e3, "torch_gb_s": nbytes / ref_s / 1e9}
+        if device.type == "cuda":
+            ker_s = timer(lambda: kernels.held_adam_step(x, m, v, backend="cupy", **kw))
+            bw = nbytes / ker_s
+            row.update(kernel_ms=ker_s * 1e3, speedup=ref_s / ker_s, kernel_gb_s=bw / 1e9,
+                       pct_of_peak=100 * bw / peak if peak else None)
+        rows.append(row)
+        del x, m, v
+    return rows
+
+
 def bench_rssm(device, configs, timer) -> list[dict]:
     from .dynamics.rssm import RSSMEnsemble, RSSMShape
     rows = []
@@ -233,6 +256,13 @@ def format_tables(res: dict) -> str:
                                                  else ["torch_gb_s"])
         out += _table(cols, res["drift_shift"])
         out.append("")
+    if res.get("held_adam_step"):
+        out.append("held Adam step (a gradient Predict step into a bf16 shard, bf16 moments; bytes: the shard read "
+                   "and written, m and v read)")
+        cols = ["n", "torch_ms"] + (["kernel_ms", "speedup", "kernel_gb_s", "pct_of_peak"] if gpu
+                                    else ["torch_gb_s"])
+        out += _table(cols, res["held_adam_step"])
+        out.append("")
     out.append("RSSM step / rollout")
     cols = ["members", "batch", "steps", "torch_step_ms", "torch_rollout_ms"] + (
         ["kernel_step_ms", "kernel_rollout_ms", "step_speedup", "rollout_speedup"] if gpu else [])
@@ -291,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     res = {"device": name, "kernels_run": gpu_ok, "torch": torch.__version__, "peak_bandwidth_source": peak_src,
            "load_average_1min_at_start": load,
            "fused_update": fused, "drift_shift": bench_drift_shift(device, sizes, timer),
+           "held_adam_step": bench_held_adam_step(device, sizes, timer),
            "rssm": bench_rssm(device, rssm_cfgs, timer),
            "encoder": bench_encoder(device, encoder_batches, time_cuda if gpu_ok else time_cpu),
            "goals": {"fused_update_pct_of_peak": 80, "rollout_speedup": 3}}

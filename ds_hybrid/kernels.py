@@ -4,7 +4,7 @@
 |-----------------------------------------|-------------------|------------------------------------------------------|
 | ``fused_update.cu``                     | ``fused_update``  | ``fused_update_reference`` (below; the arithmetic of ``zero_access.adam_direction`` + ``apply_predicted_update``) |
 | ``fused_update.cu`` ``drift_shift``     | ``drift_shift``   | ``drift_shift_reference`` (below; ``DevicePredict``'s drift step into a 16-bit shard) |
-| (``fused_update.cu`` for fp32)          | ``held_adam_step`` | its own torch path (below; a ``direction: gradient`` step into a 16-bit shard) |
+| ``fused_update.cu`` ``held_adam_step``  | ``held_adam_step`` | ``held_adam_step_reference`` (below; a ``direction: gradient`` step into a 16-bit shard) |
 | ``rssm.cu`` ``rssm_step``               | ``rssm_step``     | ``RSSMEnsemble.step`` then ``.prior``                |
 | ``rssm.cu`` ``rssm_rollout``            | ``rssm_rollout``  | ``RSSMEnsemble.rollout``                             |
 | ``encoder.cu`` ``window_features``      | ``window_features`` | ``dynamics.window.window_features``                |
@@ -396,27 +396,16 @@ def fused_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
 
 
 @torch.no_grad()
-def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-                   eps: float, step: float, weight_decay: float, decoupled: bool, bias_correction: bool = True,
-                   generator: torch.Generator | None = None, backend: str = "auto") -> None:
+def held_adam_step_reference(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
+                             beta2: float, eps: float, step: float, weight_decay: float, decoupled: bool,
+                             bias_correction: bool = True, key: int = 0) -> None:
     """Adam's step on one flat shard ``x`` from its first moment ``m`` (which already holds the
-    step's gradient) and a second moment ``v`` held from the last real step, in place:
-    ``x += -lr * (m / bc1) / (sqrt(v / bc2) + eps) - lr * wd * x`` (``predictor.direction:
-    gradient`` on the device path, ``grad_predict.GradientPredict``).
-
-    ``x`` fp32, bf16; ``m`` and ``v`` fp32 or bf16, all of one length on one device. With all
-    three fp32 this is ``fused_update`` at scale 1 (the kernel on a GPU), bit for bit the host
-    path's update of the masters. Otherwise the arithmetic is the same in fp32, a chunk at a
-    time, and a bf16 ``x`` is written back rounded stochastically (``quant.stochastic_round_bf16_``,
-    draws from ``generator`` on x's device): an Adam step is often under half a bf16 step of
-    the weight it moves, and round to nearest would drop it."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"held_adam_step: x must be float32 or bfloat16 (got {x.dtype})")
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, weight_decay=weight_decay, decoupled=decoupled,
-              bias_correction=bias_correction)
-    if x.dtype == m.dtype == v.dtype == torch.float32:
-        fused_update(x, m, v, scale=1.0, backend=backend, **kw)
-        return
+    step's gradient) and a second moment ``v`` held from the last real step, in place (torch
+    reference): ``x += -lr * (m / bc1) / (sqrt(v / bc2) + eps) - lr * wd * x``, the operations of
+    ``fused_update_reference`` in fp32 with each operand widened first, a chunk at a time. A bf16
+    ``x`` is written back rounded stochastically (``quant.stochastic_round_bf16_`` with the random
+    bits of (``key``, index in ``x``)): an Adam step is often under half a bf16 step of the weight
+    it moves, and round to nearest would drop it."""
     from .quant import CHUNK, stochastic_round_bf16_
     bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
     decay = -lr * weight_decay if decoupled and weight_decay else 0.0
@@ -426,7 +415,6 @@ def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: flo
     for a in range(0, xs.numel(), CHUNK):
         b = min(a + CHUNK, xs.numel())
         n = b - a
-        # the fused_update_reference arithmetic, with each operand widened to fp32 first
         denom = w0[:n].copy_(vs[a:b]).div_(bc2).sqrt_().add_(eps)
         update = w1[:n].copy_(ms[a:b]).div_(bc1).div_(denom).mul_(-lr)
         if x.dtype == torch.float32:
@@ -437,15 +425,59 @@ def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: flo
         w = w2[:n].copy_(xs[a:b])
         if decay:
             update.add_(w, alpha=decay)
-        stochastic_round_bf16_(xs[a:b], w.add_(update), generator)
+        stochastic_round_bf16_(xs[a:b], w.add_(update), key, start=a)
+
+
+def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                   eps: float, step: float, weight_decay: float, decoupled: bool, bias_correction: bool = True,
+                   key: int = 0, backend: str = "auto") -> None:
+    """``held_adam_step_reference`` (a ``predictor.direction: gradient`` step on the device path,
+    ``grad_predict.GradientPredict``) in one pass (``kernels/fused_update.cu``'s
+    ``held_adam_step<X,S>``: x read and written, m and v read, 8 bytes per element in bf16 where
+    the torch ops move about 100) or in torch. ``x`` fp32 or bf16, ``m`` and ``v`` fp32 or bf16,
+    all flat and of one length on one device. With all three fp32 it is ``fused_update`` at scale 1
+    (kernel or reference), bit for bit the host path's update of the masters."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"held_adam_step: x must be float32 or bfloat16 (got {x.dtype})")
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, weight_decay=weight_decay, decoupled=decoupled,
+              bias_correction=bias_correction)
+    if x.dtype == m.dtype == v.dtype == torch.float32:
+        fused_update(x, m, v, scale=1.0, backend=backend, **kw)
+        return
+    choice = resolve_backend(backend, x, m, v)
+    fits = (all(t.is_contiguous() and t.dtype in _HELD_CODES for t in (x, m, v)) and m.dtype == v.dtype
+            and x.numel() == m.numel() == v.numel())
+    if choice == "cupy" and not fits:
+        if backend == "cupy":
+            raise ValueError("held_adam_step: the kernel needs contiguous fp32/bf16 x, m and v of one length "
+                             "(m and v of one dtype)")
+        choice = "torch"
+    mod = _module_or_fallback("fused_update", backend, x.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
+    if mod is None:
+        return held_adam_step_reference(x, m, v, key=key, **kw)
+    n = x.numel()
+    if n == 0:
+        return None
+    bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
+    decay = -lr * weight_decay if decoupled and weight_decay else 0.0
+    blocks = max(1, min(math.ceil(n / FUSED_UPDATE_THREADS), 16 * _sm_count(x.device)))
+    with _on_torch_stream(x.device) as cp:
+        fn = mod.get_function(f"held_adam_step<{_HELD_CODES[x.dtype]},{_HELD_CODES[m.dtype]}>")
+        fn((blocks,), (FUSED_UPDATE_THREADS,), (_cp(x), _cp(m), _cp(v), cp.int64(n), cp.float32(-lr),
+                                                 cp.float32(bc1), cp.float32(bc2), cp.float32(eps),
+                                                 cp.float32(decay), cp.uint32(int(key) & 0xFFFFFFFF)))
+    LAUNCHES["held_adam_step"] += 1
+    return None
 
 
 _X_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VD_CODES = {"fp32": 0, "bf16": 1, "int8": 2}
 DRIFT_SHIFT_NAMES = tuple(f"drift_shift<{x},{vd},{vec}>" for x in (0, 1, 2) for vd in (0, 1, 2)
                           for vec in ("true", "false"))
-# Every name expression of kernels/fused_update.cu: one module serves both dispatchers.
-FUSED_UPDATE_MODULE = FUSED_UPDATE_NAMES + DRIFT_SHIFT_NAMES
+_HELD_CODES = {torch.float32: 0, torch.bfloat16: 1}
+HELD_ADAM_NAMES = tuple(f"held_adam_step<{x},{s}>" for x in (0, 1) for s in (0, 1))
+# Every name expression of kernels/fused_update.cu: one module serves the three dispatchers.
+FUSED_UPDATE_MODULE = FUSED_UPDATE_NAMES + DRIFT_SHIFT_NAMES + HELD_ADAM_NAMES
 assert BLOCK == 256, "kernels/fused_update.cu's drift_shift reads one int8 scale per 256 values"
 
 

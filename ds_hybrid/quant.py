@@ -186,20 +186,39 @@ class CompactBuffer:
             self.scale.copy_(sd["scale"])
 
 
-def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
-    """``dst`` (bf16) = ``src`` (fp32, at most ``CHUNK`` values, clobbered) rounded stochastically:
-    up with probability equal to the fraction of a bf16 step that the value lies above the one
-    below. Unbiased, so updates smaller than half a bf16 step still move the weights on average
-    (round to nearest would drop every one of them). Random 16 bits are added to the 16 bits a
-    bf16 value drops, then those are cleared: a carry rounds the magnitude up, inf and a quiet
-    NaN (their low 16 bits zero) stay what they are, and the largest finite values may round
-    up to inf. On the CPU the noise is a window of the fixed table (``_cpu_noise``)."""
+def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
+    """``(a * b) mod 2**32`` for int64 ``a`` in [0, 2**32): in 16-bit halves of ``b``, so no
+    product leaves int64."""
+    return (a * (b & 0xFFFF) + (((a * (b >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The "lowbias32" integer hash (C. Wellons) on int64 values in [0, 2**32), as
+    ``kernels/fused_update.cu``'s ``dsh_mix32`` on uint32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sr_bits(key: int, start: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """16 random bits (int32) for elements ``start .. start + n`` of a draw keyed by ``key`` (a
+    uint32): a hash of (key, index), so a rerun and a resume draw the same bits and the CUDA kernel
+    (``dsh_sr_bits``) draws these exactly, with no generator state."""
+    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return (_mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF))) & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, key: int, start: int = 0) -> None:
+    """``dst`` (bf16) = ``src`` (fp32, clobbered) rounded stochastically: up with probability equal
+    to the fraction of a bf16 step that the value lies above the one below. Unbiased, so updates
+    smaller than half a bf16 step still move the weights on average (round to nearest would drop
+    every one of them). 16 random bits (``sr_bits(key, start + k)`` for the k-th value) are added to
+    the 16 bits a bf16 value drops, then those are cleared: a carry rounds the magnitude up, inf and
+    a quiet NaN (their low 16 bits zero) stay what they are, and the largest finite values may round
+    up to inf."""
     if src.numel() == 0:
         return
-    bits = src.view(torch.int32)
-    if src.device.type == "cpu":
-        noise = _cpu_noise(src.numel(), generator).mul(65536.0).to(torch.int32)
-    else:
-        noise = torch.randint(0, 1 << 16, src.shape, generator=generator, device=src.device, dtype=torch.int32)
-    bits.add_(noise.view_as(bits)).bitwise_and_(-65536)   # (0xFFFF0000: the bits bf16 keeps)
+    src.view(torch.int32).add_(sr_bits(key, start, src.numel(), src.device)).bitwise_and_(-65536)   # 0xFFFF0000
     dst.copy_(src)   # exact: the dropped bits are zero

@@ -232,9 +232,62 @@ drift_shift(void* __restrict__ x, const void* __restrict__ v, const float* __res
     for (long long i = done + tid; i < n; i += stride) dsh_shift_one<X, VD>(x, v, scale, i, c);
 }
 
+// ---------------------------------------------------------------------------------------
+// Held Adam step: a Predict step that took its own gradient (hybrid_predict.predictor.direction:
+// gradient) on the device path, into a bf16 (or fp32) partition on the GPU, from the run's first
+// moment m (which already holds the step's gradient) and the second moment v held from the last
+// real step:
+//
+//   w = float(x) + u,   u = (m / bc1) / (sqrt(v / bc2) + eps) * step + decay * float(x)
+//   x = w (fp32) | the bf16 of w rounded stochastically: the top 16 bits of bits(w) + r,
+//                  r = 16 random bits, a hash of (key, i)
+//
+// Reference: ds_hybrid.kernels.held_adam_step_reference (the same fp32 operations, the same
+// random bits: quant.sr_bits). An Adam step is often under half a bf16 step of the weight it
+// moves; round to nearest would drop it, stochastic rounding keeps it on average. The random bits
+// are a function of (key, i) alone, so a rerun and a resume draw the same ones. X: 0 = fp32,
+// 1 = bf16 partition. S: 0 = fp32, 1 = bf16 m and v. Bytes per element with bf16 x, m and v: 8
+// (the torch ops it replaces move about 100). One element a thread, grid-stride.
+
+__device__ __forceinline__ unsigned int dsh_mix32(unsigned int x) {   // "lowbias32" (C. Wellons)
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+__device__ __forceinline__ unsigned int dsh_sr_bits(unsigned int key, long long i) {
+    const unsigned long long u = (unsigned long long)i;
+    return dsh_mix32((unsigned int)u ^ dsh_mix32((unsigned int)(u >> 32) ^ key)) & 0xffffu;
+}
+
+template <int D>
+__device__ __forceinline__ float dsh_load(const void* p, long long i) {
+    return D == 0 ? static_cast<const float*>(p)[i] : dsh_bf16_to_f32(static_cast<const unsigned short*>(p)[i]);
+}
+
+template <int X, int S>
+__global__ void
+held_adam_step(void* __restrict__ x, const void* __restrict__ m, const void* __restrict__ v, long long n,
+               float step, float bc1, float bc2, float eps, float decay, unsigned int key) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = tid; i < n; i += stride) {
+        const float xf = dsh_load<X>(x, i);
+        const float w = xf + dsh_update_of(xf, dsh_load<S>(m, i), dsh_load<S>(v, i), step, bc1, bc2, eps, decay);
+        if (X == 0) {
+            static_cast<float*>(x)[i] = w;
+        } else {   // (a carry rounds the magnitude up; uint32 wrap-around as the reference's int32)
+            static_cast<unsigned short*>(x)[i] = (unsigned short)((__float_as_uint(w) + dsh_sr_bits(key, i)) >> 16);
+        }
+    }
+}
+
 // Every variant, instantiated here so that `nvcc -c` compiles them all and NVRTC finds
-// them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>" and
-// "drift_shift<X,VD,VEC>").
+// them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>",
+// "drift_shift<X,VD,VEC>" and "held_adam_step<X,S>").
 #define DSH_INST(LP, SNAP, SQ, VEC)                                                         \
     template __global__ void fused_predicted_update<LP, SNAP, SQ, VEC>(                   \
         float*, const float*, const float*, unsigned short*, float*, double*, long long,   \
@@ -253,3 +306,11 @@ DSH_INST_SNAP(2)
 DSH_INST_SHIFT_X(0)
 DSH_INST_SHIFT_X(1)
 DSH_INST_SHIFT_X(2)
+
+#define DSH_INST_HELD(X, S) \
+    template __global__ void held_adam_step<X, S>(void*, const void*, const void*, long long, float, float, float, \
+                                                  float, float, unsigned int);
+DSH_INST_HELD(0, 0)
+DSH_INST_HELD(0, 1)
+DSH_INST_HELD(1, 0)
+DSH_INST_HELD(1, 1)

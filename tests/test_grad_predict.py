@@ -380,7 +380,7 @@ def test_held_adam_step_in_fp32_is_the_fused_update_and_in_bf16_unbiased():
     draws = []
     for seed in range(200):
         y = xb.clone()
-        kernels.held_adam_step(y, m, v, generator=torch.Generator().manual_seed(seed), backend="torch", **kw)
+        kernels.held_adam_step(y, m, v, key=seed, backend="torch", **kw)
         draws.append(y.float())
     draws = torch.stack(draws)
     step = torch.finfo(torch.bfloat16).eps * exact.abs()
@@ -419,14 +419,18 @@ def test_device_path_on_gpu_keeps_the_run_beside_the_bf16_weights():
     path with the run's moments in bf16 on the GPU; during the run the host masters and moments do
     not move while the GPU weights do; the kept run's masters are the GPU weights plus their
     residual below bf16, and the optimizer's first moment is the run's."""
+    from ds_hybrid import kernels
     hybrid = dict(GRAD, correction_steps=0)
     eng = make_engine(ds_config(stage=2, offload_opt="cpu", bf16=True, hybrid=hybrid))
     assert eng.statistics()["offload_predict"] == "device" and eng._gradient.state_dtype == torch.bfloat16
     b = Batches(seed=3, device=eng.device)
     _until(eng, b, Phase.PREDICT)
     masters, weights, m = master_copies(eng), full_params(eng), _moments(eng, "exp_avg")
+    launches = kernels.LAUNCHES["held_adam_step"]
     while eng.phase is Phase.PREDICT:
         eng.train_step(b.step())
+    if kernels.cupy_available():   # hybrid_predict.kernels: auto takes the kernel for GPU shards
+        assert kernels.LAUNCHES["held_adam_step"] > launches
     assert _equal(masters, master_copies(eng)) and _equal(m, _moments(eng, "exp_avg"))
     assert not _equal(weights, full_params(eng))
     assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in eng._gradient.m if t is not None)

@@ -9,6 +9,7 @@ the tests marked ``gpu`` in test_kernels.py run the real kernels.
 from __future__ import annotations
 
 import ctypes
+import math
 from types import SimpleNamespace
 import shutil
 import subprocess
@@ -183,6 +184,101 @@ def test_drift_shift_kernel_source_rounds_non_finite_values_as_torch(emu):
         assert torch.equal(_bits(got), _bits(ref))
 
 
+# ---------------------------------------------------------------------------- held Adam step
+
+HELD = dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=9, weight_decay=0.1, decoupled=True)
+
+
+def _held_inputs(n: int, xdtype, sdtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * 0.05).to(xdtype)
+    m = (torch.randn(n, generator=g) * 1e-3).to(sdtype)
+    v = (torch.rand(n, generator=g) * 1e-6).to(sdtype)
+    return x, m, v
+
+
+def _held_args(x, m, v, key):
+    bc1, bc2 = 1 - HELD["beta1"] ** HELD["step"], 1 - HELD["beta2"] ** HELD["step"]
+    return (_p(x), _p(m), _p(v), ctypes.c_longlong(x.numel()), ctypes.c_float(-HELD["lr"]), ctypes.c_float(bc1),
+            ctypes.c_float(bc2), ctypes.c_float(HELD["eps"]), ctypes.c_float(-HELD["lr"] * HELD["weight_decay"]),
+            ctypes.c_uint(key))
+
+
+def _held_close(got, ref):
+    """The same fp32 operations; the reference's add with alpha may be fused where the kernel's is
+    not (or the reverse), an ulp of fp32 that moves a stochastically rounded bf16 value by one step
+    only when the random bits land on that ulp: a handful of 65536 draws."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-10)
+        return
+    differ = _bits(got) != _bits(ref)
+    assert int(differ.sum()) <= max(2, got.numel() // 2000)
+    step = torch.finfo(torch.bfloat16).eps * ref.float().abs()
+    assert bool(((got.float() - ref.float()).abs() <= step)[differ].all())
+
+
+@pytest.mark.parametrize("n", [1, 255, 3001])
+@pytest.mark.parametrize("xdtype, sdtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_held_adam_step_kernel_source_matches_reference(emu, n, xdtype, sdtype):
+    """The gradient Predict step into a shard, every variant: the reference's fp32 operations and
+    its random bits (a hash of key and index, quant.sr_bits, the same in both)."""
+    x, m, v = _held_inputs(n, xdtype, sdtype, n)
+    ref, got = x.clone(), x.clone()
+    kernels.held_adam_step_reference(ref, m, v, key=12345, **HELD)
+    codes = {torch.float32: 0, torch.bfloat16: 1}
+    assert emu.emu_held_adam_step(codes[xdtype], codes[sdtype], 3, 64, *_held_args(got, m, v, 12345)) == 0
+    _held_close(got, ref)
+    assert n < 16 or not torch.equal(got, x)
+
+
+def test_held_adam_step_random_bits_are_the_kernels_and_unbiased(emu):
+    """quant.sr_bits is dsh_sr_bits: a step that is a fraction of a bf16 step moves that fraction
+    of the weights by one step, the same ones in the kernel and the reference, and another key
+    draws other ones; indices past 2**32 hash their high word too."""
+    from ds_hybrid.quant import sr_bits
+    n = 20000
+    x = torch.ones(n, dtype=torch.bfloat16)
+    m, v = torch.full((n,), 1e-3), torch.full((n,), 1e-6)
+    kw = dict(HELD, weight_decay=0.0)
+    got, ref = x.clone(), x.clone()
+    kernels.held_adam_step_reference(ref, m, v, key=7, **kw)
+    bc1, bc2 = 1 - kw["beta1"] ** kw["step"], 1 - kw["beta2"] ** kw["step"]
+    args = list(_held_args(got, m, v, 7))
+    args[8] = ctypes.c_float(0.0)
+    emu.emu_held_adam_step(1, 0, 2, 128, *args)
+    assert torch.equal(_bits(got), _bits(ref))
+    u = kw["lr"] * (1e-3 / bc1) / (math.sqrt(1e-6 / bc2) + kw["eps"])   # the step, down from 1.0
+    moved = float((ref.float() < 1.0).float().mean())
+    assert moved == pytest.approx(u / (2 ** -8), abs=0.02)   # a bf16 step below 1.0 is 2**-8
+    other = x.clone()
+    kernels.held_adam_step_reference(other, m, v, key=8, **kw)
+    assert not torch.equal(_bits(other), _bits(ref))
+    assert not torch.equal(sr_bits(1, 2 ** 32, 64, "cpu"), sr_bits(1, 0, 64, "cpu"))
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_held_adam_step_dispatch_through_the_kernel(emulated_cupy, offset):
+    """kernels.held_adam_step launches the kernel for a bf16 shard (an unaligned view too) and
+    leaves it where the reference does; all-fp32 it is the fused update."""
+    n = 3001
+    x, m, v = _held_inputs(n + offset, torch.bfloat16, torch.bfloat16, 4)
+    shard, m, v = x[offset:], m[offset:], v[offset:]
+    ref = shard.clone()
+    kernels.held_adam_step_reference(ref, m, v, key=99, **HELD)
+    before = kernels.LAUNCHES["held_adam_step"]
+    got = shard.clone()
+    kernels.held_adam_step(got, m, v, key=99, backend="cupy", **HELD)
+    assert kernels.LAUNCHES["held_adam_step"] == before + 1
+    _held_close(got, ref)
+    f, fm, fv = _held_inputs(n, torch.float32, torch.float32, 5)
+    fref = f.clone()
+    kernels.fused_update_reference(fref, fm, fv, scale=1.0, **HELD)
+    kernels.held_adam_step(f, fm, fv, key=99, backend="cupy", **HELD)
+    assert kernels.LAUNCHES["held_adam_step"] == before + 1   # (fp32: the fused update's kernel)
+    assert_update_close(f, fref, _held_inputs(n, torch.float32, torch.float32, 5)[0])
+
+
 # ---------------------------------------------------------------------------- RSSM
 
 def _weights(model):
@@ -290,6 +386,8 @@ class _FakeKernel:
             return ctypes.c_longlong(int(a))
         if isinstance(a, np.int32):
             return ctypes.c_int(int(a))
+        if isinstance(a, np.uint32):
+            return ctypes.c_uint(int(a))
         raise TypeError(f"unexpected kernel argument {type(a)}: the real launch would fail too")
 
     def __call__(self, grid, block, args, shared_mem=0):
@@ -304,6 +402,10 @@ class _FakeKernel:
             x, vd, vec = self.name[len("drift_shift<"):-1].split(",")
             assert len(args) == 5 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
             assert self.emu.emu_drift_shift(int(x), int(vd), int(vec == "true"), grid[0], block[0], *c) == 0
+        elif self.name.startswith("held_adam_step<"):
+            x, st = self.name[len("held_adam_step<"):-1].split(",")
+            assert len(args) == 10 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
+            assert self.emu.emu_held_adam_step(int(x), int(st), grid[0], block[0], *c) == 0
         elif self.name in ("rssm_step", "rssm_rollout"):
             W = (ctypes.c_void_p * 12)(*[a.value for a in c[:12]])
             D, S, H, A, HO = (int(x) for x in args[19:24])
@@ -325,7 +427,8 @@ def emulated_cupy(emu, monkeypatch):
 
     import numpy as np
 
-    fake = SimpleNamespace(from_dlpack=_FakeArray, int32=np.int32, int64=np.int64, float32=np.float32)
+    fake = SimpleNamespace(from_dlpack=_FakeArray, int32=np.int32, int64=np.int64, float32=np.float32,
+                           uint32=np.uint32)
     module = SimpleNamespace(get_function=lambda name: _FakeKernel(emu, name))
     monkeypatch.setattr(kernels, "import_cupy", lambda: fake)
     monkeypatch.setattr(kernels, "_on_torch_stream", lambda device: contextlib.nullcontext(fake))

@@ -232,3 +232,32 @@ def test_device_side_predict_drops_the_host_snapshot_and_adds_a_gpu_velocity_cop
     assert cpu.snapshot_bytes > 0 and not any("copy beside" in i.what for i in cpu.items)
     kept = pl.estimate(shape, dataclasses.replace(one, fold_source="snapshot"), accelerator="cuda")
     assert kept.snapshot_bytes == cpu.snapshot_bytes and kept.cpu_bytes > gpu.cpu_bytes
+
+
+def test_gradient_predict_on_the_offload_preset_counts_its_moments_and_gradient_on_the_gpu():
+    """predictor.direction: gradient on 1b-16gb (ZeRO 2, offload, bf16) beside a GPU: the device
+    path (no snapshot), its bf16 moment copies (2 x 2 bytes a parameter) and the private gradient
+    (16-bit, plus an fp32 sum with the preset's accumulation) on the GPU, no drift velocity; on the
+    host path (offload_predict: host) the snapshot and an fp32 first moment in host memory instead."""
+    import dataclasses
+    shape = pl.model_shape("llama-1b")
+    (one,) = pl.load_presets(["1b-16gb"])
+    grad = dataclasses.replace(one, gradient=True, velocity_bytes_per_value=0.0)
+    P = shape.params
+    est = pl.estimate(shape, grad, accelerator="cuda")
+    items = {i.what: i for i in est.items}
+    moments = [i for n, i in items.items() if "Adam moments beside the 16-bit shards" in n]
+    own = [i for n, i in items.items() if n.startswith("gradient Predict step's own gradient")]
+    assert est.snapshot_bytes == 0 and len(moments) == 1 and moments[0].where == "gpu"
+    assert moments[0].bytes == pytest.approx(4 * P)
+    assert own[0].where == "gpu" and own[0].bytes == pytest.approx((2 + 4) * P)   # gradient_accumulation 8
+    assert not any("velocity" in n for n in items)
+    host = pl.estimate(shape, dataclasses.replace(grad, offload_predict="host"), accelerator="cuda")
+    first = [i for i in host.items if i.what.startswith("gradient Predict run's first moment")]
+    assert host.snapshot_bytes > 0 and first[0].where == "cpu" and first[0].bytes == pytest.approx(4 * P)
+    assert host.gpu_bytes < est.gpu_bytes and host.cpu_bytes > est.cpu_bytes
+    # the section parses into the spec
+    ds, _ = resolve_config("1b-16gb")
+    ds["hybrid_predict"]["predictor"]["direction"] = "gradient"
+    spec = pl.preset_spec(ds, "1b-grad")
+    assert spec.gradient and spec.velocity_bytes_per_value == 0.0 and spec.device_predict("cuda")

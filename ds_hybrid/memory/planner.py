@@ -160,20 +160,30 @@ class PresetSpec:
     velocity_bytes_per_value: float = 0.0  # direction drift: 4 / 2 / ~1 bytes per parameter of the partition
     offload_predict: str = "auto"     # hybrid_predict.memory.offload_predict
     fold_source: str = "auto"         # hybrid_predict.memory.fold_source
+    gradient: bool = False            # predictor.direction: gradient
+    gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
-        velocity and ZeRO 1-3)."""
+        velocity and ZeRO 1-3, or the gradient direction and ZeRO 1/2)."""
         from ..config import offload_predict_on_device
         beside = self.offload_optimizer != "none" and accelerator != "cpu"
-        return bool(self.velocity_bytes_per_value) and self.stage >= 1 and \
-            offload_predict_on_device(self.offload_predict, beside)
+        takes = (self.stage in (1, 2)) if self.gradient else (bool(self.velocity_bytes_per_value) and self.stage >= 1)
+        return takes and offload_predict_on_device(self.offload_predict, beside)
+
+    def gradient_state_bytes(self, accelerator: str) -> float:
+        """Bytes per value of each of the run's moment copies on the device path (the engine's rule)."""
+        if self.gradient_state_dtype == "auto":
+            return 2.0 if self.lp_bytes == 2 and accelerator != "cpu" else 4.0
+        return 2.0 if self.gradient_state_dtype == "bf16" else 4.0
 
     def snapshot_kept(self, accelerator: str) -> bool:
         """Whether the engine keeps an fp32 copy of the masters: not on the device path with the
         fold read back from the optimizer state."""
         from ..config import fold_from_optimizer_state
         device = self.device_predict(accelerator)
+        if self.gradient:   # its device path keeps no snapshot; its host path does, for the run's rollback
+            return not device
         return not (device and fold_from_optimizer_state(self.fold_source, device))
 
     @property
@@ -226,7 +236,9 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         hybrid_enabled=bool(hybrid.enabled), snapshot_device=str(hybrid.snapshot_device), path=path,
         velocity_bytes_per_value=(VELOCITY_BYTES[hybrid.memory.velocity_dtype]
                                   if hybrid.enabled and hybrid.predictor.direction == "drift" else 0.0),
-        offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source)
+        offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source,
+        gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
+        gradient_state_dtype=hybrid.memory.gradient_state_dtype)
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -471,6 +483,20 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             if preset.device_predict(accelerator) and vel_where == "cpu" and accelerator != "cpu":
                 items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
                                   preset.velocity_bytes_per_value * part / 4))
+        if preset.gradient:
+            # A gradient Predict step's private gradient on the device (autograd's 16-bit tensors; an
+            # fp32 flat sum beside them with accumulation or several ranks), and the run's moments: copies
+            # beside the 16-bit shards on the device path, its first moment beside the masters otherwise.
+            items.append(Item(dev, "gradient Predict step's own gradient (predictor.direction: gradient)",
+                              lp * P + (4 * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
+            if preset.device_predict(accelerator):
+                items.append(Item(dev, "gradient Predict run's Adam moments beside the 16-bit shards "
+                                         "(memory.gradient_state_dtype)",
+                                  2 * preset.gradient_state_bytes(accelerator) * P / W))
+            else:
+                m_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
+                items.append(Item(m_where, "gradient Predict run's first moment (fp32, beside the masters)",
+                                  part * (gpus if m_where == "cpu" and accelerator != "cpu" else 1)))
         items.append(Item(dev, "predictor", PREDICTOR_BYTES))
 
     if accelerator == "cpu":

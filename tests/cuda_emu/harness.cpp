@@ -50,6 +50,22 @@ extern "C" int emu_drift_shift(int x, int vd, int vec, int blocks, int threads, 
     return 1;
 }
 
+extern "C" int emu_held_adam_step(int x, int s, int blocks, int threads, void* xp, const void* m, const void* v,
+                                  long long n, float step, float bc1, float bc2, float eps, float decay,
+                                  unsigned int key) {
+#define DSH_HELD_CASE(X, S)                                                                                   \
+    if (x == X && s == S) {                                                                                   \
+        emu::launch(dim3(blocks), dim3(threads), 0,                                                           \
+                    [=] { held_adam_step<X, S>(xp, m, v, n, step, bc1, bc2, eps, decay, key); });             \
+        return 0;                                                                                             \
+    }
+    DSH_HELD_CASE(0, 0)
+    DSH_HELD_CASE(0, 1)
+    DSH_HELD_CASE(1, 0)
+    DSH_HELD_CASE(1, 1)
+    return 1;
+}
+
 static size_t rssm_smem(int D, int S, int H, int A, int HO, int threads) {
     return 4 * (size_t)(D + S + A + H + 6 * D + 2 * S + H + HO + threads);
 }
