@@ -251,8 +251,9 @@ class MemoryConfig(_Section):
     """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype
     of the run's copies of Adam's first and second moments beside the 16-bit parameters
     (8 bytes per parameter of the rank's partition in fp32, 4 in bf16; the first moment goes
-    back to the optimizer when the run is kept). ``auto``: bf16 where the parameters are bf16
-    on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
+    back to the optimizer when the run is kept), and of the step's gradient summed over
+    micro-batches and ranks (with gradient accumulation or several ranks: 4 or 2 bytes a
+    parameter). ``auto``: bf16 where the parameters are bf16 on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
     0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.)"""
 
     commit_overlap: bool | Literal["auto"] = "auto"

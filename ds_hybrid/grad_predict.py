@@ -76,6 +76,9 @@ class GradientPredict:
         self._all_reduce, self._world = all_reduce, world
         self.on_device = on_device
         self.state_dtype = state_dtype   # the device path's m and v (the host path keeps fp32)
+        # The sum of the gradient over micro-batches and ranks: in the device path's state dtype
+        # (bf16 on a GPU: 2 bytes a parameter beside the moments, as DeepSpeed sums a bf16 model's), else fp32.
+        self.sum_dtype = state_dtype if on_device else torch.float32
         self.backend = backend           # hybrid_predict.kernels, for the update
         self.seed = seed                 # the stochastic rounding's draws: (seed, step, partition)
         self._slices = [access.param_slices(i) for i in range(access._count())]   # NotImplementedError: refused
@@ -140,8 +143,8 @@ class GradientPredict:
     def _gradient(self, engine: Any, batches: list, loss_fn: Callable) -> list[torch.Tensor | None]:
         """Per parameter (``self.params``' order), the gradient averaged over the micro-batches
         and the ranks; sets ``last_loss``. One micro-batch on one rank: autograd's own tensors
-        (nothing else allocated). Otherwise they are summed into one flat fp32 buffer, the losses'
-        sum in its last value, which a single all-reduce averages over the ranks."""
+        (nothing else allocated). Otherwise they are summed into one flat buffer (``sum_dtype``; in
+        fp32 the losses' sum in its last value), which one all-reduce averages over the ranks."""
         caller = ModuleCaller(engine)
         offsets, total = self._offsets, self._offsets[-1]
         flat = None
@@ -155,7 +158,7 @@ class GradientPredict:
             if len(batches) == 1 and self._world == 1:
                 break
             if flat is None:
-                flat = torch.zeros(total + 1, dtype=torch.float32, device=loss.device)
+                flat = torch.zeros(total + 1, dtype=self.sum_dtype, device=loss.device)
             for k, g in enumerate(grads):
                 if g is not None:
                     flat[offsets[k]:offsets[k] + g.numel()].add_(g.reshape(-1))
@@ -164,10 +167,15 @@ class GradientPredict:
         if flat is None:
             self.last_loss = float(loss_sum)
             return grads
-        flat[-1] = loss_sum
+        share = len(batches) * self._world
+        if flat.dtype == torch.float32:
+            flat[-1] = loss_sum
+        else:   # (a 16-bit slot would round the loss: it goes on its own)
+            loss_sum = loss_sum.reshape(1).to(flat.device, torch.float32)
+            self._all_reduce(loss_sum)
         self._all_reduce(flat)
-        flat.div_(len(batches) * self._world)
-        self.last_loss = float(flat[-1])
+        flat.div_(share)
+        self.last_loss = float(flat[-1]) if flat.dtype == torch.float32 else float(loss_sum) / share
         return [flat[o:o + p.numel()] for o, p in zip(offsets, self.params)]
 
     def _begin(self) -> None:

@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
             parse_hybrid_config(ds_config)
         except ConfigError as err:
             raise SystemExit(f"--predictor/--trajectory: {err}") from None
+    hybrid = parse_hybrid_config(ds_config)   # (with --set and --predictor applied: what the engine will run)
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)

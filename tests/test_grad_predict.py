@@ -441,3 +441,23 @@ def test_device_path_on_gpu_keeps_the_run_beside_the_bf16_weights():
         assert torch.equal(got.view(-1), w + (good.view(-1) - good.view(-1).to(torch.bfloat16).float()))
     for got, want in zip(_moments(eng, "exp_avg"), run_m):
         assert torch.equal(got.view(-1), want)
+
+
+def test_bf16_run_state_and_gradient_sum_stay_close_to_fp32():
+    """memory.gradient_state_dtype: bf16 (what auto takes beside a GPU with bf16 weights): the run's
+    moments and the gradient's sum over micro-batches are bf16 (half the device memory), the loss
+    reported in fp32, and training stays within bf16 rounding's reach of the fp32 state's."""
+    engines = []
+    for dtype in ("fp32", "bf16"):
+        hybrid = dict(GRAD, correction_steps=0, memory={"offload_predict": "device", "gradient_state_dtype": dtype})
+        engines.append(make_engine(ds_config(stage=2, offload_opt="cpu", gas=2, hybrid=hybrid)))
+    ref, low = engines
+    assert low._gradient.state_dtype == low._gradient.sum_dtype == torch.bfloat16
+    a, b = Batches(seed=2), Batches(seed=2)
+    for _ in range(14):
+        ra, rb = ref.train_step(a.step(2)), low.train_step(b.step(2))
+        assert ra.phase == rb.phase and rb.loss == pytest.approx(ra.loss, rel=2e-3)
+        if rb.phase == "predict":
+            assert all(t.dtype == torch.bfloat16 for t in low._gradient.m if t is not None)
+            assert rb.loss == pytest.approx(low._gradient.last_loss, rel=0)
+    assert low.statistics()["predict_accepted"] >= 4

@@ -41,11 +41,12 @@ def test_baseline_flag_disables_prediction(corpus, tmp_path):
     assert summary["statistics"]["backward_skipped"] == 0
 
 
-def test_set_overrides_hybrid_keys(corpus, tmp_path):
+def test_set_overrides_hybrid_keys(corpus, tmp_path, capsys):
     summary = train.main(["--data", str(corpus), "--steps", "30", "--seq-len", "32", "--eval-every", "30",
                           "--val-batches", "1", "--model", "gpt2-test", "--out", str(tmp_path / "d"),
                           "--no-progress", "--no-plot", "--set", "predictor.direction=drift",
                           "--set", "memory.velocity_dtype=\"int8\"", "--set", "warmup_steps=5"])
+    assert "takes no Predict step" not in capsys.readouterr().out   # (the note reads the warmup --set gives)
     section = summary["ds_config"]["hybrid_predict"]
     assert section["predictor"]["direction"] == "drift" and section["memory"]["velocity_dtype"] == "int8"
     assert section["warmup_steps"] == 5

@@ -484,12 +484,15 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
                 items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
                                   preset.velocity_bytes_per_value * part / 4))
         if preset.gradient:
-            # A gradient Predict step's private gradient on the device (autograd's 16-bit tensors; an
-            # fp32 flat sum beside them with accumulation or several ranks), and the run's moments: copies
-            # beside the 16-bit shards on the device path, its first moment beside the masters otherwise.
+            # A gradient Predict step's private gradient on the device (autograd's 16-bit tensors; a
+            # flat sum beside them with accumulation or several ranks, in the device path's state dtype,
+            # fp32 on the host path), and the run's moments: copies beside the 16-bit shards on the
+            # device path, its first moment beside the masters otherwise.
+            device_path = preset.device_predict(accelerator)
+            sum_bytes = preset.gradient_state_bytes(accelerator) if device_path else 4.0
             items.append(Item(dev, "gradient Predict step's own gradient (predictor.direction: gradient)",
-                              lp * P + (4 * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
-            if preset.device_predict(accelerator):
+                              lp * P + (sum_bytes * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
+            if device_path:
                 items.append(Item(dev, "gradient Predict run's Adam moments beside the 16-bit shards "
                                          "(memory.gradient_state_dtype)",
                                   2 * preset.gradient_state_bytes(accelerator) * P / W))
