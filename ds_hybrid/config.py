@@ -258,7 +258,8 @@ class MemoryConfig(_Section):
 
     commit_overlap: bool | Literal["auto"] = "auto"
     """With the device-side Predict path (``offload_predict``): the masters take a kept run's
-    displacement on a host thread, started when the next real step's check keeps the run and
+    displacement (``direction: gradient``: the 16-bit weights, and the optimizer the run's first
+    moment) on a host thread, started when the next real step's check keeps the run and
     overlapped with that step's forward and backward on the GPU (neither reads the masters);
     the optimizer step waits for it. The same additions in the same order, so the same masters
     bit for bit as ``false``, which adds them inline before the backward. ``statistics()``:

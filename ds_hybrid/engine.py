@@ -237,18 +237,8 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
         self._device_predict = self._make_device_predict()
         self._fold_from_state = self._resolve_fold_source()
-        overlap = self.hybrid_config.memory.commit_overlap
-        self._commit_overlap = self._device_predict is not None and (
-            overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
         if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
             self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
-        if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and self._device_predict is None:
-            # Measured (README, "GPU memory per phase"): with the masters in host memory every
-            # Predict step and every real step's bookkeeping runs on the host copies.
-            logger.warning("hybrid_predict with zero_optimization.offload_optimizer: the snapshot, the velocity "
-                           "and every Predict step work on the fp32 masters in host memory; on llama-1b (H100, "
-                           "16 CPU cores) this ran slower than plain ZeRO-Offload. Measure before relying on it: "
-                           "ds-hybrid memory-bench --preset YOUR_CONFIG (see the README)")
         mem = self.hybrid_config.memory
         # direction: drift keeps the running average of the real updates (one buffer per
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
@@ -264,6 +254,16 @@ class PredictiveEngine(DeepSpeedEngine):
             self._gradient = self._make_gradient_predict()
             if self._gradient.on_device:   # its work is on the 16-bit shards: time it there
                 self._masters_on_cuda = any(self._gradient._shard(i).is_cuda for i in range(self._masters._count()))
+        overlap = mem.commit_overlap
+        self._commit_overlap = self._device_path() and (
+            overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
+        if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and not self._device_path():
+            # Measured (README, "GPU memory per phase"): with the masters in host memory every
+            # Predict step and every real step's bookkeeping runs on the host copies.
+            logger.warning("hybrid_predict with zero_optimization.offload_optimizer: the snapshot, the velocity "
+                           "and every Predict step work on the fp32 masters in host memory; on llama-1b (H100, "
+                           "16 CPU cores) this ran slower than plain ZeRO-Offload. Measure before relying on it: "
+                           "ds-hybrid memory-bench --preset YOUR_CONFIG (see the README)")
         self.controller = PhaseController(self.hybrid_config)
         self.predictor = make_predictor(self.hybrid_config)
         if self.hybrid_config.group_predict.enabled:
@@ -407,8 +407,9 @@ class PredictiveEngine(DeepSpeedEngine):
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
+            if self._device_path():
                 out["commit_overlap"] = self._commit_overlap
-                out["commit_background_seconds"] = self._device_predict.background_seconds
+                out["commit_background_seconds"] = (self._device_predict or self._gradient).background_seconds
             if self._parking is not None:
                 out["moment_parking"] = self._parking.mode
             if self._gradient is not None:   # Predict steps whose gradient was NaN/Inf on a rank: moved nothing
@@ -658,18 +659,11 @@ class PredictiveEngine(DeepSpeedEngine):
             if device is not None:
                 self._commit_run()   # before this step's optimizer reads the masters
             if gradient is not None:   # the run's first moment (and on the device path its weights)
-                with self._timed("commit"):
-                    gradient.commit()
+                with self._timed("commit"):   # (memory.commit_overlap: behind this step's forward and backward)
+                    gradient.commit(background=self._commit_overlap)
             return False
         with self._timed("restore"):
-            if device is not None:
-                device.discard()
-            elif gradient is not None and gradient.on_device:
-                gradient.discard()   # the 16-bit weights from the untouched masters
-            else:
-                if gradient is not None:
-                    gradient.discard()
-                za.restore_weights(self._masters, self._snapshot, groups=set(groups))
+            self._undo(device, gradient, set(groups))
         if not run:
             self._stats.group_rolled_back += 1
         return True
@@ -780,14 +774,7 @@ class PredictiveEngine(DeepSpeedEngine):
                         za.capture_weights(self._masters, self._snapshot)  # the new last good point
             else:
                 with self._timed("restore"):
-                    if device is not None:
-                        device.discard()
-                    elif gradient is not None and gradient.on_device:
-                        gradient.discard()   # the 16-bit weights from the untouched masters
-                    else:
-                        if gradient is not None:
-                            gradient.discard()
-                        za.restore_weights(self._masters, self._snapshot)
+                    self._undo(device, gradient)
                 undone = self._pending
                 self._stats.predict_rolled_back += undone
             self._pending = 0
@@ -914,6 +901,20 @@ class PredictiveEngine(DeepSpeedEngine):
         torch.distributed.broadcast(t, src=0)
         return t.cpu().tolist()
 
+    def _undo(self, device: DevicePredict | None, gradient: GradientPredict | None,
+              groups: "set[int] | None" = None) -> None:
+        """A rejected run (or predicted groups) back to the last good point, exactly: a device-side
+        run by re-propagating the masters, which never moved; otherwise from the snapshot. A gradient
+        run also drops its first moment. Collective."""
+        if device is not None:
+            device.discard()
+            return
+        if gradient is not None:
+            gradient.discard()   # (its device path: the 16-bit weights from the untouched masters)
+            if gradient.on_device:
+                return
+        za.restore_weights(self._masters, self._snapshot, groups=groups)
+
     def _commit_run(self) -> None:
         """A kept device-side Predict run's displacement into the masters (``memory.commit_overlap``:
         on a host thread behind the forward and backward, joined by ``_wait_commit``)."""
@@ -941,10 +942,10 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _wait_commit(self) -> None:
         """Join a commit running behind the step (what a real step waits for it: ``commit_wait``)."""
-        device = self._device_predict
-        if device is not None and device.running:
-            with self._timed("commit_wait"):
-                device.wait()
+        for run in (self._device_predict, self._gradient):
+            if run is not None and run.running:
+                with self._timed("commit_wait"):
+                    run.wait()
 
     @contextlib.contextmanager
     def _timed(self, part: str):

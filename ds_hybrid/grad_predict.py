@@ -40,6 +40,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from . import kernels
+from .host_worker import HostWorker, WorkerOwner
 from .zero_access import MasterAccess, _flat
 
 Timer = Callable[[str], ContextManager]
@@ -63,7 +64,7 @@ def _untimed(part: str) -> ContextManager:
     return contextlib.nullcontext()
 
 
-class GradientPredict:
+class GradientPredict(WorkerOwner):
     """One engine's gradient Predict steps: the gradient's layout on this rank's partitions and
     the run's state: its first moment ``m`` (one tensor per master partition; None outside a
     run) and, on the device path, the second moment ``v`` beside the 16-bit partition."""
@@ -90,6 +91,7 @@ class GradientPredict:
         self.m: list[torch.Tensor | None] | None = None
         self.v: list[torch.Tensor | None] = []
         self.nonfinite = 0   # Predict steps whose gradient was NaN/Inf on some rank (they moved nothing)
+        self._worker = HostWorker("gradient-commit", "commit of a kept gradient Predict run")
         self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
 
     @property
@@ -105,6 +107,7 @@ class GradientPredict:
         """This step's gradient (the mean over its micro-batches and the ranks, clipped as
         DeepSpeed clips) into the run's first moment. Collective. False (nothing changed) when it
         is not finite on some rank."""
+        self.wait()   # (a commit behind the last real step reads the state this run copies)
         with timed("gradient"):
             grads = self._gradient(engine, batches, loss_fn)
             sq = torch.zeros((), dtype=torch.float32, device=self._device(grads))
@@ -225,24 +228,40 @@ class GradientPredict:
 
     # --------------------------------------------------------- how a run ends
     @torch.no_grad()
-    def commit(self, resync: bool = False) -> None:
+    def commit(self, resync: bool = False, background: bool = False) -> None:
         """The run is kept: its first moment becomes the optimizer's and, on the device path, the
         masters take the 16-bit weights (plus their own sub-16-bit residual). ``resync``: the run
         goes on (a verified step in the middle of it), so the 16-bit weights are then written from
         the masters again, which keeps "weight = round(master)" true at the next commit (a
-        collective on ZeRO 1/2)."""
+        collective on ZeRO 1/2). ``background`` (the device path, ``memory.commit_overlap``): on a
+        host thread, returning at once; the same copies and additions, so the same masters and
+        moments bit for bit. Whoever reads or writes the masters or the moments next calls
+        ``wait`` first (the engine: before the optimizer step, a checkpoint; ``take`` itself)."""
+        self.wait()
         if self.m is None:
             return
-        for i, (part, m) in enumerate(zip(self.access.partitions(), self.m)):
+        parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
+        shards = [self._shard(i) for i in range(len(parts))] if self.on_device else []
+        run, self.m, self.v = self.m, None, []
+        if background and self.on_device and not resync:
+            self._worker.start(lambda: self._hand_over(parts, run, shards))
+            return
+        self._hand_over(parts, run, shards)
+        if self.on_device and resync:
+            self.access.lp_current = False
+            self.access.propagate()
+
+    def _hand_over(self, parts: list, run: list, shards: list) -> None:
+        for i, (part, m) in enumerate(zip(parts, run)):
             if m is None:
                 continue
             part.state["exp_avg"].view(-1).copy_(m.view(-1))
             if self.on_device:
-                _catch_up(_flat(part.master), self._shard(i))
-        self.m, self.v = None, []
-        if self.on_device and resync:
-            self.access.lp_current = False
-            self.access.propagate()
+                _catch_up(_flat(part.master), shards[i])
+
+    def wait(self) -> None:
+        """Join a commit running in the background, re-raising its error."""
+        self._worker.wait()
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -250,6 +269,7 @@ class GradientPredict:
         On the device path the masters are too: the 16-bit weights are written from them (an
         exact rollback; a collective on ZeRO 1/2). On the host path the engine restores the
         masters from its snapshot."""
+        self.wait()
         self.m, self.v = None, []
         if self.on_device:
             self.access.lp_current = False
@@ -259,6 +279,7 @@ class GradientPredict:
     def state_dict(self) -> dict:
         """The run's first moment (in the middle of a run) and, on the device path, this rank's
         16-bit partitions, which hold the run while the masters hold the last good point."""
+        self.wait()
         sd: dict = {"nonfinite": self.nonfinite, "on_device": self.on_device, "m": None, "shards": None}
         if self.m is not None:
             sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
@@ -271,6 +292,7 @@ class GradientPredict:
         """Restore ``state_dict()`` after DeepSpeed loaded the weights and masters. Collective on
         the device path. Returns why a saved run could not be taken up as it was (None: it was,
         or there was none); the loaded weights are then the last good point."""
+        self.wait()
         self.m, self.v = None, []
         if not sd:
             return None

@@ -96,9 +96,10 @@ def test_a_kept_run_hands_its_first_moment_to_the_optimizer_before_the_next_step
     grad = engine._gradient
     original_commit = grad.commit
 
-    def commit():
+    def commit(**kw):
         run_m = [t.clone() for t in grad.m]
-        original_commit()
+        original_commit(**kw)
+        grad.wait()
         parts = list(engine._masters.partitions())
         events.append(("commit", all(torch.equal(p.state["exp_avg"], m) for p, m in zip(parts, run_m)),
                        # the optimizer has not stepped yet: the second moment is still the run's
@@ -461,3 +462,25 @@ def test_bf16_run_state_and_gradient_sum_stay_close_to_fp32():
             assert all(t.dtype == torch.bfloat16 for t in low._gradient.m if t is not None)
             assert rb.loss == pytest.approx(low._gradient.last_loss, rel=0)
     assert low.statistics()["predict_accepted"] >= 4
+
+
+def test_the_commit_behind_the_backward_matches_the_inline_commit_bit_for_bit():
+    """memory.commit_overlap: true (auto beside a GPU): a kept run's first moment and the masters'
+    catch-up run on a host thread while the next real step's forward and backward go on, joined
+    before its optimizer step; the weights, masters and moments are the inline commit's."""
+    engines = []
+    for overlap in (False, True):
+        hybrid = dict(GRAD, correction_steps=0, memory={"offload_predict": "device", "commit_overlap": overlap})
+        engines.append(make_engine(ds_config(stage=2, offload_opt="cpu", hybrid=hybrid)))
+    inline, behind = engines
+    a, b = Batches(seed=4), Batches(seed=4)
+    for _ in range(14):
+        ra, rb = inline.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.loss, ra.checked) == (rb.phase, rb.loss, rb.checked)
+        assert not behind._gradient.running   # (joined within the step)
+        for got, want in ((full_params(behind), full_params(inline)), (master_copies(behind), master_copies(inline)),
+                          (_moments(behind, "exp_avg"), _moments(inline, "exp_avg"))):
+            assert _equal(got, want)
+    st = behind.statistics()
+    assert st["commit_overlap"] is True and st["commit_background_seconds"] > 0 and st["predict_accepted"] >= 4
+    assert inline.statistics()["commit_overlap"] is False
