@@ -491,3 +491,25 @@ def test_the_direction_study_reads_a_predicted_steps_worth_and_takes_a_batch():
     assert next(stream)["input_ids"].shape == (4, 128)
     with pytest.raises(SystemExit):
         mod.main(["--batch", "0", "--json", ""])
+
+
+def test_gradient_horizons_runs_the_bench_arm_with_longer_runs(tmp_path):
+    """benchmarks/gradient_horizons.py: the offload suite's predict-gradient arm as the bench runs it,
+    but for the run length; a bad horizon or result file is refused naming the flag."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gradient_horizons.py"
+    spec = importlib.util.spec_from_file_location("gradient_horizons", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from ds_hybrid.arguments import resolve_config
+    suite = bench.SUITES["offload"]
+    cfg = mod.run_config(7)
+    want, _ = bench.arm_config(bench.deep_merge(resolve_config(suite.config)[0], suite.overrides),
+                               bench.ARMS["predict-gradient"], quick=False)
+    assert cfg["hybrid_predict"] == dict(want["hybrid_predict"], min_predict_steps=7, max_predict_steps=7)
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and cfg["wall_clock_breakdown"]
+    with pytest.raises(SystemExit, match="--horizons"):
+        mod.main(["--horizons", "0"])
+    with pytest.raises(SystemExit, match="--result"):
+        mod.main(["--result", str(tmp_path / "none.json")])
