@@ -251,12 +251,15 @@ class GradientPredict(WorkerOwner):
             self.access.lp_current = False
             self.access.propagate()
 
-    def _hand_over(self, parts: list, run: list, shards: list) -> None:
+    @staticmethod
+    def _hand_over(parts: list, run: list, shards: list) -> None:
+        """The run's first moment into the optimizer's, and (``shards``: the device path) the
+        masters caught up with the 16-bit weights."""
         for i, (part, m) in enumerate(zip(parts, run)):
             if m is None:
                 continue
             part.state["exp_avg"].view(-1).copy_(m.view(-1))
-            if self.on_device:
+            if shards:
                 _catch_up(_flat(part.master), shards[i])
 
     def wait(self) -> None:
@@ -312,12 +315,7 @@ class GradientPredict(WorkerOwner):
             # Device -> host: the masters are the last good point and the run's weights are not
             # in them, so it is dropped.
             if self.on_device:
-                self.m = [None if t is None else t.to(p.state["exp_avg"].device) for t, p in zip(saved, parts)]
-                self.on_device = False
-                try:
-                    self.commit()
-                finally:
-                    self.on_device = True
+                self._hand_over(parts, saved, [])
                 return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
             self.access.lp_current = False
             self.access.propagate()

@@ -484,3 +484,24 @@ def test_the_commit_behind_the_backward_matches_the_inline_commit_bit_for_bit():
     st = behind.statistics()
     assert st["commit_overlap"] is True and st["commit_background_seconds"] > 0 and st["predict_accepted"] >= 4
     assert inline.statistics()["commit_overlap"] is False
+
+
+def test_a_host_run_saved_and_loaded_on_the_device_path_is_kept_with_a_warning(tmp_path, caplog):
+    """Saved on the host path (the masters hold the run, the snapshot its last good point), loaded on
+    the device path (which keeps no snapshot): the run is kept as it stands, its first moment handed
+    to the optimizer, and the log says it can no longer be rolled back."""
+    host, _ = _paths(2)
+    b = Batches(seed=6)
+    _until(host, b, Phase.PREDICT)
+    host.train_step(b.step())
+    run_m = [t.clone() for t in host._gradient.m]
+    host.save_checkpoint(str(tmp_path), tag="mid")
+    hybrid = dict(GRAD, correction_steps=0, memory={"offload_predict": "device"})
+    dev = make_engine(ds_config(stage=2, offload_opt="cpu", hybrid=hybrid), seed=1)
+    with caplog.at_level("WARNING"):
+        dev.load_checkpoint(str(tmp_path), tag="mid")
+    assert "the run is kept as it stands" in caplog.text
+    assert not dev._gradient.pending and _equal(master_copies(dev), master_copies(host))
+    assert _equal([m.view(-1) for m in _moments(dev, "exp_avg")], [m.view(-1) for m in run_m])
+    for _ in range(4):
+        assert dev.train_step(b.step()).loss is not None
