@@ -40,6 +40,10 @@
 #            against plain ZeRO-Offload: step time per phase, bookkeeping and DeepSpeed's timers (the issue's bar:
 #            a Predict step at most 0.1x a plain step, real steps at most 1.05x)
 #                                                            -> OUT/offload-gpu-1b-grad.json
+#   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
+#            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
+#            the gradient is laid on this rank's share a parameter at a time and, with offload_param, the
+#            run's state and the moved 16-bit partition are in host memory  -> OUT/offload-gpu-1b-grad-z3.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
@@ -152,6 +156,12 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
         --json /tmp/res/offload-gpu-1b-grad.json
       rc=$?; cp /tmp/res/offload-gpu-1b-grad.json "$OUT/"
       stage_rc grad1b $rc "$t0" ;;
+    gradz3)
+      $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
+        --gpu-mem-cap 24GB --variants full grad-host grad-device --wall-clock --out /tmp/gradz3 \
+        --json /tmp/res/offload-gpu-1b-grad-z3.json
+      rc=$?; cp /tmp/res/offload-gpu-1b-grad-z3.json "$OUT/"
+      stage_rc gradz3 $rc "$t0" ;;
     offbench)
       launcher=python; command -v numactl >/dev/null && launcher=deepspeed
       echo "launcher: $launcher"
@@ -192,7 +202,7 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b offbench train7b stale124 grad124)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b gradz3 offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

@@ -509,9 +509,14 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     preset, _ = resolve_config(suite.config)
     cfg = deep_merge(preset, suite.overrides)
     apply_lr(cfg, lr)
-    cfg["hybrid_predict"] = _with(_GROUPS, whole_model=True, warmup_steps=5, full_steps=10**6,
-                                  confidence_threshold=0.0, check="next_step",
-                                  group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
+    # Layer-group Predict (the partial kinds) needs ZeRO 0-2; on ZeRO 3 the whole-model kinds only.
+    groups = int((cfg.get("zero_optimization") or {}).get("stage", 0) or 0) < 3
+    if groups:
+        cfg["hybrid_predict"] = _with(_GROUPS, whole_model=True, warmup_steps=5, full_steps=10**6,
+                                      confidence_threshold=0.0, check="next_step",
+                                      group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
+    else:
+        cfg["hybrid_predict"] = _with(_WHOLE, warmup_steps=5, full_steps=10**6)
     torch.manual_seed(0)
     model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
     if init:
@@ -594,10 +599,11 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
-             "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP),
-             "real_groups": lambda: full(0)}                 # the layer-group arms' whole step: the planner observes
-    for k in range(1, engine._layout.max_prefix + 1):
-        kinds[f"partial_{k}"] = lambda k=k: full(k)
+             "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
+    if groups:
+        kinds["real_groups"] = lambda: full(0)   # the layer-group arms' whole step: the planner observes
+        for k in range(1, engine._layout.max_prefix + 1):
+            kinds[f"partial_{k}"] = lambda k=k: full(k)
     kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
     try:   # a Predict step that takes its own gradient (predictor.direction: gradient), on this suite's layout
         gradient = engine._make_gradient_predict()
@@ -627,14 +633,16 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     sec = {k: v / reps for k, v in sec.items()}
     cost = {k: v / sec["plain"] for k, v in sec.items()}
     # The whole real steps, paired: their time over the plain work inside them.
-    paired = {k: sec[k] / (plain_work[k] / reps) for k in PAIRED_KINDS}
+    pairs = [k for k in PAIRED_KINDS if k in kinds]
+    paired = {k: sec[k] / (plain_work[k] / reps) for k in pairs}
     cost.update(paired)
+    layout = engine._layout
     return {"seconds": sec, "cost": cost, "reps": reps,
-            "unpaired_cost": {k: sec[k] / sec["plain"] for k in PAIRED_KINDS},
-            "plain_work_seconds": {k: plain_work[k] / reps for k in PAIRED_KINDS},
-            "layer_groups": engine._layout.names,
-            "partial_share": {f"partial_{k}": engine._layout.share_below(k)
-                              for k in range(1, engine._layout.max_prefix + 1)}}
+            "unpaired_cost": {k: sec[k] / sec["plain"] for k in pairs},
+            "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
+            "layer_groups": layout.names if layout is not None else [],
+            "partial_share": {f"partial_{k}": layout.share_below(k) for k in range(1, layout.max_prefix + 1)}
+            if layout is not None else {}}
 
 
 # --------------------------------------------------------------------------- CLI

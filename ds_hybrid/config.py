@@ -98,7 +98,9 @@ class PredictorConfig(_Section):
     (``benchmarks/grad_step_study.py``); its step costs a forward and a backward, so it pays
     where the optimizer step is dear (ZeRO-Offload: ``memory.offload_predict`` keeps the run on
     the GPU). Real steps keep no direction statistics for it: the confidence is the share of
-    checked runs kept. ZeRO 0 fp32 and ZeRO 1/2, bf16 or fp32."""
+    checked runs kept. ZeRO 0 fp32 and ZeRO 1-3, bf16 or fp32; on ZeRO 3 no rank holds a whole
+    gradient (each parameter's share is taken as the backward produces it), and the state is
+    refused on NVMe."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -242,10 +244,12 @@ class MemoryConfig(_Section):
     rejected run is undone by re-propagating the untouched masters. ``predictor.direction:
     drift`` (ZeRO 1-3, ``ds_hybrid/device_predict.py``): from a copy of the velocity beside
     the 16-bit parameters, the masters taking the run's displacement bit for bit as the host
-    path's. ``gradient`` (ZeRO 1/2, ``ds_hybrid/grad_predict.py``): from copies of the Adam
+    path's. ``gradient`` (ZeRO 1-3, ``ds_hybrid/grad_predict.py``): from copies of the Adam
     moments beside them (``gradient_state_dtype``), made once per run; the masters take the
     16-bit weights plus their own sub-16-bit residual (with fp32 weights bit for bit the host
-    path's). ``auto``: ``device`` where the masters are in host memory beside a GPU."""
+    path's). With ZeRO 3's ``offload_param: cpu`` the 16-bit partitions, and so the run's
+    state, are in host memory. ``auto``: ``device`` where the masters are in host memory
+    beside a GPU."""
 
     gradient_state_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype
@@ -523,11 +527,6 @@ def parse_hybrid_config(ds_config: Mapping[str, Any]) -> HybridPredictConfig:
             raise ConfigError("zero_optimization.ignore_unused_parameters: must be true for layer-group Predict "
                               f"({SECTION}.group_predict.enabled): its predicted groups get no gradient")
     if cfg.enabled and cfg.predictor.direction == "gradient":
-        zo = ds_config.get("zero_optimization") or {}
-        if isinstance(zo, Mapping) and int(zo.get("stage", 0) or 0) == 3:
-            raise ConfigError("zero_optimization.stage: 3 partitions every parameter across ranks; "
-                              f"{SECTION}.predictor.direction 'gradient' takes its gradient through the whole "
-                              "module outside DeepSpeed's hooks and needs ZeRO 0, 1 or 2")
         fp16 = ds_config.get("fp16") or {}
         if isinstance(fp16, Mapping) and fp16.get("enabled"):
             raise ConfigError(f"fp16.enabled: {SECTION}.predictor.direction 'gradient' takes its gradient without "

@@ -1304,10 +1304,16 @@ class PredictiveEngine(DeepSpeedEngine):
             raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
                               "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
                               "L2 decay would have to go into the gradient")
+        zc = self._config.zero_config
+        on_nvme = [f"zero_optimization.{k}.device" for k in ("offload_optimizer", "offload_param")
+                   if getattr(getattr(zc, k, None), "device", None) == "nvme"]
+        if on_nvme:   # (ZeRO-Infinity swaps each sub-group in and out; the run's state would have to follow)
+            raise ConfigError(f"{' and '.join(on_nvme)}: nvme; hybrid_predict.predictor.direction 'gradient' needs "
+                              "the masters, the Adam state and the 16-bit partitions in memory (cpu or the GPU)")
         mem = self.hybrid_config.memory
         on_device = offload_predict_on_device(mem.offload_predict, self._host_masters_beside_an_accelerator())
-        if on_device and self._masters.kind != "zero1-2":
-            why = (f"the device path keeps the run beside ZeRO 1/2's 16-bit partitions; this optimizer is "
+        if on_device and self._masters.kind not in ("zero1-2", "zero3"):
+            why = (f"the device path keeps the run beside ZeRO 1-3's 16-bit partitions; this optimizer is "
                    f"{self._masters.kind}")
             if mem.offload_predict == "device":
                 raise ConfigError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
@@ -1325,7 +1331,7 @@ class PredictiveEngine(DeepSpeedEngine):
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
                                    seed=self.hybrid_config.dynamics.seed)
         except NotImplementedError as err:
-            raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1/2 or ZeRO 0 in fp32 "
+            raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None
 
     def _device_path(self) -> bool:

@@ -14,18 +14,21 @@ The backward is private: ``torch.autograd.grad`` through ``engine.module`` accum
 see it (tests/test_grad_step_study.py: an engine taking such backwards trains bit for bit as one
 that does not). Going through the engine's own forward would not do: DeepSpeed 0.19.8 queues its
 backward epilogue on any backward of that graph. Several ranks all-reduce the gradient themselves.
+On ZeRO 3 no rank holds a whole gradient, as under DeepSpeed's own backward: each parameter's is
+all-reduced as the backward produces it and only this rank's share kept (``_partition_gradient``).
 
 Where the run's state lives (``memory.offload_predict``, resolved by the engine):
 
 * **host path** (``on_device=False``): the run's first moment is a copy of ``exp_avg`` beside the
   fp32 masters, the step moves the masters (``zero_access.apply_predicted_update``) and propagates
   them to the 16-bit weights; the engine's snapshot of the masters is the rollback point.
-* **device path** (``on_device=True``, ZeRO 1/2 under ``offload_optimizer``): at a run's first
+* **device path** (``on_device=True``, ZeRO 1-3 under ``offload_optimizer``): at a run's first
   step the first and second moments are copied next to this rank's 16-bit partition
-  (``MasterAccess.device_shard``: on the GPU), in ``memory.gradient_state_dtype``; each step moves
-  that partition (``kernels.held_adam_step``; a bf16 partition rounded stochastically) and
-  all-gathers it. The host masters are neither read nor written during the run, and nothing
-  crosses PCIe but the losses. A kept run's masters take the 16-bit weights once (``commit``:
+  (``MasterAccess.device_shard``: on the GPU; in host memory with ZeRO 3's ``offload_param``), in
+  ``memory.gradient_state_dtype``; each step moves that partition (``kernels.held_adam_step``; a
+  bf16 partition rounded stochastically) and all-gathers it (ZeRO 3: points the parameters at it
+  again). The host masters are neither read nor written during the run, and with the partition
+  on the GPU nothing crosses PCIe but the losses. A kept run's masters take the 16-bit weights once (``commit``:
   ``master = weight + (master - round(master))``, the weight plus the sub-16-bit residual the
   master had, so with fp32 weights the master becomes the weight exactly); a rejected run
   re-propagates the 16-bit weights from the masters, which never left the last good point
@@ -83,7 +86,13 @@ class GradientPredict(WorkerOwner):
         self.backend = backend           # hybrid_predict.kernels, for the update
         self.seed = seed                 # the stochastic rounding's draws: (seed, step, partition)
         self._slices = [access.param_slices(i) for i in range(access._count())]   # NotImplementedError: refused
-        self.params = [p for group in access.model_param_groups() for p in group]
+        self.params = access.trained_params()
+        # ZeRO 3: where each parameter's share on this rank lies in the partitions (its gradient
+        # goes there as the backward produces it; see _partition_gradient)
+        self._where: dict = {}
+        for i, pieces in enumerate(self._slices):
+            for p, ps, ms, n in pieces:
+                self._where.setdefault(p, []).append((i, ps, ms, n))
         self._index = {p: k for k, p in enumerate(self.params)}
         self._offsets = [0]   # where each parameter's gradient lies in a flat buffer of them all
         for p in self.params:
@@ -109,14 +118,23 @@ class GradientPredict(WorkerOwner):
         is not finite on some rank."""
         self.wait()   # (a commit behind the last real step reads the state this run copies)
         with timed("gradient"):
-            grads = self._gradient(engine, batches, loss_fn)
-            sq = torch.zeros((), dtype=torch.float32, device=self._device(grads))
+            laid = None   # ZeRO 3: the gradient already laid like the masters, one tensor per partition
+            if self.access.params_partitioned:
+                laid, device = self._partition_gradient(engine, batches, loss_fn)
+                grads = [t for t in laid if t is not None]
+            else:
+                grads = self._gradient(engine, batches, loss_fn)
+                device = self._device(grads)
+            sq = torch.zeros((), dtype=torch.float32, device=device)
             for g in grads:
                 if g is not None:
-                    sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                    sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(device) ** 2
+            if laid is not None:   # (each rank holds its own share of the gradient)
+                self._all_reduce(sq)
             norm = float(sq.sqrt())   # the same on every rank: the gradient was all-reduced
         if not math.isfinite(norm):
             self.nonfinite += 1
+            self.access.release_gathered()   # (no apply follows to do it)
             return False
         # DeepSpeed's ZeRO 1/2 clipping: divide by (norm + 1e-6) / clip where that is above 1.
         coef = (norm + 1e-6) / self.clip if self.clip > 0.0 else 1.0
@@ -132,6 +150,9 @@ class GradientPredict(WorkerOwner):
                 beta1 = part.group.get("betas", (0.9, 0.999))[0]
                 m = m.view(-1)
                 m.mul_(beta1)
+                if laid is not None:
+                    m.add_(laid[i].to(m.device), alpha=(1.0 - beta1) / coef)
+                    continue
                 for p, ps, ms, n in self._slices[i]:
                     g = grads[self._index[p]]
                     if g is not None:
@@ -180,6 +201,59 @@ class GradientPredict(WorkerOwner):
         flat.div_(share)
         self.last_loss = float(flat[-1]) if flat.dtype == torch.float32 else float(loss_sum) / share
         return [flat[o:o + p.numel()] for o, p in zip(offsets, self.params)]
+
+    def _partition_gradient(self, engine: Any, batches: list,
+                            loss_fn: Callable) -> tuple[list[torch.Tensor | None], torch.device]:
+        """ZeRO 3: per master partition, this rank's share of the step's gradient laid out like
+        it (the mean over the micro-batches and the ranks; ``sum_dtype``, beside where the run's
+        first moment lives), and the device the ranks reduce on; sets ``last_loss``.
+
+        No rank holds a whole gradient here, as under DeepSpeed's own ZeRO 3 backward: a tensor
+        hook on each parameter takes its gradient as the backward produces it, all-reduces it,
+        adds this rank's share into the partitions and hands autograd a zero-stride zero in its
+        place, so what ``torch.autograd.grad`` returns costs no memory. The hooks fire in the
+        backward's order, the same on every rank, so their all-reduces pair up."""
+        sums: list[torch.Tensor | None] = []
+        for i, part in enumerate(self.access.partitions()):
+            if "exp_avg" not in part.state or part.master.numel() == 0:
+                sums.append(None)
+                continue
+            device = self._shard(i).device if self.on_device else part.state["exp_avg"].device
+            sums.append(torch.zeros(part.master.numel(), dtype=self.sum_dtype, device=device))
+        where = self._where
+
+        def hook(p: torch.nn.Parameter) -> Callable:
+            def take_share(g: torch.Tensor) -> torch.Tensor:
+                flat = g.detach().reshape(-1)
+                if self._world > 1:
+                    flat = flat.to(self.sum_dtype, copy=True)
+                    self._all_reduce(flat)
+                for i, ps, ms, n in where.get(p, ()):
+                    if sums[i] is not None:
+                        sums[i][ms:ms + n].add_(flat[ps:ps + n].to(sums[i].device))
+                return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+            return take_share
+
+        caller = ModuleCaller(engine)
+        handles = [p.register_hook(hook(p)) for p in self.params if p.requires_grad]
+        losses = []
+        try:
+            for batch in batches:
+                with torch.enable_grad():
+                    loss = loss_fn(caller, batch)
+                    torch.autograd.grad(loss, self.params, allow_unused=True)
+                losses.append(loss.detach().float().reshape(1))
+        finally:
+            for h in handles:
+                h.remove()
+        share = len(batches) * self._world
+        loss_sum = torch.cat(losses).sum().reshape(1)
+        self._all_reduce(loss_sum)
+        self.last_loss = float(loss_sum) / share
+        for t in sums:
+            if t is not None:
+                t.div_(share)
+        return sums, loss_sum.device
 
     def _begin(self) -> None:
         """The run's first moment (and on the device path its second moment) beside what the

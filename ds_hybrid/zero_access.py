@@ -49,6 +49,7 @@ class MasterAccess(abc.ABC):
 
     kind = "base"
     partitioned = False  # whether each rank holds a different shard of the masters
+    params_partitioned = False  # whether the model's parameters are too (ZeRO 3): no rank holds a whole gradient
     # Set by apply_predicted_update when it wrote the low-precision shard of every partition it
     # moved (the fused kernel's lp output): the next propagate only gathers. Cleared there.
     lp_current = False
@@ -104,6 +105,11 @@ class MasterAccess(abc.ABC):
         layer-group Predict needs to know which groups lie below which block)."""
         return [list(g["params"]) for g in self.base.param_groups]
 
+    def trained_params(self) -> list[torch.nn.Parameter]:
+        """Every parameter the optimizer trains, in the same order on every rank (the private
+        backward of ``predictor.direction: gradient`` takes the gradient of each)."""
+        return [p for group in self.model_param_groups() for p in group]
+
     def group_names(self) -> list[str]:
         return [str(g.get("name", f"group_{i}")) for i, g in enumerate(self.base.param_groups)]
 
@@ -154,6 +160,11 @@ class MasterAccess(abc.ABC):
         """After ``device_shard``\ s were written in place: what DeepSpeed does after its own
         step to make every rank's parameters see them (an all-gather). Collective."""
         raise NotImplementedError(f"{self.kind}: no device shards")
+
+    def release_gathered(self) -> None:
+        """After a backward outside DeepSpeed's step (``predictor.direction: gradient``'s private
+        one) that no update follows: leave the parameters as DeepSpeed's step leaves them. Only
+        ZeRO 3 has anything to do. Collective there."""
 
     def param_slices(self, i: int) -> list[tuple[torch.nn.Parameter, int, int, int]]:
         """Where master entry ``i`` lies in the model's parameters: ``(param, start in the
@@ -371,6 +382,7 @@ class _Zero3Access(MasterAccess):
 
     kind = "zero3"
     partitioned = True
+    params_partitioned = True
 
     def model_param_groups(self):
         raise NotImplementedError("ZeRO 3 partitions parameters across ranks; layer-group Predict needs ZeRO 0-2")
@@ -408,6 +420,33 @@ class _Zero3Access(MasterAccess):
 
     def device_shard(self, i):
         return self.optimizer.fp16_partitioned_groups_flat[i]   # None: swapped out to NVMe
+
+    def trained_params(self):
+        return [p for sub_group in self.optimizer.fp16_groups for p in sub_group]
+
+    def release_gathered(self):
+        # What DeepSpeed's step does around itself: a module whose inputs need no gradient (the
+        # embedding) never runs its post-backward hook, so its parameters stay gathered and
+        # marked in use until everything is released; then the persistent ones gather again.
+        opt = self.optimizer
+        opt.checkpoint_event_prologue()
+        opt.checkpoint_event_epilogue()
+
+    def param_slices(self, i):
+        # Sub-group i's flat partition is its parameters' partitions end to end
+        # (partition_numel() each, fp16_groups order); rank r's partition of a parameter is
+        # values [r * partition_numel, (r + 1) * partition_numel) of it, zero-padded past its end.
+        import deepspeed.comm as dist
+        opt = self.optimizer
+        rank = dist.get_rank(group=opt.sub_group_process_groups[i])
+        out, start = [], 0
+        for p in opt.fp16_groups[i]:
+            size = p.partition_numel()
+            n = min(size, p.ds_numel - rank * size)
+            if n > 0:
+                out.append((p, rank * size, start, n))
+            start += size
+        return out
 
     def gather_device_shards(self):
         # DeepSpeed's own path after a step, without the fp32 -> 16-bit copy: the parameters'

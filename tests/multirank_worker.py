@@ -83,8 +83,12 @@ if args.offload_predict:
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto"}}
     offload = {"offload_opt": "cpu"}
-engine = make_engine(ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload),
-                     groups=4 if args.group_predict else 0)
+cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
+if args.stage == 3 and args.direction == "gradient":
+    # every parameter released after its forward and gathered again for its backward (the test
+    # model's are all below DeepSpeed's default persistence threshold)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+engine = make_engine(cfg, groups=4 if args.group_predict else 0)
 lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
 if args.copy_lp:
     engine._masters._lp = lambda i: None

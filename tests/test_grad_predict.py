@@ -12,7 +12,14 @@ from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, ma
 
 GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
 SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
-          "z1-offload-gas2": dict(stage=1, offload_opt="cpu", gas=2)}
+          "z1-offload-gas2": dict(stage=1, offload_opt="cpu", gas=2), "z3": dict(stage=3),
+          "z3-offload": dict(stage=3, offload_opt="cpu", offload_param="cpu"),
+          "z3-offload-gas2": dict(stage=3, offload_opt="cpu", gas=2),
+          # every parameter released after its module's forward and gathered again for its backward
+          # (the test model's are all below DeepSpeed's default persistence threshold)
+          "z3-offload-released": dict(stage=3, zero_optimization={
+              "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+              "stage3_param_persistence_threshold": 0})}
 
 
 def _engine(setup: dict, hybrid: dict = GRAD, **extra):
@@ -67,12 +74,16 @@ def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_momen
     assert next(engine._masters.partitions()).step == step
 
 
-@pytest.mark.parametrize("name", ["z1", "z2", "z2-offload", "z1-offload-gas2"])
-def test_zero_1_and_2_take_the_same_steps_as_zero_0(name):
-    """The gradient laid onto ZeRO 1/2's flat master partition (MasterAccess.param_slices) moves
-    every parameter as ZeRO 0 moves it, over Predict runs kept by the next step's check."""
+@pytest.mark.parametrize("name", ["z1", "z2", "z2-offload", "z1-offload-gas2", "z3", "z3-offload", "z3-offload-gas2",
+                                  "z3-offload-released"])
+def test_zero_1_to_3_take_the_same_steps_as_zero_0(name):
+    """The gradient laid onto ZeRO 1/2's flat master partition (MasterAccess.param_slices), or on
+    ZeRO 3 each parameter's share taken as the backward produces it, moves every parameter as
+    ZeRO 0 moves it, over Predict runs kept by the next step's check."""
     gas = SETUPS[name].get("gas", 1)
     ref, eng = _engine(SETUPS["z0"], gas=gas), _engine(SETUPS[name], gas=gas)
+    if name == "z3-offload-released":
+        assert not any(p.ds_persist for p in eng.module.parameters())
     a, b = Batches(), Batches()
     phases = []
     for _ in range(16):
@@ -87,7 +98,7 @@ def test_zero_1_and_2_take_the_same_steps_as_zero_0(name):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=5e-5)
 
 
-@pytest.mark.parametrize("name", ["z0", "z2-offload"])
+@pytest.mark.parametrize("name", ["z0", "z2-offload", "z3-offload"])
 def test_a_kept_run_hands_its_first_moment_to_the_optimizer_before_the_next_step(name, monkeypatch):
     engine = _engine(SETUPS[name])
     batches = Batches()
@@ -116,10 +127,11 @@ def test_a_kept_run_hands_its_first_moment_to_the_optimizer_before_the_next_step
     assert not grad.pending
 
 
-def test_a_rolled_back_run_restores_the_weights_and_drops_its_first_moment(monkeypatch):
+@pytest.mark.parametrize("name", ["z2-offload", "z3-offload"])
+def test_a_rolled_back_run_restores_the_weights_and_drops_its_first_moment(name, monkeypatch):
     """The next step's check rejects the run: the masters and the model are back at the last
     good point bit for bit, and the optimizer's first moment is the one from before the run."""
-    engine = _engine(SETUPS["z2-offload"])
+    engine = _engine(SETUPS[name])
     batches = Batches()
     _until(engine, batches, Phase.PREDICT)
     good_masters, good_params, good_m = master_copies(engine), full_params(engine), _moments(engine, "exp_avg")
@@ -141,8 +153,9 @@ def test_a_rolled_back_run_restores_the_weights_and_drops_its_first_moment(monke
     assert not engine._gradient.pending
 
 
-def test_a_nonfinite_gradient_moves_nothing_and_is_counted():
-    engine = _engine(SETUPS["z2"])
+@pytest.mark.parametrize("name", ["z2", "z3"])
+def test_a_nonfinite_gradient_moves_nothing_and_is_counted(name):
+    engine = _engine(SETUPS[name])
     batches = Batches()
     _until(engine, batches, Phase.PREDICT)
     before, m = full_params(engine), engine._gradient.m
@@ -161,7 +174,7 @@ def test_a_nonfinite_gradient_moves_nothing_and_is_counted():
     assert r.phase in ("full", "correct") and not r.skipped and engine.statistics()["skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("name", ["z1", "z2-offload"])
+@pytest.mark.parametrize("name", ["z1", "z2-offload", "z3-offload"])
 def test_a_save_in_the_middle_of_a_run_resumes_bit_for_bit(name, tmp_path):
     """Saved after the first step of a 2-step run (the run's first moment pending, the snapshot
     older than the weights), resumed in a fresh engine: the same steps, weights, masters and
@@ -191,7 +204,6 @@ def test_a_save_in_the_middle_of_a_run_resumes_bit_for_bit(name, tmp_path):
 
 
 @pytest.mark.parametrize("setup, hybrid, match", [
-    (dict(stage=3), GRAD, "zero_optimization.stage: 3"),
     (dict(stage=0, bf16=True), GRAD, "bf16.enabled"),
     (dict(stage=2), dict(GRAD, memory={"park_optimizer_states": True}), "park_optimizer_states"),
     (dict(stage=0), dict(GRAD, memory={"offload_predict": "device"}), "offload_predict: device"),
@@ -210,13 +222,14 @@ def test_layouts_it_cannot_take_are_refused_naming_the_key(setup, hybrid, match)
 # memory.offload_predict: device on DeepSpeed's CPU accelerator: the run's moments are copies beside
 # this rank's 16-bit partition, each step moves that partition, and the masters wait for the check.
 
-def _paths(stage: int = 2, bf16: bool = False, gas: int = 1, **changes) -> list:
+def _paths(stage: int = 2, bf16: bool = False, gas: int = 1, offload_param: str | None = None, **changes) -> list:
     """The host path and the device path, built alike (offload_optimizer: cpu)."""
     out = []
     for where in ("host", "device"):
         hybrid = dict(GRAD, correction_steps=0, **changes)
         hybrid["memory"] = {**hybrid.get("memory", {}), "offload_predict": where}
-        out.append(make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, gas=gas, hybrid=hybrid)))
+        out.append(make_engine(ds_config(stage=stage, offload_opt="cpu", offload_param=offload_param, bf16=bf16,
+                                         gas=gas, hybrid=hybrid)))
     return out
 
 
@@ -224,12 +237,14 @@ def _equal(xs, ys) -> bool:
     return all(torch.equal(x, y) for x, y in zip(xs, ys))
 
 
-@pytest.mark.parametrize("stage, gas", [(1, 1), (2, 1), (2, 2)])
-def test_device_path_matches_the_host_path_bit_for_bit(stage, gas):
+@pytest.mark.parametrize("stage, gas, offload_param", [(1, 1, None), (2, 1, None), (2, 2, None), (3, 1, None),
+                                                       (3, 2, "cpu")])
+def test_device_path_matches_the_host_path_bit_for_bit(stage, gas, offload_param):
     """fp32 parameters: the same arithmetic on the same values, so the weights are the host path's
     after every step, and the masters and first moments after every real step (inside a run they
-    wait at the last good point); the device path takes no snapshot of the masters."""
-    host, dev = _paths(stage, gas=gas)
+    wait at the last good point); the device path takes no snapshot of the masters. On ZeRO 3 the
+    16-bit partition it moves is in host memory with ``offload_param: cpu``."""
+    host, dev = _paths(stage, gas=gas, offload_param=offload_param)
     assert (host.statistics()["offload_predict"], dev.statistics()["offload_predict"]) == ("host", "device")
     bh, bd = Batches(seed=3), Batches(seed=3)
     phases = []
@@ -247,11 +262,12 @@ def test_device_path_matches_the_host_path_bit_for_bit(stage, gas):
     assert st["snapshot_bytes"] == 0
 
 
-def test_a_device_run_leaves_the_masters_and_moments_alone_and_rolls_back_exactly(monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_device_run_leaves_the_masters_and_moments_alone_and_rolls_back_exactly(stage, monkeypatch):
     """During the run the host masters and both Adam moments do not change (the run's state is
     its own copy); the next step's check rejects it: the weights are back where they were before
     it, bit for bit, with no snapshot (the masters re-propagated), and training goes on."""
-    _, dev = _paths(2)
+    _, dev = _paths(stage)
     b = Batches(seed=5)
     _until(dev, b, Phase.PREDICT)
     masters, weights = master_copies(dev), full_params(dev)
@@ -306,7 +322,7 @@ def test_device_path_bf16_weights_within_stochastic_rounding():
         assert rh.phase == rd.phase and rd.loss == pytest.approx(rh.loss, rel=1e-2)
 
 
-@pytest.mark.parametrize("stage, bf16", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("stage, bf16", [(1, False), (2, False), (2, True), (3, False), (3, True)])
 def test_a_save_in_the_middle_of_a_device_run_resumes_bit_for_bit(stage, bf16, tmp_path):
     """The masters in the checkpoint are the last good point and the run lives in the 16-bit
     weights and the run's moments: resumed in a fresh engine with other initial weights, the
@@ -398,11 +414,13 @@ def test_held_adam_step_in_fp32_is_the_fused_update_and_in_bf16_unbiased():
     torch.testing.assert_close(c - x, a - x, rtol=1e-2, atol=3e-7)   # (x + u rounds in fp32)
 
 
-def test_the_private_backward_works_under_non_reentrant_activation_checkpointing():
+@pytest.mark.parametrize("name", ["z2", "z3-offload"])
+def test_the_private_backward_works_under_non_reentrant_activation_checkpointing(name):
     """The main job turns transformers' non-reentrant checkpointing on for presets with an
     activation_checkpointing section; autograd.grad goes through it (the reentrant kind would
-    refuse it), and the Predict step moves the weights as without checkpointing."""
-    ref, ckpt = _engine(SETUPS["z2"]), _engine(SETUPS["z2"])
+    refuse it), and the Predict step moves the weights as without checkpointing (on ZeRO 3 each
+    parameter's hook still sees its whole gradient once, the recomputed forward included)."""
+    ref, ckpt = _engine(SETUPS[name]), _engine(SETUPS[name])
     ckpt.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     a, b = Batches(), Batches()
     for _ in range(8):
@@ -505,3 +523,17 @@ def test_a_host_run_saved_and_loaded_on_the_device_path_is_kept_with_a_warning(t
     assert _equal([m.view(-1) for m in _moments(dev, "exp_avg")], [m.view(-1) for m in run_m])
     for _ in range(4):
         assert dev.train_step(b.step()).loss is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [dict(offload_opt="nvme"), dict(offload_opt="cpu", offload_param="nvme")],
+                         ids=["opt-nvme", "param-nvme"])
+def test_zero_3_with_state_on_nvme_is_refused_naming_the_key(offload, tmp_path):
+    """ZeRO-Infinity's NVMe swap: the run's state would have to follow each sub-group in and out."""
+    from test_engine import _aio_available
+    if not _aio_available():
+        pytest.skip("NVMe offload needs libaio (Debian: libaio-dev)")
+    aio = {"aio": {"block_size": 262144, "queue_depth": 4, "single_submit": False, "overlap_events": True}}
+    key = "offload_optimizer" if offload["offload_opt"] == "nvme" else "offload_param"
+    with pytest.raises(ConfigError, match=f"zero_optimization.{key}.device: nvme"):
+        make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), **offload, **aio))

@@ -102,15 +102,15 @@ def test_the_study_reports_step_worth_and_reuses_plain_runs(study, tmp_path, cap
     assert "--reuse" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (2, "cpu")])
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (2, "cpu"), (3, None), (3, "cpu")])
 def test_a_private_backward_through_the_module_leaves_deepspeeds_gradient_path_alone(stage, offload):
-    """What a gradient Predict step on the GPU would rest on: on ZeRO 1 and 2 (optimizer offloaded or not), a
-    forward through ``engine.module`` and ``torch.autograd.grad`` give the step's full 16-bit gradient on the
-    device while DeepSpeed's reduction hooks, its offload copies and its counters never run: an engine that
+    """What a gradient Predict step on the GPU would rest on: on ZeRO 1-3 (optimizer offloaded or not; on ZeRO 3
+    the parameters too), a forward through ``engine.module`` and ``torch.autograd.grad`` give the step's full
+    16-bit gradient on the device while DeepSpeed's reduction hooks, its offload copies and its counters never run: an engine that
     takes such a backward between its real steps trains bit for bit as one that does not. (Through the engine's
     own forward, DeepSpeed 0.19.8 queues its backward epilogue on any backward, ``autograd.grad`` included.)"""
     from engine_utils import Batches, ds_config, full_params, make_engine
-    cfg = ds_config(stage, bf16=True, offload_opt=offload)
+    cfg = ds_config(stage, bf16=True, offload_opt=offload, offload_param=offload if stage == 3 else None)
     a, b = make_engine(cfg, plain=True), make_engine(cfg, plain=True)
     ba, bb, extra = Batches(1), Batches(1), Batches(7)
     for step in range(3):
@@ -118,7 +118,8 @@ def test_a_private_backward_through_the_module_leaves_deepspeeds_gradient_path_a
             params = [p for p in b.module.parameters() if p.requires_grad]
             grads = torch.autograd.grad(b.module(**extra.micro()).loss, params)
             assert all(p.grad is None for p in params)
-            assert all(g.dtype == torch.bfloat16 and g.shape == p.shape for g, p in zip(grads, params))
+            assert all(g.dtype == torch.bfloat16 and g.shape == getattr(p, "ds_shape", p.shape)
+                       for g, p in zip(grads, params))
             assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
         for eng, batches in ((a, ba), (b, bb)):
             eng.backward(eng(**batches.micro()).loss)

@@ -128,9 +128,11 @@ def test_fold_behind_the_next_step_keeps_the_ranks_together(tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(tmp_path):
-    """predictor.direction: gradient, ZeRO 2 with offload_optimizer: cpu, 2 ranks: each Predict
-    step's private gradient is all-reduced by ds_hybrid itself, so both ranks take the same
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(stage, tmp_path):
+    """predictor.direction: gradient, ZeRO 2 or 3 with offload_optimizer: cpu, 2 ranks: each Predict
+    step's private gradient is all-reduced by ds_hybrid itself (on ZeRO 3 a parameter at a time
+    as the backward produces it, each rank keeping its share), so both ranks take the same
     steps; rank 0's NaN loss in the first Predict step moves nothing on either rank, and rank 1's
     spike at the second check rolls the run back on both. The device path (the run beside the
     16-bit partitions, the masters untouched until the check) ends bit for bit where the host
@@ -138,7 +140,7 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(t
     runs = {}
     for where in ("host", "device"):
         (tmp_path / where).mkdir()
-        runs[where] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults",
+        runs[where] = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
                                                         "--offload-predict", where, "--direction", "gradient"],
                                 2, tmp_path / where)
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")

@@ -261,3 +261,26 @@ def test_gradient_predict_on_the_offload_preset_counts_its_moments_and_gradient_
     ds["hybrid_predict"]["predictor"]["direction"] = "gradient"
     spec = pl.preset_spec(ds, "1b-grad")
     assert spec.gradient and spec.velocity_bytes_per_value == 0.0 and spec.device_predict("cuda")
+
+
+def test_gradient_predict_on_zero_3_holds_no_whole_gradient_and_keeps_its_state_beside_the_host_shards():
+    """predictor.direction: gradient on 7b-24gb (ZeRO 3, optimizer and parameters offloaded to the
+    host): the private gradient on the GPU is one parameter's at a time, and this rank's share of
+    it is summed in host memory beside the 16-bit partitions, where the run's first moment is
+    copied (fp32: the second moment is read where it lies); no snapshot on the device path."""
+    import dataclasses
+    shape = pl.model_shape("llama-7b")
+    (one,) = pl.load_presets(["7b-24gb"])
+    grad = dataclasses.replace(one, gradient=True, velocity_bytes_per_value=0.0)
+    P = shape.params
+    est = pl.estimate(shape, grad, accelerator="cuda")
+    items = {i.what: i for i in est.items}
+    own = [i for n, i in items.items() if n.startswith("gradient Predict step's own gradient")]
+    share = [i for n, i in items.items() if n.startswith("gradient Predict step's gradient share")]
+    moments = [i for n, i in items.items() if "Adam moments beside the 16-bit shards" in n]
+    assert own[0].where == "gpu" and own[0].bytes == pytest.approx(2 * shape.largest_module_params)
+    assert share[0].where == "cpu" and share[0].bytes == pytest.approx(4 * P)
+    assert moments[0].where == "cpu" and moments[0].bytes == pytest.approx(4 * P)
+    assert est.snapshot_bytes == 0 and grad.device_predict("cuda")
+    host = pl.estimate(shape, dataclasses.replace(grad, offload_predict="host"), accelerator="cuda")
+    assert host.snapshot_bytes == pytest.approx(4 * P) and host.cpu_bytes > est.cpu_bytes

@@ -165,16 +165,20 @@ class PresetSpec:
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
-        velocity and ZeRO 1-3, or the gradient direction and ZeRO 1/2)."""
+        velocity or the gradient direction, and ZeRO 1-3)."""
         from ..config import offload_predict_on_device
         beside = self.offload_optimizer != "none" and accelerator != "cpu"
-        takes = (self.stage in (1, 2)) if self.gradient else (bool(self.velocity_bytes_per_value) and self.stage >= 1)
+        takes = (self.stage >= 1) if self.gradient else (bool(self.velocity_bytes_per_value) and self.stage >= 1)
         return takes and offload_predict_on_device(self.offload_predict, beside)
+
+    def shards_on_gpu(self, accelerator: str) -> bool:
+        """Whether this rank's 16-bit partitions are in GPU memory (not with ZeRO 3's ``offload_param``)."""
+        return accelerator != "cpu" and not (self.stage == 3 and self.offload_param != "none")
 
     def gradient_state_bytes(self, accelerator: str) -> float:
         """Bytes per value of each of the run's moment copies on the device path (the engine's rule)."""
         if self.gradient_state_dtype == "auto":
-            return 2.0 if self.lp_bytes == 2 and accelerator != "cpu" else 4.0
+            return 2.0 if self.lp_bytes == 2 and self.shards_on_gpu(accelerator) else 4.0
         return 2.0 if self.gradient_state_dtype == "bf16" else 4.0
 
     def snapshot_kept(self, accelerator: str) -> bool:
@@ -489,17 +493,30 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             # fp32 on the host path), and the run's moments: copies beside the 16-bit shards on the
             # device path, its first moment beside the masters otherwise.
             device_path = preset.device_predict(accelerator)
-            sum_bytes = preset.gradient_state_bytes(accelerator) if device_path else 4.0
-            items.append(Item(dev, "gradient Predict step's own gradient (predictor.direction: gradient)",
-                              lp * P + (sum_bytes * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
-            if device_path:
-                items.append(Item(dev, "gradient Predict run's Adam moments beside the 16-bit shards "
-                                         "(memory.gradient_state_dtype)",
-                                  2 * preset.gradient_state_bytes(accelerator) * P / W))
+            state = preset.gradient_state_bytes(accelerator) if device_path else 4.0
+            m_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
+            state_where = ("gpu" if preset.shards_on_gpu(accelerator) else "cpu") if device_path else m_where
+            per_node = gpus if state_where == "cpu" and accelerator != "cpu" else 1
+            if preset.stage == 3:
+                # No whole gradient: each parameter's as the backward produces it (and its all-reduce
+                # copy with several ranks), this rank's share summed beside the run's first moment.
+                items.append(Item(dev, "gradient Predict step's own gradient, a parameter at a time "
+                                       "(predictor.direction: gradient)",
+                                  shape.largest_module_params * (lp + (state if W > 1 else 0))))
+                items.append(Item(state_where, "gradient Predict step's gradient share (partition)",
+                                  state * P / W * per_node))
             else:
-                m_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
+                items.append(Item(dev, "gradient Predict step's own gradient (predictor.direction: gradient)",
+                                  lp * P + (state * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
+            if device_path:
+                # (the second moment is read where it lies when that is beside the shards in the state dtype)
+                v_in_place = state == 4.0 and m_where == state_where
+                items.append(Item(state_where, "gradient Predict run's Adam moments beside the 16-bit shards "
+                                               "(memory.gradient_state_dtype)",
+                                  (1 if v_in_place else 2) * state * P / W * per_node))
+            else:
                 items.append(Item(m_where, "gradient Predict run's first moment (fp32, beside the masters)",
-                                  part * (gpus if m_where == "cpu" and accelerator != "cpu" else 1)))
+                                  part * per_node))
         items.append(Item(dev, "predictor", PREDICTOR_BYTES))
 
     if accelerator == "cpu":
