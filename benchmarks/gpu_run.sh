@@ -37,13 +37,17 @@
 #   grad1b   the same layout, Predict steps that take their own gradient (predictor.direction: gradient, 1 real :
 #            3 Predict): on the host path (the gradient brought to the host masters) and on the device path (the
 #            run's Adam moments in bf16 beside the GPU's 16-bit weights, the masters caught up once per kept run),
-#            against plain ZeRO-Offload: step time per phase, bookkeeping and DeepSpeed's timers (the issue's bar:
-#            a Predict step at most 0.1x a plain step, real steps at most 1.05x)
+#            against plain ZeRO-Offload, and the device path with each Predict step's gradient from half the
+#            batch (grad-device-half): step time per phase, bookkeeping and DeepSpeed's timers (the issue's bar:
+#            a Predict step at most 0.1x a plain step, real steps at most 1.05x). GRAD1B_VARIANTS picks fewer,
+#            GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8 forwards and
+#            backwards beside its CPU Adam step)
 #                                                            -> OUT/offload-gpu-1b-grad.json
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
 #            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
 #            the gradient is laid on this rank's share a parameter at a time and, with offload_param, the
-#            run's state and the moved 16-bit partition are in host memory  -> OUT/offload-gpu-1b-grad-z3.json
+#            run's state and the moved 16-bit partition are in host memory (GRADZ3_VARIANTS picks fewer)
+#                                                            -> OUT/offload-gpu-1b-grad-z3.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
@@ -152,13 +156,14 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       stage_rc off1b $rc "$t0" ;;
     grad1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants full grad-host grad-device --wall-clock --out /tmp/grad1b \
+        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device grad-device-half grad-host} --wall-clock \
+        --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \
         --json /tmp/res/offload-gpu-1b-grad.json
       rc=$?; cp /tmp/res/offload-gpu-1b-grad.json "$OUT/"
       stage_rc grad1b $rc "$t0" ;;
     gradz3)
       $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 24GB --variants full grad-host grad-device --wall-clock --out /tmp/gradz3 \
+        --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
         --json /tmp/res/offload-gpu-1b-grad-z3.json
       rc=$?; cp /tmp/res/offload-gpu-1b-grad-z3.json "$OUT/"
       stage_rc gradz3 $rc "$t0" ;;

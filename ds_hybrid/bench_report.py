@@ -52,6 +52,15 @@ def best_arm(result: dict, unit: str = "seconds", target: str = "target+1%") -> 
     return min(cands, key=lambda c: c[1]["mean"]) if cands else None
 
 
+def _tie_break(result: dict) -> str:
+    """The sweep's tie-break, where LRs were within 1% on its seed: their mean over every seed."""
+    tb = result.get("sweep_tie_break") or {}
+    if not tb:
+        return ""
+    means = ", ".join(f"x{m}: {sum(by.values()) / len(by):.4f}" for m, by in tb.items())
+    return f"; within 1% of the best there, so run on every seed, mean final loss {means}"
+
+
 def markdown(result: dict) -> str:
     s, an = result["suite"], result["analysis"]
     sweep = ", ".join(f"x{m}: {r['final_val_loss']:.4f}" for m, r in result["sweep"].items())
@@ -59,7 +68,8 @@ def markdown(result: dict) -> str:
     lines = [f"Suite `{s['name']}`: {s['doc']}. Model `{s['model']}`, {s['steps']} steps of {s['seq_len']}-byte "
              f"sequences at the full budget, budgets {budgets} of it (each with its own full warmup-cosine "
              f"schedule), seeds {', '.join(map(str, s['seeds']))}. Plain DeepSpeed's LR sweep at the full budget: "
-             f"{sweep} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); every system runs at that LR. "
+             f"{sweep}{_tie_break(result)} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); every "
+             f"system runs at that LR. "
              f"Targets per seed: plain DeepSpeed's final validation loss at the full budget, and 1% and 2% above it. "
              f"Ratio = the system's least time to reach the target at any budget over plain DeepSpeed's "
              f"(`ds_hybrid/frontier.py`); under 1 is faster.", ""]

@@ -31,7 +31,8 @@ def load_run(path: Path) -> dict:
         "val_curve": val_against_time(run_dir, s["val_points"]),
         "val_points": [tuple(v) for v in s["val_points"]],
         "step_kinds": step_kinds(run_dir, hybrid, hybrid and bool(
-            s["ds_config"]["hybrid_predict"].get("group_predict", {}).get("enabled", False))),
+            s["ds_config"]["hybrid_predict"].get("group_predict", {}).get("enabled", False)),
+            s["ds_config"].get("hybrid_predict", {}).get("predictor", {}).get("gradient_batch_fraction", 1.0)),
         "run": str(path),
         "hybrid": hybrid,
         "seed": s["args"]["seed"],
@@ -79,15 +80,17 @@ def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float
     return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
 
 
-def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
+def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fraction: float = 1.0) -> list[str]:
     """What each step of a run was, for costing it from a profile: ``plain`` (a real step of
     plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping; ``real_idle`` without it,
     ``hybrid_predict.lazy_bookkeeping``; ``real_groups`` with layer-group Predict on, whose planner
     also observes every whole step), ``partial_K`` (K lower
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward; ``predict_gradient`` / ``predict_gradient_verified`` where it
-    took its own gradient, ``predictor.direction: gradient``); ``+forward`` where a rejected check
-    ran a forward again."""
+    took its own gradient, ``predictor.direction: gradient``; ``predict_gradient_fF`` from the share F
+    of its batch, ``predictor.gradient_batch_fraction``); ``+forward`` where a rejected check ran a
+    forward again."""
+    gradient_kind = "predict_gradient" + (f"_f{gradient_fraction:g}" if gradient_fraction != 1.0 else "")
     f = run_dir / "steps.jsonl"
     if not f.is_file():
         return []
@@ -96,8 +99,7 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False) -> list[str]:
         r = json.loads(line)
         phase = r.get("phase")
         if phase == "predict":
-            kind = ("predict_gradient" if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified")
-                                                                                   else "")
+            kind = (gradient_kind if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified") else "")
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:

@@ -106,6 +106,16 @@ class PredictorConfig(_Section):
     """``direction: drift``: decay of the running average of real updates (0.95 averages
     over about 20 real steps)."""
 
+    gradient_batch_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """``direction: gradient``: the share of the step's batch a Predict step takes its gradient
+    from: the first ``round(fraction * gradient_accumulation_steps)`` micro-batches (at least
+    one), or with one micro-batch a step the first ``round(fraction * micro batch)`` sequences
+    of it (at least one). The step still stands for its whole batch (the data stream, the
+    schedule and the counters move as a real step's), so below 1 a Predict step costs about
+    that share of a real step's forward and backward for a noisier gradient: what pays where
+    a real step's forward and backward are dear too (gradient accumulation under
+    ZeRO-Offload, or any run on a CPU)."""
+
 
 class DynamicsConfig(_Section):
     """The dynamics model used by ``predictor.type: rssm`` (ds_hybrid/dynamics/)."""
@@ -490,6 +500,10 @@ class HybridPredictConfig(_Section):
             if self.group_predict.enabled:
                 raise ValueError("group_predict.enabled: layer-group Predict moves the lower groups along a "
                                  "predicted direction with no gradient; predictor.direction 'gradient' takes one")
+        elif self.predictor.gradient_batch_fraction != 1.0:
+            raise ValueError(f"predictor.gradient_batch_fraction ({self.predictor.gradient_batch_fraction}) is the "
+                             "share of a batch a gradient Predict step takes its gradient from; predictor.direction "
+                             f"{self.predictor.direction!r} takes none (set direction 'gradient' or leave it at 1)")
         if self.memory.park_optimizer_states and self.predictor.direction in ("adam", "gradient"):
             raise ValueError(f"memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
                              f"with direction {self.predictor.direction!r} read the moments it would move off "

@@ -1329,7 +1329,8 @@ class PredictiveEngine(DeepSpeedEngine):
         try:
             return GradientPredict(self._masters, self.gradient_clipping(), self._all_reduce_in_place, self._world(),
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
-                                   seed=self.hybrid_config.dynamics.seed)
+                                   seed=self.hybrid_config.dynamics.seed,
+                                   batch_fraction=self.hybrid_config.predictor.gradient_batch_fraction)
         except NotImplementedError as err:
             raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None

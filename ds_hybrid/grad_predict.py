@@ -43,6 +43,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from . import kernels
+from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .zero_access import MasterAccess, _flat
 
@@ -67,6 +68,48 @@ def _untimed(part: str) -> ContextManager:
     return contextlib.nullcontext()
 
 
+def batch_share(batches: list, fraction: float) -> list:
+    """The part of a step's micro-batches a gradient Predict step takes its gradient from
+    (``predictor.gradient_batch_fraction``): the first ``round(fraction * len(batches))`` of
+    them (at least one), or with a single micro-batch its first ``round(fraction * size)``
+    sequences (at least one). A micro-batch is a tensor, or a dict, list or tuple of them;
+    its size is the first dimension of its first tensor, and only tensors with that first
+    dimension are cut (a mask shared by the sequences stays whole). The rule reads only the
+    batches' shapes, so every rank cuts alike."""
+    if fraction >= 1.0 or not batches:
+        return batches
+    if len(batches) > 1:
+        return batches[:max(1, round(fraction * len(batches)))]
+    size = _first_dim(batches[0])
+    if size is None:
+        raise ConfigError(f"hybrid_predict.predictor.gradient_batch_fraction: a micro-batch of type {type(batches[0]).__name__} "
+                        "holds no tensor to cut by its first dimension; use whole micro-batches "
+                        "(gradient_accumulation_steps > 1) or leave the fraction at 1")
+    keep = max(1, round(fraction * size))
+    return [_cut(batches[0], size, keep)] if keep < size else batches
+
+
+def _first_dim(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        n = _first_dim(v)
+        if n is not None:
+            return n
+    return None
+
+
+def _cut(batch: Any, size: int, keep: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:keep] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _cut(v, size, keep) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cut(v, size, keep) for v in batch)
+    return batch
+
+
 class GradientPredict(WorkerOwner):
     """One engine's gradient Predict steps: the gradient's layout on this rank's partitions and
     the run's state: its first moment ``m`` (one tensor per master partition; None outside a
@@ -74,8 +117,9 @@ class GradientPredict(WorkerOwner):
 
     def __init__(self, access: MasterAccess, clip: float, all_reduce: Callable[[torch.Tensor], None], world: int,
                  on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 seed: int = 0):
+                 seed: int = 0, batch_fraction: float = 1.0):
         self.access = access
+        self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         self.clip = float(clip or 0.0)   # the ds_config's gradient_clipping, as DeepSpeed applies it
         self._all_reduce, self._world = all_reduce, world
         self.on_device = on_device
@@ -113,10 +157,11 @@ class GradientPredict(WorkerOwner):
 
     # ------------------------------------------------------------------ a step
     def take(self, engine: Any, batches: list, loss_fn: Callable, timed: Timer = _untimed) -> bool:
-        """This step's gradient (the mean over its micro-batches and the ranks, clipped as
-        DeepSpeed clips) into the run's first moment. Collective. False (nothing changed) when it
-        is not finite on some rank."""
+        """This step's gradient (the mean over its micro-batches, or the share of them
+        ``batch_fraction`` keeps, and the ranks, clipped as DeepSpeed clips) into the run's first
+        moment. Collective. False (nothing changed) when it is not finite on some rank."""
         self.wait()   # (a commit behind the last real step reads the state this run copies)
+        batches = batch_share(batches, self.batch_fraction)
         with timed("gradient"):
             laid = None   # ZeRO 3: the gradient already laid like the masters, one tensor per partition
             if self.access.params_partitioned:

@@ -55,6 +55,8 @@ parser.add_argument("--fold-overlap", action="store_true",
                     help="with --offload-predict: memory.fold_overlap true (the fold behind the next real step)")
 parser.add_argument("--direction", default="drift", choices=["drift", "gradient"],
                     help="with --offload-predict: predictor.direction")
+parser.add_argument("--gradient-batch-fraction", type=float, default=1.0,
+                    help="with --direction gradient: predictor.gradient_batch_fraction")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -78,7 +80,8 @@ offload = {}
 if args.offload_predict:
     hybrid = {"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0, "min_predict_steps": 2,
               "max_predict_steps": 2, "correction_steps": 0, "check": "next_step",
-              "predictor": {"direction": args.direction},
+              "predictor": {"direction": args.direction} if args.direction != "gradient" else
+              {"direction": "gradient", "gradient_batch_fraction": args.gradient_batch_fraction},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto"}}

@@ -46,6 +46,46 @@ def test_cost_of_step_kinds():
     assert bench.cost_of("real_idle", profile) == 1.02                         # an older profile: a real step
     assert bench.cost_of("real_idle", dict(profile, cost=dict(profile["cost"], real_idle=0.99))) == 0.99
     assert bench.cost_of("real", None) == 1.0
+    grad = dict(profile, cost=dict(profile["cost"], predict_gradient=0.97, **{"predict_gradient_f0.5": 0.52}))
+    assert bench.cost_of("predict_gradient_f0.5", grad) == 0.52
+    assert bench.cost_of("predict_gradient_f0.25", grad) == 0.97   # a share not profiled: the whole batch's
+
+
+def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(tmp_path, monkeypatch):
+    """The sweep's seed alone picked x2 on offload-z3 (0.1% ahead of x1), which ended 7-9% behind
+    x1 on the other seeds: LRs within SWEEP_TIE of the best run on every seed, and those runs are
+    plain DeepSpeed's full-budget rows."""
+    import dataclasses
+    losses = {1: {0.5: 2.10, 1.0: 2.0776, 2.0: 2.0752, 4.0: 2.5}, 2: {1.0: 2.05, 2.0: 2.25}, 3: {1.0: 2.06, 2.0: 2.24}}
+    calls = []
+
+    def fake(self, run):
+        calls.append(run.name)
+        m = run.lr / 2e-3
+        return {"final_val_loss": losses[run.seed][m], "train_seconds": 1.0, "run": run.name}
+    monkeypatch.setattr(bench.Runner, "__call__", fake)
+    suite = dataclasses.replace(bench.SUITES["offload-z3"], arms=("baseline",), budgets=(1.25, 1.0),
+                                lr_multipliers=(0.5, 1.0, 2.0))
+    raw = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path)
+    assert raw["best_lr_multiplier"] == 1.0 and raw["best_lr"] == pytest.approx(2e-3)
+    assert raw["sweep_tie_break"] == {"1": {"1": 2.0776, "2": 2.05, "3": 2.06},
+                                      "2": {"1": 2.0752, "2": 2.25, "3": 2.24}}
+    finals = {s: r["1"]["final_val_loss"] for s, r in raw["rows"]["baseline"].items()}
+    assert finals == {"1": 2.0776, "2": 2.05, "3": 2.06}
+    assert {s: set(r) for s, r in raw["rows"]["baseline"].items()} == {s: {"1", "1.25"} for s in ("1", "2", "3")}
+    # the sweep (extended to x4 at its edge), the tie-break on seeds 2 and 3, and nothing run twice
+    assert calls == ["baseline-lr0.5-s1", "baseline-lr1-s1", "baseline-lr2-s1", "baseline-lr4-s1", "baseline-lr1-s2",
+                     "baseline-lr1-s3", "baseline-lr2-s2", "baseline-lr2-s3",
+                     "baseline-b1.25-s1", "baseline-b1.25-s2", "baseline-b1.25-s3"]
+    # without a tie, the first seed alone decides
+    losses[1][1.0] = 2.2
+    calls.clear()
+    raw = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path)
+    assert raw["best_lr_multiplier"] == 2.0 and raw["sweep_tie_break"] == {}
+    assert "baseline-lr1-s2" not in calls
+    # (every seed's full-budget plain run still runs, once, after its longer budgets)
+    assert {s: set(r) for s, r in raw["rows"]["baseline"].items()} == {s: {"1", "1.25"} for s in ("1", "2", "3")}
+    assert calls.count("baseline-b1-s2") == 1 and calls.count("baseline-b1-s3") == 1
 
 
 def test_step_kinds_cost_lazy_steps_apart(tmp_path):
@@ -58,6 +98,9 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict", "real_idle+forward",
                                                  "predict_gradient", "predict_gradient_verified"]
     assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
+    # (predictor.gradient_batch_fraction: a gradient from part of the batch is its own kind)
+    assert step_kinds(tmp_path, hybrid=True, gradient_fraction=0.5)[5:] == ["predict_gradient_f0.5",
+                                                                           "predict_gradient_f0.5_verified"]
 
 
 def _row(points, seconds_per_step=1.0, kinds=None, stats=None):
@@ -513,3 +556,39 @@ def test_gradient_horizons_runs_the_bench_arm_with_longer_runs(tmp_path):
         mod.main(["--horizons", "0"])
     with pytest.raises(SystemExit, match="--result"):
         mod.main(["--result", str(tmp_path / "none.json")])
+
+
+def test_lr_check_runs_the_bench_arms_at_another_lr_beside_the_result(tmp_path, monkeypatch):
+    """benchmarks/lr_check.py: each named arm on every seed of a result at --lr, with the bench's own
+    configs, its finals set beside plain's at the swept LR and at --lr; bad flags are refused by name."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "lr_check.py"
+    spec = importlib.util.spec_from_file_location("lr_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = {"suite": {"name": "offload-z3"}, "best_lr": 4e-3, "init": None, "data": None,
+              "runs": {"baseline": {"1": {"1": {"final_val_loss": 2.0}}, "2": {"1": {"final_val_loss": 2.2}}}}}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    seen = []
+
+    def fake(self, run):
+        seen.append((run.arm, run.seed, run.lr, run.baseline, run.config.get("hybrid_predict")))
+        loss = {"baseline": 2.0, "predict-gradient": 2.02}[run.arm] + (0.0 if run.seed == 1 else 0.1)
+        return {"final_val_loss": loss}
+    monkeypatch.setattr(bench.Runner, "__call__", fake)
+    out = mod.main(["--result", str(tmp_path / "r.json"), "--lr", "0.002", "--out", str(tmp_path / "runs"),
+                    "--json", str(tmp_path / "o.json")])
+    assert [(a, s, lr, b) for a, s, lr, b, _ in seen] == [("baseline", 1, 0.002, True),
+                                                          ("predict-gradient", 1, 0.002, False),
+                                                          ("baseline", 2, 0.002, True),
+                                                          ("predict-gradient", 2, 0.002, False)]
+    assert seen[1][4] == bench.ARMS["predict-gradient"].hybrid
+    grad = out["arms"]["predict-gradient"]["per_seed"]
+    assert grad["1"]["vs_plain_same_lr_pct"] == pytest.approx(1.0)
+    assert grad["2"]["vs_swept_plain_pct"] == pytest.approx(100 * (2.12 - 2.2) / 2.2)
+    assert json.loads((tmp_path / "o.json").read_text())["lr"] == 0.002
+    with pytest.raises(SystemExit, match="--lr"):
+        mod.main(["--result", str(tmp_path / "r.json"), "--lr", "0"])
+    with pytest.raises(SystemExit, match="--result"):
+        mod.main(["--result", str(tmp_path / "none.json"), "--lr", "0.002"])

@@ -7,8 +7,9 @@ import torch
 
 from ds_hybrid.config import ConfigError
 from ds_hybrid.engine import default_loss
+from ds_hybrid.grad_predict import batch_share
 from ds_hybrid.phases import Phase
-from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, master_copies
+from engine_utils import EAGER, MICRO, Batches, ds_config, full_params, make_engine, master_copies
 
 GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
 SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
@@ -41,13 +42,18 @@ def _moments(engine, key: str) -> list[torch.Tensor]:
     return [p.state[key].detach().clone() for p in engine._masters.partitions()]
 
 
-def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_moment_held():
+@pytest.mark.parametrize("gas, fraction, used", [(1, 1.0, None), (2, 0.5, "first micro-batch"),
+                                                 (1, 0.5, "first half of the sequences"),
+                                                 (4, 0.6, "first 2 micro-batches")])
+def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_moment_held(gas, fraction, used):
     """ZeRO 0 fp32, where the masters are the parameters: one gradient Predict step, computed by
-    hand from the step's batch (clipped as DeepSpeed clips), the optimizer's first moment, its
-    second moment and step count untouched."""
-    engine = _engine(SETUPS["z0"])
+    hand from the step's batch (clipped as DeepSpeed clips; with ``gradient_batch_fraction`` from
+    the share of it that says), the optimizer's first moment, its second moment and step count
+    untouched."""
+    hybrid = dict(GRAD, predictor={"direction": "gradient", "gradient_batch_fraction": fraction})
+    engine = _engine(SETUPS["z0"], hybrid, gas=gas)
     batches = Batches()
-    _until(engine, batches, Phase.PREDICT)
+    _until(engine, batches, Phase.PREDICT, gas=gas)
     opt = engine._masters.base
     group = opt.param_groups[0]
     params = [p for p in engine.module.parameters()]
@@ -55,8 +61,12 @@ def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_momen
     m0 = [opt.state[p]["exp_avg"].clone() for p in params]
     v0 = [opt.state[p]["exp_avg_sq"].clone() for p in params]
     step = next(engine._masters.partitions()).step   # (FusedAdam counts on the group's last parameter only)
-    batch = batches.step()
-    loss = default_loss(engine.module, batch[0])   # (module(**batch).loss: the private forward)
+    batch = batches.step(gas)
+    share = {None: batch, "first micro-batch": batch[:1], "first 2 micro-batches": batch[:2],
+             "first half of the sequences": [{k: v[:v.shape[0] // 2] for k, v in batch[0].items()}]}[used]
+    assert share[0]["input_ids"].shape[0] == (MICRO // 2 if used == "first half of the sequences" else MICRO)
+    # (the mean over the micro-batches it takes, as the private backward takes it)
+    loss = sum(default_loss(engine.module, b) for b in share) / len(share)
     grads = torch.autograd.grad(loss, params)
     norm = float(torch.cat([g.reshape(-1) for g in grads]).norm())
     coef = max((norm + 1e-6) / 1.0, 1.0)   # ds_config gradient_clipping 1.0
@@ -64,6 +74,7 @@ def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_momen
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     r = engine.train_step(batch)
     assert r.phase == "predict" and r.backward_ran and r.loss == pytest.approx(float(loss), rel=1e-6)
+    assert engine.micro_steps == gas * engine.global_steps, "the step stands for its whole batch"
     for p, x, g, m, v in zip(params, before, grads, m0, v0):
         m_run = beta1 * m + (1 - beta1) * g / coef
         expect = x - lr * wd * x - lr * (m_run / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps)
@@ -96,6 +107,41 @@ def test_zero_1_to_3_take_the_same_steps_as_zero_0(name):
     # would move them by about the LR (2e-3 here) per Predict step.
     for x, y in zip(full_params(ref), full_params(eng)):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("name", ["z2-offload", "z3-offload"])
+def test_a_batch_share_takes_the_same_steps_on_zero_1_to_3_as_on_zero_0(name):
+    """``gradient_batch_fraction`` 0.5 with 2 micro-batches a step: the Predict steps' gradient
+    from the first alone (on ZeRO 3 each parameter's share taken once), as on ZeRO 0."""
+    hybrid = dict(GRAD, predictor={"direction": "gradient", "gradient_batch_fraction": 0.5})
+    ref, eng = _engine(SETUPS["z0"], hybrid, gas=2), _engine(SETUPS[name], hybrid, gas=2)
+    full = _engine(SETUPS["z0"], gas=2)
+    a, b, c = Batches(), Batches(), Batches()
+    for _ in range(12):
+        ra, rb, rc = ref.train_step(a.step(2)), eng.train_step(b.step(2)), full.train_step(c.step(2))
+        assert ra.phase == rb.phase == rc.phase
+        assert rb.loss == pytest.approx(ra.loss, rel=1e-5)
+    assert ref.statistics()["predict_accepted"] >= 4
+    for x, y in zip(full_params(ref), full_params(eng)):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=5e-5)
+    # (and not the steps of the whole batch: the share is what moved them)
+    assert max(float((x - z).abs().max()) for x, z in zip(full_params(ref), full_params(full))) > 1e-4
+
+
+def test_batch_share_cuts_micro_batches_or_sequences_alike_on_every_rank():
+    x = torch.arange(24).reshape(6, 4)
+    mask = torch.ones(4, 4)   # shared by the sequences: not cut
+    one = [{"input_ids": x, "labels": x, "mask": mask}]
+    cut = batch_share(one, 0.5)[0]
+    assert torch.equal(cut["input_ids"], x[:3]) and torch.equal(cut["labels"], x[:3]) and cut["mask"] is mask
+    assert batch_share(one, 0.01)[0]["input_ids"].shape[0] == 1, "at least one sequence"
+    assert batch_share(one, 1.0) is one
+    assert torch.equal(batch_share([(x, mask)], 0.34)[0][0], x[:2])
+    four = [x, x + 1, x + 2, x + 3]
+    assert len(batch_share(four, 0.3)) == 1 and batch_share(four, 0.3)[0] is x, "the first, whole"
+    assert len(batch_share([x] * 8, 0.5)) == 4 and len(batch_share([x] * 8, 0.01)) == 1
+    with pytest.raises(ConfigError, match="gradient_batch_fraction"):
+        batch_share([object()], 0.5)
 
 
 @pytest.mark.parametrize("name", ["z0", "z2-offload", "z3-offload"])

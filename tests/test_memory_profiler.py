@@ -301,3 +301,14 @@ def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_p
     plain = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4",
                          "--out", str(tmp_path / "plain"), "--json", str(tmp_path / "p.json")])
     assert plain["runs"][0]["wall_clock_ms"] is None and "backward's own" not in plain["table_markdown"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "1b-16gb", "7b-24gb"])
+def test_every_memory_bench_variant_is_a_valid_config_on_the_gpu_stages_presets(preset):
+    """benchmarks/gpu_run.sh runs these on a lent GPU whose minutes are few: a variant that does not
+    parse there would waste a stage."""
+    from ds_hybrid.config import parse_hybrid_config
+    from ds_hybrid.memory import bench as mbench
+    for kind, variant in mbench.VARIANTS.items():
+        if variant is not None:
+            assert parse_hybrid_config(mbench.run_config(4, 12, variant, preset)).enabled, kind

@@ -152,3 +152,20 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
             assert st["offload_predict"] == where and st["gradient_nonfinite_steps"] == 1
             assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
     assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
+
+
+@pytest.mark.slow
+def test_a_gradient_from_part_of_the_batch_keeps_the_ranks_together_on_zero_3(tmp_path):
+    """predictor.gradient_batch_fraction 0.5 with 2 micro-batches a step, ZeRO 3, 2 ranks, the
+    device path: every rank takes the first micro-batch alone (the rule reads only shapes), so
+    the per-parameter all-reduces pair up and both ranks end on the same weights, through rank
+    0's NaN loss and rank 1's rejected check."""
+    ranks = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "16", "--faults", "--gas", "2",
+                                              "--offload-predict", "device", "--direction", "gradient",
+                                              "--gradient-batch-fraction", "0.5"], 2, tmp_path)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
+    assert [tuple(s[c] for c in cols) for s in ranks[1]["record"]] == [tuple(s[c] for c in cols)
+                                                                      for s in ranks[0]["record"]]
+    st = ranks[0]["statistics"]
+    assert st["gradient_nonfinite_steps"] == 1 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+    assert len({rep["weights_sha256"] for rep in ranks}) == 1

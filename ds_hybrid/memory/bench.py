@@ -96,6 +96,11 @@ VARIANTS: dict[str, dict | None] = {
     "grad-device": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "device"},
                     "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
                     "check": "next_step"},
+    # ... each Predict step's gradient from half of its batch (predictor.gradient_batch_fraction):
+    # half its forward and backward, where those are a real step's dear part too.
+    "grad-device-half": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.5},
+                         "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
+                         "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},
