@@ -6,14 +6,16 @@
 #   bash benchmarks/gpu_run.sh OUT STAGE...
 #
 # (The memory stages keep their runs and timelines under /tmp and copy the JSON and one PNG: the
-# lent machine returns at most 8 files.)
+# lent machine returns at most 8 files. off1b, grad1b and gradz3 write their JSON into OUT after every
+# run, so that a stage cut off by the call's time limit keeps the runs it finished.)
 #
 # stages:
 #   env      nvidia-smi, versions, `ds-hybrid report`
 #   ops      build DeepSpeed's FusedAdam and CPU Adam and ds_hybrid's host fold now (they JIT-compile at first use)
 #   tests    the GPU-marked tests (kernels against their references, moment parking on CUDA,
 #            overlapped parking bit-identical, the RSSM predictor on the GPU against the CPU one,
-#            the device path's Predict run and commit under offload_optimizer)
+#            the device path's Predict run and commit under offload_optimizer, the stager's pinned copies;
+#            the whole log in OUT/tests.log)
 #   kernels  ds-hybrid kernel-bench                          -> OUT/kernels.json
 #   attn     ds-hybrid attn-bench on CUDA                    -> OUT/attention-cuda.json
 #   mem124   GPT-2 124M (86M at vocabulary 256), gpt2-124m preset, micro batch 16 x 1024:
@@ -34,14 +36,15 @@
 #            per phase, the bookkeeping timers and DeepSpeed's forward / backward / step timers per phase
 #            (--wall-clock: what a Predict step that takes its gradient on the GPU would cost)
 #                                                            -> OUT/offload-gpu-1b.json
-#   grad1b   the same layout, Predict steps that take their own gradient (predictor.direction: gradient, 1 real :
-#            3 Predict): on the host path (the gradient brought to the host masters) and on the device path (the
-#            run's Adam moments in bf16 beside the GPU's 16-bit weights, the masters caught up once per kept run),
-#            against plain ZeRO-Offload, and the device path with each Predict step's gradient from half the
-#            batch (grad-device-half): step time per phase, bookkeeping and DeepSpeed's timers (the issue's bar:
-#            a Predict step at most 0.1x a plain step, real steps at most 1.05x). GRAD1B_VARIANTS picks fewer,
-#            GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8 forwards and
-#            backwards beside its CPU Adam step)
+#   grad1b   the same layout: plain ZeRO-Offload against Predict steps that take their own gradient
+#            (predictor.direction: gradient, 1 real : 3 Predict) on the device path (the run's Adam moments in
+#            bf16 beside the GPU's 16-bit weights, copied there behind the run's first forward and backward, the
+#            masters caught up once per kept run), and the drift step's device path checked by the next real step
+#            (drift-int8-device-next: no forward of its own) and verified each step (drift-int8-device): step time
+#            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
+#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
+#            2026-11-26), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
+#            forwards and backwards beside its CPU Adam step)
 #                                                            -> OUT/offload-gpu-1b-grad.json
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
 #            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
@@ -106,9 +109,10 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
-        tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py \
-        -rs 2>&1 | tail -25
-      stage_rc tests "${PIPESTATUS[0]}" "$t0" ;;
+        tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
+        -rfEs > "$OUT/tests.log" 2>&1
+      rc=$?; tail -25 "$OUT/tests.log"   # (the whole log, failures first in its summary, is in OUT)
+      stage_rc tests $rc "$t0" ;;
     kernels)
       $DSH kernel-bench --json "$OUT/kernels.json"
       stage_rc kernels $? "$t0" ;;
@@ -151,21 +155,21 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
         --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device drift-int8-device-inline --wall-clock \
         --out /tmp/off1b \
-        --json /tmp/res/offload-gpu-1b.json
-      rc=$?; cp /tmp/res/offload-gpu-1b.json "$OUT/"
+        --json "$OUT/offload-gpu-1b.json"
+      rc=$?
       stage_rc off1b $rc "$t0" ;;
     grad1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device grad-device-half grad-host} --wall-clock \
+        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device drift-int8-device-next drift-int8-device} --wall-clock \
         --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \
-        --json /tmp/res/offload-gpu-1b-grad.json
-      rc=$?; cp /tmp/res/offload-gpu-1b-grad.json "$OUT/"
+        --json "$OUT/offload-gpu-1b-grad.json"
+      rc=$?
       stage_rc grad1b $rc "$t0" ;;
     gradz3)
       $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
         --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
-        --json /tmp/res/offload-gpu-1b-grad-z3.json
-      rc=$?; cp /tmp/res/offload-gpu-1b-grad-z3.json "$OUT/"
+        --json "$OUT/offload-gpu-1b-grad-z3.json"
+      rc=$?
       stage_rc gradz3 $rc "$t0" ;;
     offbench)
       launcher=python; command -v numactl >/dev/null && launcher=deepspeed

@@ -302,7 +302,7 @@ class MemoryConfig(_Section):
     (``offload_optimizer``, DeepSpeed's CPU accelerator): a real step's fold into the velocity,
     a drift Predict step's update of the masters (host path) or of a 16-bit partition in host
     memory (device path with ZeRO 3's ``offload_param: cpu``), and a kept run's commit into the
-    masters. ``cpp`` = one pass each of ``kernels/host_fold.cpp`` on torch's threads, built on
+    masters (a drift run's, and a gradient run's catch-up with the 16-bit weights). ``cpp`` = one pass each of ``kernels/host_fold.cpp`` on torch's threads, built on
     first use with torch's C++ extension builder (a compiler and ninja, as DeepSpeed's
     ``cpu_adam``; fails naming this key when it cannot be built); ``torch`` = torch ops a chunk at
     a time (the reference: about twenty passes over memory for the fold, four for an update);

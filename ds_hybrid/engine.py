@@ -244,6 +244,9 @@ class PredictiveEngine(DeepSpeedEngine):
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
                           if self.hybrid_config.predictor.direction in ("drift", "none") else None)
+        if self._velocity is not None and self._masters_on_cuda:
+            # host velocity beside GPU shards: pinned, so each run's upload is one DMA, not a pageable copy
+            self._velocity.pin = True
         if self._velocity is not None and any(p.master.device.type == "cpu" for p in self._masters.partitions()):
             self._host_kernel = host_kernels.resolve(mem.host_kernels)   # (built here, before the first step)
             if self._device_predict is not None:
@@ -254,6 +257,8 @@ class PredictiveEngine(DeepSpeedEngine):
             self._gradient = self._make_gradient_predict()
             if self._gradient.on_device:   # its work is on the 16-bit shards: time it there
                 self._masters_on_cuda = any(self._gradient._shard(i).is_cuda for i in range(self._masters._count()))
+                if any(p.master.device.type == "cpu" for p in self._masters.partitions()):
+                    self._gradient.host_kernel = host_kernels.resolve(mem.host_kernels)   # (the commit's catch-up)
         overlap = mem.commit_overlap
         self._commit_overlap = self._device_path() and (
             overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
@@ -356,6 +361,9 @@ class PredictiveEngine(DeepSpeedEngine):
                     self._wait_fold()
             finally:
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
+            if self.controller.phase is Phase.PREDICT and self._gradient is not None:
+                # a run begins next: its moments cross to the GPU behind its first forward and backward
+                self._gradient.prefetch()
         self._sync()
         if self._wall_clock is not None:
             self._wall_clock.after_step(result.phase)
@@ -414,6 +422,8 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["moment_parking"] = self._parking.mode
             if self._gradient is not None:   # Predict steps whose gradient was NaN/Inf on a rank: moved nothing
                 out["gradient_nonfinite_steps"] = self._gradient.nonfinite
+                # runs whose moments were copied behind the step before them (prefetch), and such copies dropped as stale
+                out["gradient_prefetched_runs"], out["gradient_prefetch_stale"] = self._gradient.prefetched
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type

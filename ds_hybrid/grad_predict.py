@@ -42,9 +42,10 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from . import kernels
+from . import host_kernels, kernels
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
+from .staging import Stager
 from .zero_access import MasterAccess, _flat
 
 Timer = Callable[[str], ContextManager]
@@ -145,6 +146,15 @@ class GradientPredict(WorkerOwner):
         self.v: list[torch.Tensor | None] = []
         self.nonfinite = 0   # Predict steps whose gradient was NaN/Inf on some rank (they moved nothing)
         self._worker = HostWorker("gradient-commit", "commit of a kept gradient Predict run")
+        # The moments' copies between host memory and a GPU: cast on the host, through pinned chunks
+        self._stager = Stager()
+        # memory.host_kernels resolved (the engine sets it where the masters are in host memory):
+        # the commit's catch-up in one C++ pass (host_kernels.catch_up), bit for bit the torch ops
+        self.host_kernel = False
+        # prefetch(): the next run's copies being made on the worker, then (key, m, v) once joined
+        self._prefetching = False
+        self._next: tuple | None = None
+        self.prefetched = [0, 0]   # runs that began from a prefetch's copies; prefetches dropped as stale
         self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
 
     @property
@@ -160,7 +170,8 @@ class GradientPredict(WorkerOwner):
         """This step's gradient (the mean over its micro-batches, or the share of them
         ``batch_fraction`` keeps, and the ranks, clipped as DeepSpeed clips) into the run's first
         moment. Collective. False (nothing changed) when it is not finite on some rank."""
-        self.wait()   # (a commit behind the last real step reads the state this run copies)
+        if not self._prefetching:   # (a prefetch goes on behind this gradient; _begin joins it)
+            self.wait()   # (a commit behind the last real step reads the state this run copies)
         batches = batch_share(batches, self.batch_fraction)
         with timed("gradient"):
             laid = None   # ZeRO 3: the gradient already laid like the masters, one tensor per partition
@@ -302,25 +313,79 @@ class GradientPredict(WorkerOwner):
 
     def _begin(self) -> None:
         """The run's first moment (and on the device path its second moment) beside what the
-        steps move: copies of the optimizer's, taken once per run."""
-        self.m, self.v = [], []
-        for i, part in enumerate(self.access.partitions()):
+        steps move: copies of the optimizer's, taken once per run (or by ``prefetch`` before it,
+        used when the optimizer has not stepped since)."""
+        self.wait()
+        parts = list(self.access.partitions())
+        ready, self._next = self._next, None
+        if ready is not None:
+            if ready[0] == self._state_key(parts):
+                self.m, self.v = ready[1], ready[2]
+                self.prefetched[0] += 1
+                return
+            self.prefetched[1] += 1
+        self.m, self.v = self._state_copies(parts, [self._shard(i) for i in range(len(parts))]
+                                            if self.on_device else [])
+
+    @staticmethod
+    def _state_key(parts: list) -> tuple:
+        """What the copies were made from: each partition's step count and moment tensors."""
+        return tuple((p.step, id(p.state.get("exp_avg")), id(p.state.get("exp_avg_sq"))) for p in parts)
+
+    def _state_copies(self, parts: list, shards: list) -> tuple[list, list]:
+        ms: list = []
+        vs: list = []
+        for i, part in enumerate(parts):
             if "exp_avg" not in part.state or part.master.numel() == 0:
-                self.m.append(None)
-                self.v.append(None)
+                ms.append(None)
+                vs.append(None)
                 continue
             if not self.on_device:
-                self.m.append(part.state["exp_avg"].detach().clone())
-                self.v.append(None)   # (the optimizer's own exp_avg_sq is read in place)
+                ms.append(part.state["exp_avg"].detach().clone())
+                vs.append(None)   # (the optimizer's own exp_avg_sq is read in place)
                 continue
-            shard = self._shard(i)
+            shard = shards[i]
             m = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
-            m.copy_(part.state["exp_avg"].view(-1), non_blocking=True)
+            self._copy(m, part.state["exp_avg"].view(-1))
             v = part.state["exp_avg_sq"].view(-1)
             if v.device != shard.device or v.dtype != self.state_dtype:   # (read-only: no copy where it can be read)
-                v = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device).copy_(v, non_blocking=True)
-            self.m.append(m)
-            self.v.append(v)
+                w = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
+                self._copy(w, v)
+                v = w
+            ms.append(m)
+            vs.append(v)
+        return ms, vs
+
+    def prefetch(self) -> None:
+        """The next step begins a run (the engine calls this after the real step before it):
+        make the run's copies of the moments now, on the host thread, while that step's forward
+        and backward run (its gradient needs no moment). Only where they cross to another
+        device (the device path beside a GPU); elsewhere ``_begin`` copies in place of it."""
+        if not self.on_device or self.m is not None or self._worker.running:
+            return
+        parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
+        shards = [self._shard(i) for i in range(len(parts))]
+        if not self._crosses(parts, shards):
+            return
+        key = self._state_key(parts)
+
+        def job() -> tuple:
+            ms, vs = self._state_copies(parts, shards)
+            return key, ms, vs
+
+        self._next = None
+        self._prefetching = True
+        self._worker.start(job)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+        """``dst.copy_(src)``; between host memory and a GPU through the stager (the cast on the
+        host, pinned chunks: no pageable copy, no GPU transient)."""
+        if dst.device == src.device:
+            dst.copy_(src)
+        elif src.device.type == "cpu":
+            self._stager.upload(dst, src, after)
+        else:
+            self._stager.download(dst, src, after=after)
 
     @torch.no_grad()
     def apply(self, step: int) -> None:
@@ -363,27 +428,38 @@ class GradientPredict(WorkerOwner):
         shards = [self._shard(i) for i in range(len(parts))] if self.on_device else []
         run, self.m, self.v = self.m, None, []
         if background and self.on_device and not resync:
-            self._worker.start(lambda: self._hand_over(parts, run, shards))
+            # (the thread's copies wait for the run's last update, not for what this step queues after it)
+            ready = Stager.mark(shards[0].device) if shards else None
+            self._worker.start(lambda: self._hand_over(parts, run, shards, ready))
             return
         self._hand_over(parts, run, shards)
         if self.on_device and resync:
             self.access.lp_current = False
             self.access.propagate()
 
-    @staticmethod
-    def _hand_over(parts: list, run: list, shards: list) -> None:
+    def _hand_over(self, parts: list, run: list, shards: list, after=None) -> None:
         """The run's first moment into the optimizer's, and (``shards``: the device path) the
-        masters caught up with the 16-bit weights."""
+        masters caught up with the 16-bit weights. ``after``: the event its copies from a GPU
+        wait for (``Stager.mark``; None: the work queued so far)."""
         for i, (part, m) in enumerate(zip(parts, run)):
             if m is None:
                 continue
-            part.state["exp_avg"].view(-1).copy_(m.view(-1))
+            self._copy(part.state["exp_avg"].view(-1), m.view(-1), after)
             if shards:
-                _catch_up(_flat(part.master), shards[i])
+                _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+
+    @staticmethod
+    def _crosses(parts: list, shards: list) -> bool:
+        """Some moment lives on another device than its 16-bit partition (a GPU beside host masters)."""
+        return any("exp_avg" in p.state and p.state["exp_avg"].device != s.device for p, s in zip(parts, shards))
 
     def wait(self) -> None:
-        """Join a commit running in the background, re-raising its error."""
-        self._worker.wait()
+        """Join a commit or a prefetch running in the background, re-raising its error (a
+        prefetch's copies are kept for the run they were made for)."""
+        prefetching, self._prefetching = self._prefetching, False
+        got = self._worker.wait()
+        if prefetching:
+            self._next = got
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -415,7 +491,7 @@ class GradientPredict(WorkerOwner):
         the device path. Returns why a saved run could not be taken up as it was (None: it was,
         or there was none); the loaded weights are then the last good point."""
         self.wait()
-        self.m, self.v = None, []
+        self.m, self.v, self._next = None, [], None   # (a prefetch was made from the state being replaced)
         if not sd:
             return None
         self.nonfinite = int(sd.get("nonfinite", 0))
@@ -451,17 +527,34 @@ class GradientPredict(WorkerOwner):
 
 
 @torch.no_grad()
-def _catch_up(master: torch.Tensor, shard: torch.Tensor) -> None:
+def _catch_up(master: torch.Tensor, shard: torch.Tensor, stager: Stager | None = None, after=None,
+              host_kernel: bool = False) -> None:
     """``master = shard + (master - round(master))`` a chunk at a time: the master moves by the
     16-bit weight's change over the run (the weight was ``round(master)`` at its start) and keeps
-    its residual below 16 bits. With an fp32 shard the master becomes the shard exactly."""
+    its residual below 16 bits. With an fp32 shard the master becomes the shard exactly. A shard
+    on a GPU comes down a chunk at a time through ``stager``'s pinned buffers (16-bit across PCIe),
+    each chunk's arithmetic on the host while the next crosses; ``host_kernel``: that arithmetic in
+    one C++ pass (``host_kernels.catch_up``) where the master is in host memory."""
     if shard.dtype == torch.float32:
-        master.copy_(shard)
+        if stager is not None and shard.device != master.device:
+            stager.download(master, shard, after=after)
+        else:
+            master.copy_(shard)
         return
     from .quant import CHUNK, scratch
     work, res = scratch(master.device, 0, master.numel()), scratch(master.device, 1, master.numel())
+
+    def take(s: torch.Tensor, a: int, b: int) -> None:
+        if host_kernel and master.device.type == "cpu" and s.device.type == "cpu" and s.is_contiguous():
+            host_kernels.catch_up(master[a:b], s)
+            return
+        w = work[:b - a].copy_(s)
+        r = res[:b - a].copy_(master[a:b].to(s.dtype))
+        master[a:b].sub_(r).add_(w)
+
+    if stager is not None and shard.device != master.device:
+        stager.download(master, shard, take, after=after)
+        return
     for a in range(0, master.numel(), CHUNK):
         b = min(a + CHUNK, master.numel())
-        w = work[:b - a].copy_(shard[a:b])   # (a GPU shard's chunk comes down here)
-        r = res[:b - a].copy_(master[a:b].to(shard.dtype))
-        master[a:b].sub_(r).add_(w)
+        take(shard[a:b], a, b)

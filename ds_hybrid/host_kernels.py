@@ -13,7 +13,8 @@ The same file's ``shift`` adds a drift Predict step's ``coef x v`` to a copy of 
 host memory in one pass (the torch ops: a dequantised chunk, a widened 16-bit chunk, the add, the
 narrowing copy back): the host path's update of the fp32 masters, the device path's update of a
 16-bit partition that lives in host memory (ZeRO 3 with ``offload_param: cpu``, DeepSpeed's CPU
-accelerator), and a kept run's commit into the masters.
+accelerator), and a kept run's commit into the masters. Its ``catch_up`` is the gradient Predict
+run's commit: the masters caught up with the 16-bit weights the run moved, in one pass.
 
 ``zero_access.fold_real_update(..., host_kernel=True)``, ``zero_access.apply_velocity_update``
 and ``device_predict.DevicePredict`` (``host_kernel``) call them; the torch paths stay the
@@ -110,3 +111,10 @@ def shift(x: torch.Tensor, vel, coefs, sumsq: bool = False) -> float:
     empty = torch.empty(0, dtype=torch.float32)
     return load().shift(x, vel.data, vel.scale if vel.dtype == "int8" else empty, VDTYPES[vel.dtype],
                         [float(c) for c in coefs], bool(sumsq))
+
+
+def catch_up(master: torch.Tensor, w: torch.Tensor) -> None:
+    """``master = (master - round(master)) + w`` for a flat fp32 ``master`` and a flat bf16 / fp16
+    ``w`` of as many values, both in host memory: bit for bit ``grad_predict._catch_up``'s torch
+    ops, in one pass."""
+    load().catch_up(master, w)

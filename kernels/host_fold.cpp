@@ -366,6 +366,35 @@ double shift(torch::Tensor x, torch::Tensor vdata, torch::Tensor vscale, int64_t
   return 0.0;
 }
 
+// A kept gradient Predict run's masters caught up with the 16-bit weights the run moved
+// (grad_predict._catch_up): master = (master - round16(master)) + w, per value, in that order and
+// with those two roundings, as the torch ops (sub_ then add_) compute it; round16 is torch's
+// round-to-nearest-even narrowing. One pass: the master read and written once, w read once
+// (the torch ops: five passes and two widened transients per chunk).
+template <typename T>
+void catch_up_typed(float* m, const T* w, int64_t n) {
+  at::parallel_for(0, n, 1 << 15, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const float r = static_cast<float>(static_cast<T>(m[i]));
+      const float t = m[i] - r;
+      m[i] = t + static_cast<float>(w[i]);
+    }
+  });
+}
+
+void catch_up(torch::Tensor master, torch::Tensor w) {
+  TORCH_CHECK(master.is_contiguous() && master.device().is_cpu() && master.scalar_type() == torch::kFloat32,
+              "host_catch_up: the master must be contiguous fp32 in host memory");
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu() && w.numel() == master.numel(),
+              "host_catch_up: the weights must be contiguous, in host memory, as many as the master's");
+  const int64_t n = master.numel();
+  switch (w.scalar_type()) {
+    case torch::kBFloat16: catch_up_typed<at::BFloat16>(master.data_ptr<float>(), w.data_ptr<at::BFloat16>(), n); break;
+    case torch::kFloat16: catch_up_typed<at::Half>(master.data_ptr<float>(), w.data_ptr<at::Half>(), n); break;
+    default: TORCH_CHECK(false, "host_catch_up: the weights must be bf16 or fp16, not ", w.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is released for the pass: with memory.fold_overlap it runs on a host thread while the
   // main thread launches the next step's forward and backward (the arguments are converted first).
@@ -373,5 +402,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>());
   // Released too: a kept run's commit runs on a host thread (memory.commit_overlap).
   mod.def("shift", &shift, "x += c v for each step's coefficient, one pass (see host_fold.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  // Released too: the gradient run's commit runs on a host thread (memory.commit_overlap).
+  mod.def("catch_up", &catch_up, "master = (master - round16(master)) + w, one pass (see host_fold.cpp)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -213,13 +213,18 @@ def test_kernel_bench_writes_under_runs_unless_told(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
-def test_memory_bench_writes_its_result_into_its_out_folder(tmp_path, monkeypatch):
+def _bench_summary() -> dict:
+    """What a memory-bench training subprocess's summary.json holds, for a faked run."""
     phase = {"steps": 4, "rss_peak_mb": 900.0, "rss_peak_mean_mb": 890.0, "rss_mean_mb": 880.0,
              "step_time_mean_s": 0.01}
-    summary = {"memory": {"baseline_rss_mb": 800.0, "phases": {"full": phase}, "setup_peak_rss_mb": 850.0,
-                          "process_peak_rss_mb": 900.0, "overhead_fraction": 0.001, "overhead_us_per_step": 200.0,
-                          "spikes": []},
-               "parameters": 38_000, "statistics": {"steps_per_phase": {"full": 4}}, "host": {"accelerator": "cpu"}}
+    return {"memory": {"baseline_rss_mb": 800.0, "phases": {"full": phase}, "setup_peak_rss_mb": 850.0,
+                       "process_peak_rss_mb": 900.0, "overhead_fraction": 0.001, "overhead_us_per_step": 200.0,
+                       "spikes": []},
+            "parameters": 38_000, "statistics": {"steps_per_phase": {"full": 4}}, "host": {"accelerator": "cpu"}}
+
+
+def test_memory_bench_writes_its_result_into_its_out_folder(tmp_path, monkeypatch):
+    summary = _bench_summary()
     ran = []
 
     def fake_run(spec, kind, out, *rest):   # stands in for the training subprocess
@@ -239,6 +244,32 @@ def test_memory_bench_writes_its_result_into_its_out_folder(tmp_path, monkeypatc
     assert repo_result.read_bytes() == before
     message = exit_message(lambda: mbench.main(["--preset", "no-such-preset"]))
     assert message.startswith("--preset: 'no-such-preset' is neither a file nor a preset")
+
+
+def test_memory_bench_keeps_going_past_a_failed_run_and_writes_after_every_run(tmp_path, monkeypatch):
+    summary = _bench_summary()
+    seen = []   # what the result file held when each run started
+
+    def fake_run(spec, kind, out, *rest):
+        jp = tmp_path / "r.json"
+        seen.append(json.loads(jp.read_text()) if jp.is_file() else None)
+        out.mkdir(parents=True)
+        if kind == "adam":
+            (out / "train.log").write_text("step 1\ntorch.OutOfMemoryError: CUDA out of memory\n")
+            raise RuntimeError(f"memory-bench run {spec.name}/{kind} failed (exit 1); see {out / 'train.log'}")
+        return summary
+
+    monkeypatch.setattr(mbench, "run_one", fake_run)
+    monkeypatch.chdir(tmp_path)
+    message = exit_message(lambda: mbench.main(["--models", "gpt2-test", "--variants", "full", "adam", "drift-int8",
+                                                "--steps", "4", "--json", "r.json"]))
+    assert message.startswith("memory-bench: 1 run(s) failed: gpt2-test/adam")
+    assert seen[0] is None
+    assert [r["run"] for r in seen[1]["runs"]] == ["full"] and not seen[1]["complete"]
+    assert [f["run"] for f in seen[2]["failed"]] == ["adam"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["complete"] and [r["run"] for r in written["runs"]] == ["full", "drift-int8"]
+    assert written["failed"][0]["log_tail"][-1] == "torch.OutOfMemoryError: CUDA out of memory"
 
 
 # ------------------------------------------------------------ DeepSpeed's op builds

@@ -321,7 +321,8 @@ def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
     launches = kernels.LAUNCHES["drift_shift"]
     while dev.controller.phase.value == "predict":
         dev.train_step(b.step())
-    if kernels.cupy_available():   # hybrid_predict.kernels: auto takes the kernel for GPU shards
+    if kernels.cupy_available() and stage != "z3":   # hybrid_predict.kernels: auto takes the kernel for GPU shards
+        # (ZeRO 3 with offload_param: cpu keeps the 16-bit partition in host memory: host_kernels moves it)
         assert kernels.LAUNCHES["drift_shift"] > launches
     assert all(torch.equal(a, m) for a, m in zip(masters, master_copies(dev)))
     assert any(not torch.equal(a, w) for a, w in zip(weights, full_params(dev)))

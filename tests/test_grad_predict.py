@@ -337,6 +337,38 @@ def test_a_device_run_leaves_the_masters_and_moments_alone_and_rolls_back_exactl
     assert not dev._gradient.pending
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_runs_moments_copied_behind_the_step_before_it_train_as_copies_made_at_its_start(stage):
+    """Beside a GPU the run's moments cross PCIe: the engine starts their copies on the host thread
+    after the real step before the run (``prefetch``), and the run's first step joins them only
+    after its gradient. Here the crossing is declared on the CPU accelerator: every step's
+    weights, masters and moments are those of copies made at the run's start, and a copy made
+    from a state that changed since (here the first moment replaced) is dropped, not used."""
+    ref, fetch = _paths(stage)[1], _paths(stage)[1]
+    fetch._gradient._crosses = lambda parts, shards: True
+    a, b = Batches(seed=6), Batches(seed=6)
+    began = changed = 0
+    for _ in range(16):
+        if began == 2 and not changed:   # a state change the copies must not miss (as a checkpoint's load makes)
+            fetch._gradient.wait()   # (the copies are made; their key says from what)
+            for eng in (ref, fetch):
+                part = next(eng._masters.partitions())
+                part.state["exp_avg"] = part.state["exp_avg"] * 2
+            changed = 1
+        ra, rb = ref.train_step(a.step()), fetch.train_step(b.step())
+        assert (ra.phase, ra.loss, ra.checked) == (rb.phase, rb.loss, rb.checked)
+        if fetch.phase is Phase.PREDICT and rb.phase != "predict":
+            assert fetch._gradient.running   # the copies go on behind the next step's start
+            began += 1
+        for got, want in ((full_params(fetch), full_params(ref)), (master_copies(fetch), master_copies(ref)),
+                          (_moments(fetch, "exp_avg"), _moments(ref, "exp_avg"))):
+            assert _equal(got, want)
+    st = fetch.statistics()
+    assert began >= 3 and st["gradient_prefetched_runs"] + st["gradient_prefetch_stale"] == began
+    assert st["gradient_prefetch_stale"] >= 1 and st["gradient_prefetched_runs"] >= 2
+    assert ref.statistics()["gradient_prefetched_runs"] == 0   # (nothing crosses on this CPU)
+
+
 def test_device_path_bf16_weights_within_stochastic_rounding():
     """bf16 parameters: the first Predict step of a run moves the host path's weights and the
     device path's by the same update (the same gradient and moments), rounded to nearest from the

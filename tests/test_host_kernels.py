@@ -203,7 +203,54 @@ def test_the_engine_moves_host_copies_with_the_cpp_kernel_bit_for_bit(stage, whe
     assert any(not torch.equal(x, y) for x, y in zip(full_params(cpp), start))
 
 
-@pytest.mark.parametrize("kernel", ["fold", "shift"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_cpp_catch_up_matches_the_torch_ops(n, wdtype):
+    """A kept gradient run's commit: the masters take the 16-bit weights the run moved plus their
+    own residual below 16 bits; the one C++ pass is the torch ops bit for bit."""
+    from ds_hybrid.grad_predict import _catch_up
+    g = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=g) * 0.02
+    master[:3] = torch.tensor([0.0, -1e-30, 3.0e4])   # a zero, a value below 16-bit range, a large one
+    moved = (master + torch.randn(n, generator=g) * 1e-3).to(wdtype)
+    got, want = master.clone(), master.clone()
+    _catch_up(got, moved, host_kernel=True)
+    _catch_up(want, moved, host_kernel=False)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(got, master)
+    host_kernels.load()
+    with pytest.raises(RuntimeError, match="bf16 or fp16"):
+        host_kernels.catch_up(got, moved.float())
+    with pytest.raises(RuntimeError, match="as many as the master"):
+        host_kernels.catch_up(got, moved[:-1])
+
+
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_the_engine_catches_the_masters_up_with_the_cpp_kernel_bit_for_bit(stage):
+    """Gradient Predict runs on the device path under offload_optimizer: cpu with bf16 weights
+    (on ZeRO 3 the 16-bit partition in host memory): the kept runs' commits by the C++ pass and by
+    the torch ops give the same masters after every real step and the same weights after every step."""
+    hybrid = {"warmup_steps": 3, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
+              "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
+              "predictor": {"direction": "gradient"},
+              "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0}}
+    extra = dict(offload_param="cpu") if stage == "z3" else {}
+    engines = [make_engine(ds_config(stage=int(stage[1]), bf16=True, offload_opt="cpu", hybrid={
+        **hybrid, "memory": {"host_kernels": k, "offload_predict": "device"}}, **extra), seed=0)
+        for k in ("cpp", "torch")]
+    cpp, ref = engines
+    assert cpp._gradient.host_kernel and not ref._gradient.host_kernel
+    ba, bb = Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(14):
+        phases.append(step_together(cpp, ref, ba, bb).phase)
+        if phases[-1] != "predict":
+            for x, y in zip(master_copies(cpp), master_copies(ref)):
+                assert torch.equal(x, y)
+    assert phases.count("predict") >= 6 and cpp.statistics()["predict_accepted"] >= 6
+
+
+@pytest.mark.parametrize("kernel", ["fold", "shift", "catch_up"])
 def test_cpp_kernels_release_the_gil(kernel):
     """memory.fold_overlap runs the fold, and memory.commit_overlap a kept run's commit, on a host
     thread while the main thread launches the next step: the pass must not hold Python's lock.
@@ -221,8 +268,11 @@ def test_cpp_kernels_release_the_gil(kernel):
         span["start"] = time.perf_counter()
         if kernel == "fold":
             host_kernels.fold(w, m, v2, None, vel, [], CHUNK, 1e-3, 0.0, 0.9, 1.0, 1.0, 1e-8, False, True)
-        else:   # a long run's commit
+        elif kernel == "shift":   # a long run's commit
             host_kernels.shift(w, vel, [1e-3] * 16)
+        else:   # a gradient run's commit
+            for _ in range(16):
+                host_kernels.catch_up(w, m.to(torch.bfloat16))
         span["end"] = time.perf_counter()
 
     threads = torch.get_num_threads()
@@ -239,3 +289,22 @@ def test_cpp_kernels_release_the_gil(kernel):
     inside = torch.tensor([span["start"]] + [t for t in ticks if span["start"] < t < span["end"]] + [span["end"]],
                           dtype=torch.float64)
     assert float(inside.diff().max()) < 0.5 * (span["end"] - span["start"])
+
+
+def test_the_commit_benchmark_times_both_catch_ups_and_writes_its_table(tmp_path):
+    """benchmarks/grad_commit.py: the gradient run's commit on the host, the torch ops and the C++
+    pass, against DeepSpeed's CPU Adam step on as many values, into JSON and a table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "grad_commit.py"
+    spec = importlib.util.spec_from_file_location("grad_commit", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    result = mod.main(["--values", "5000", "--repeat", "1", "--json", str(out)])
+    assert [r["part"] for r in result["rows"]] == ["catch_up_torch", "catch_up_cpp", "first_moment_hand_over"]
+    assert all(r["ms"] > 0 and r["over_cpu_adam"] > 0 for r in result["rows"]) and result["cpu_adam_ms"] > 0
+    assert json.loads(out.read_text())["table_markdown"] == result["table_markdown"]
+    with pytest.raises(SystemExit, match="--values and --repeat"):
+        mod.main(["--values", "0"])

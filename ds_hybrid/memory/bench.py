@@ -74,6 +74,12 @@ VARIANTS: dict[str, dict | None] = {
     "drift-int8-device": {"predictor": {"direction": "drift"},
                           "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                      "fold_source": "optimizer_state"}},
+    # ... its runs checked by the next real step's forward instead of a verification forward per
+    # Predict step (check: next_step): a Predict step is then the velocity's step into the shards alone.
+    "drift-int8-device-next": {"predictor": {"direction": "drift"},
+                               "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                          "fold_source": "optimizer_state"},
+                               "check": "next_step", "correction_steps": 0},
     # ... with its host passes inline instead of on host threads behind the next forward and
     # backward (beside a GPU, auto is the threads): a kept run's commit into the masters, and
     # each real step's fold into the velocity.
@@ -302,6 +308,9 @@ def predictor_figures(summary: dict) -> dict:
     return {"predictor_ms_per_step": 1e3 * st["predictor_seconds"] / steps if steps else None,
             "predictor_device": st.get("predictor_device"), "kernel_launches": st.get("kernel_launches"),
             "moment_parking": st.get("moment_parking"),
+            # gradient runs whose moments were copied behind the step before them, and copies dropped as stale
+            "gradient_prefetch": [st["gradient_prefetched_runs"], st["gradient_prefetch_stale"]]
+            if "gradient_prefetched_runs" in st else None,
             "profiler_ms_per_record": {k: 1e3 * v / records for k, v in parts.items()},
             # the hybrid's work on the masters, ms per step of the phase it runs in
             "bookkeeping_ms": _bookkeeping_ms(st)}
@@ -366,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
     resolve_config(args.preset, "--preset")   # a bad --preset fails before any run
     start = time.time()
     out = Path(args.out)
-    rows, runs = [], []
+    jp = Path(args.json) if args.json else out / "result.json"
+    rows, runs, failed = [], [], []
     for name in args.models:
         spec = DEFAULT_MODELS.get(name, BenchModel(name, steps=20, micro_batch=4))
         spec = BenchModel(spec.name, args.steps or spec.steps, args.micro_batch or spec.micro_batch,
@@ -374,8 +384,18 @@ def main(argv: list[str] | None = None) -> dict:
         for kind in args.variants:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
-            summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
-                              args.gpu_mem_cap, args.precision, args.wall_clock)
+            try:
+                summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
+                                  args.gpu_mem_cap, args.precision, args.wall_clock)
+            except RuntimeError as e:
+                # One run's failure (an out-of-memory under a cap, say) must not cost the others' figures:
+                # it is recorded with its log's tail and the next variant runs.
+                log = out / f"{name}-{kind}" / "train.log"
+                tail = log.read_text(errors="replace").splitlines()[-40:] if log.is_file() else []
+                print(f"memory-bench: {e}\n" + "\n".join(tail[-10:]), flush=True)
+                failed.append({"model": name, "run": kind, "error": str(e), "log_tail": tail})
+                _write_result(jp, argv, args, start, rows, runs, failed, complete=False)
+                continue
             mem = summary["memory"]
             rows += rows_from_summary(name, kind, summary)
             gpu = {}
@@ -403,8 +423,24 @@ def main(argv: list[str] | None = None) -> dict:
                          **predictor_figures(summary),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
                          "accelerator": summary["host"]["accelerator"], **gpu})
+            _write_result(jp, argv, args, start, rows, runs, failed, complete=False)   # kept if a later run is cut off
+    result = _write_result(jp, argv, args, start, rows, runs, failed, complete=True)
+    print(result["table_markdown"])
+    for r in runs:
+        png = Path(r["out"]) / "memory.png"
+        if r["run"] != "full" and png.is_file():
+            shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}-{r['run']}.png")
+    print(f"wrote {jp} ({result['seconds']:.0f} s)")
+    if failed:
+        raise SystemExit(f"memory-bench: {len(failed)} run(s) failed: "
+                         + ", ".join(f"{f['model']}/{f['run']}" for f in failed) + f" (their log tails are in {jp})")
+    return result
+
+
+def _write_result(jp: Path, argv: list[str] | None, args: argparse.Namespace, start: float, rows: list, runs: list,
+                  failed: list, complete: bool) -> dict:
+    """Writes the result so far: after every run, so that a bench cut off by a time limit keeps what it ran."""
     table = format_table(rows, runs)
-    print(table)
     result = {"command": "ds-hybrid memory-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
               "preset": args.preset, "precision": args.precision, "grad_accum": args.grad_accum,
               "gpu_mem_cap": args.gpu_mem_cap,
@@ -413,15 +449,10 @@ def main(argv: list[str] | None = None) -> dict:
               "seconds": round(time.time() - start, 1),
               "measure": "per-step peak RSS (VmHWM reset every step) minus the RSS before the model was built; "
                          "on a GPU also torch.cuda.max_memory_allocated, reset every step",
+              "complete": complete, "failed": failed,
               "rows": rows, "runs": runs, "table_markdown": table}
-    jp = Path(args.json) if args.json else out / "result.json"
     jp.parent.mkdir(parents=True, exist_ok=True)
     jp.write_text(json.dumps(result, indent=2))
-    for r in runs:
-        png = Path(r["out"]) / "memory.png"
-        if r["run"] != "full" and png.is_file():
-            shutil.copyfile(png, jp.parent / f"{jp.stem}-{r['model']}-{r['run']}.png")
-    print(f"wrote {jp} ({result['seconds']:.0f} s)")
     return result
 
 

@@ -1,0 +1,80 @@
+"""A kept gradient Predict run's commit on the host, timed: what the real step after the run waits for.
+
+Under ZeRO-Offload the device path's commit writes the run's first moment into the optimizer's
+``exp_avg`` and catches the fp32 masters up with the 16-bit weights the run moved
+(``grad_predict.GradientPredict._hand_over``). On an H200 with llama-1b (970M values, 16 cores) a
+real step after a run waited 538 ms for it and its host thread slowed the step's backward and CPU
+Adam step (``docs/results/offload-gpu-1b-grad-2026-11-26.json``). This times the host side of it
+on one partition of ``--values`` values, best of ``--repeat``: the catch-up with the torch ops and
+with ``kernels/host_fold.cpp`` (``host_kernels.catch_up``), and the first moment's bf16 -> fp32
+hand-over, each per value and over DeepSpeed's own CPU Adam step on as many values. (The PCIe part
+of the commit, 4 bytes a value through the stager's pinned chunks, needs a GPU: stage ``grad1b``.)
+
+    python benchmarks/grad_commit.py --values 67108864 --repeat 5 --json docs/results/grad-commit.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_path import _best, cpu_adam_step  # noqa: E402  (the same timer and reference step)
+
+from ds_hybrid import host_kernels  # noqa: E402
+from ds_hybrid.grad_predict import _catch_up  # noqa: E402
+
+
+def measure(n: int, repeat: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=g) * 0.02
+    moved = (master + torch.randn(n, generator=g) * 1e-3).to(torch.bfloat16)
+    run_m = (torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
+    exp_avg = torch.empty(n)
+    work = master.clone()
+    out = {}
+    for hk in (False, True):
+        out["catch_up" + ("_cpp" if hk else "_torch")] = _best(lambda: _catch_up(work, moved, host_kernel=hk), repeat,
+                                                               setup=lambda: work.copy_(master))
+    out["first_moment_hand_over"] = _best(lambda: exp_avg.copy_(run_m), repeat)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--values", type=int, default=1 << 26, help="values in the partition (default 2^26)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    if args.values < 1 or args.repeat < 1:
+        raise SystemExit("--values and --repeat: must be at least 1")
+    host_kernels.load()   # built before anything is timed
+    adam = cpu_adam_step(args.values, args.repeat)
+    rows = [{"part": k, "ms": v * 1e3, "ns_per_value": v / args.values * 1e9, "over_cpu_adam": v / adam}
+            for k, v in measure(args.values, args.repeat).items()]
+    table = "\n".join(["| part | ms | ns per value | over DeepSpeed's CPU Adam step |", "|---|---|---|---|",
+                       f"| DeepSpeed CPU Adam step | {adam * 1e3:.1f} | {adam / args.values * 1e9:.2f} | 1.00x |"] +
+                      [f"| {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} | {r['over_cpu_adam']:.2f}x |"
+                       for r in rows])
+    print(table)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    result = {"command": "python benchmarks/grad_commit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "values": args.values, "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit,
+              "cpu_adam_ms": adam * 1e3, "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
