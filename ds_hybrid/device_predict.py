@@ -22,6 +22,10 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
 * **Rejected run**: the masters never moved, so they are the rollback point: the 16-bit
   copies are re-propagated from them (``discard``). No snapshot of the masters is taken for a
   Predict run; the rollback is exact (the same as the host path's restore).
+* **Verified steps** (``check: forward``): a step the verification keeps is only counted
+  (``verified``); the masters take it with the rest of the run at the next real step, or, when
+  a later step of the run is rejected, alone before the re-propagation: the additions an inline
+  commit after each kept step would make, so the host path's snapshot-and-restore bit for bit.
 * **Checkpoint in the middle of a run**: the masters (the last good point) and the
   coefficients are saved; on load the 16-bit copies are propagated from the masters and the
   run's updates re-applied (``replay``), bit for bit.
@@ -75,6 +79,9 @@ class DevicePredict(WorkerOwner):
         self.backend = backend   # hybrid_predict.kernels: a GPU shard's step by kernels.drift_shift
         # Per Predict step of the pending run: scale x LR of each layer group.
         self.pending: list[list[float]] = []
+        # How many of them a verification forward kept (check: forward): the masters take them with
+        # the rest at the next real step, or alone when a later step of the run is rejected.
+        self.verified = 0
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
@@ -167,6 +174,7 @@ class DevicePredict(WorkerOwner):
         or the velocity next calls ``wait`` first (the engine: before the optimizer step, and
         before a capture of the masters). Local: no collective, so ranks need not agree on it."""
         self.wait()
+        self.verified = 0
         if not self.pending:
             return
         steps, self.pending = self.pending, []
@@ -198,11 +206,18 @@ class DevicePredict(WorkerOwner):
                         master[a:b].add_(v, alpha=coefs[gi])
 
     @torch.no_grad()
-    def discard(self) -> None:
-        """The run was rejected: forget it and write the 16-bit copies from the masters, which
-        never left the last good point (an exact rollback). Collective."""
+    def discard(self, vel: VelocityBuffers | None = None) -> None:
+        """The run was rejected: its verified steps (``verified``, kept by a verification
+        forward) go into the masters, the rest is forgotten, and the 16-bit copies are written
+        from the masters, which are then the last good point (an exact rollback: the masters'
+        additions are the ones an inline commit of each verified step would have made).
+        Collective."""
         self.wait()
-        self.pending = []
+        good, self.pending, self.verified = self.pending[:self.verified], [], 0
+        if good:
+            if vel is None:
+                raise ValueError("DevicePredict.discard: the run has verified steps; pass the velocity they moved along")
+            self._add_to_masters(list(self.access.partitions()), vel, good)
         self.access.lp_current = False
         self.access.propagate()
 
@@ -218,9 +233,10 @@ class DevicePredict(WorkerOwner):
             self.access.gather_device_shards()
 
     def state_dict(self) -> dict:
-        return {"pending": [list(c) for c in self.pending]}
+        return {"pending": [list(c) for c in self.pending], "verified": self.verified}
 
     def load_state_dict(self, sd: dict | None) -> None:
         self.pending = [list(map(float, c)) for c in (sd or {}).get("pending", [])]
+        self.verified = int((sd or {}).get("verified", 0))
         self._uploaded = -1   # the velocity was loaded too: upload it again before the next use
 

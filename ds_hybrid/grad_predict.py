@@ -321,6 +321,7 @@ class GradientPredict(WorkerOwner):
         if ready is not None:
             if ready[0] == self._state_key(parts):
                 self.m, self.v = ready[1], ready[2]
+                self._stager.join()   # (made on the worker: this thread's stream waits for its copies)
                 self.prefetched[0] += 1
                 return
             self.prefetched[1] += 1

@@ -68,6 +68,13 @@ class Stager:
         else:
             stream.wait_stream(torch.cuda.current_stream(device))
 
+    def join(self) -> None:
+        """The calling thread's current streams wait for the side streams: for copies a host
+        thread made (``upload`` orders its own thread's current stream after them, which is not
+        the main thread's when that runs on a stream of its own)."""
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
     @staticmethod
     def _on(stream) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -127,15 +127,88 @@ def test_device_path_rejected_run_matches_the_host_path(stage, check):
 
 @pytest.mark.parametrize("stage", ["z2", "z3"])
 def test_device_path_verified_inside_the_run_matches_the_host_path(stage):
-    """check: forward, every Predict step verified and kept: each kept step's displacement goes
-    into the masters at once (the host path snapshots there instead); weights bit for bit."""
+    """check: forward, every Predict step verified and kept: the weights are the host path's after
+    every step; the masters take the kept steps with the rest of the run at the next real step
+    (not one commit per verified step), and then equal the host path's bit for bit."""
     host, dev = _pair(stage, check="forward", verify_every=1)
     bh, bd = Batches(seed=2), Batches(seed=2)
+    start = None
     for _ in range(12):
         rh, rd = host.train_step(bh.step()), dev.train_step(bd.step())
         assert (rh.phase, rh.loss, rh.accepted) == (rd.phase, rd.loss, rd.accepted)
-        _same(host, dev)
+        for x, y in zip(full_params(host), full_params(dev)):
+            assert torch.equal(x, y)
+        if rd.phase == "predict":
+            start = start or master_copies(dev)
+            assert rd.accepted and dev._device_predict.verified == len(dev._device_predict.pending)
+            assert all(torch.equal(x, y) for x, y in zip(start, master_copies(dev)))   # not yet committed
+        else:
+            start = None
+            _same(host, dev)
     assert dev.statistics()["predict_accepted"] >= 2
+
+
+def _accept_then_reject(engine, keep: int) -> None:
+    """The engine's verifications keep ``keep`` Predict steps, reject the next, and so on."""
+    seen = [0]
+
+    def accept(observed, step, div, *more):
+        seen[0] += 1
+        return seen[0] % (keep + 1) != 0, observed
+    engine.predictor.accept = accept
+
+
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_a_rejection_after_verified_steps_keeps_them_as_the_host_path_does(stage):
+    """Runs of 3 verified Predict steps, the third rejected: the device path's masters take the two
+    kept steps at the rejection and its weights go back to them; bit for bit the host path, which
+    snapshots after each kept step and restores the last snapshot."""
+    host, dev = _pair(stage, check="forward", verify_every=1, min_predict_steps=3, max_predict_steps=3)
+    for eng in (host, dev):
+        _accept_then_reject(eng, keep=2)
+    bh, bd = Batches(seed=5), Batches(seed=5)
+    rejected = 0
+    for _ in range(16):
+        rh, rd = host.train_step(bh.step()), dev.train_step(bd.step())
+        assert (rh.phase, rh.loss, rh.accepted) == (rd.phase, rd.loss, rd.accepted)
+        for x, y in zip(full_params(host), full_params(dev)):
+            assert torch.equal(x, y)
+        if rd.phase != "predict" or rd.accepted is False:
+            _same(host, dev)
+            rejected += rd.accepted is False
+            assert not dev._device_predict.pending and dev._device_predict.verified == 0
+    st = dev.statistics()
+    assert rejected >= 2 and st["predict_accepted"] >= 4 and st["predict_rolled_back"] == rejected
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_run_saved_after_verified_steps_resumes_keeping_them(where, tmp_path):
+    """Saved after a run's first verified Predict step; the next is rejected. Resumed on the device
+    path (the verified count comes back with the run) or on the host path (the masters take the
+    verified step as the rollback snapshot, then the rest): every later step as the uninterrupted run's."""
+    hyb = dict(check="forward", verify_every=1, min_predict_steps=3, max_predict_steps=3)
+    cfg = ds_config(offload_opt="cpu", hybrid=_hybrid("device", **hyb), stage=2)
+    ref, b = make_engine(cfg, seed=0), Batches(seed=6)
+    while ref.controller.phase.value != "predict":
+        ref.train_step(b.step())
+    ref.train_step(b.step())
+    assert ref._device_predict.verified == 1 and len(ref._device_predict.pending) == 1
+    ref.save_checkpoint(str(tmp_path), tag="mid")
+    state = b.gen.get_state()
+    resumed = make_engine(ds_config(offload_opt="cpu", hybrid=_hybrid(where, **hyb), stage=2), seed=1)
+    resumed.load_checkpoint(str(tmp_path), tag="mid")
+    for eng in (ref, resumed):
+        eng.predictor.accept = lambda observed, step, div, *more: (False, observed)
+    b2 = Batches(seed=6)
+    b2.gen.set_state(state)
+    for _ in range(4):
+        r1, r2 = ref.train_step(b.step()), resumed.train_step(b2.step())
+        assert (r1.phase, r1.loss, r1.accepted) == (r2.phase, r2.loss, r2.accepted)
+        for x, y in zip(full_params(ref), full_params(resumed)):
+            assert torch.equal(x, y)
+        if r1.phase != "predict" or r1.accepted is False:
+            _same(ref, resumed)
+    assert ref.statistics()["predict_rolled_back"] >= 1
 
 
 def test_device_path_bf16_within_rounding_and_masters_exact():

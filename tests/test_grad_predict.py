@@ -540,6 +540,30 @@ def test_device_path_on_gpu_keeps_the_run_beside_the_bf16_weights():
         assert torch.equal(got.view(-1), want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_a_runs_moments_are_copied_behind_the_step_before_it_as_the_direct_cast():
+    """On a GPU with offload_optimizer: cpu: after the real step before a run the moments' copies
+    run on the host thread (the cast on the host, pinned chunks); joined, they are the GPU cast of
+    the optimizer's moments bit for bit, and the run begins from them (none dropped as stale)."""
+    eng = make_engine(ds_config(stage=2, offload_opt="cpu", bf16=True, hybrid=dict(GRAD, correction_steps=0)))
+    b = Batches(seed=3, device=eng.device)
+    _until(eng, b, Phase.PREDICT)
+    assert eng._gradient.running   # the copies go on behind the next step's start
+    eng._gradient.wait()
+    key, ms, vs = eng._gradient._next
+    for part, m, v in zip(eng._masters.partitions(), ms, vs):
+        if m is None:
+            continue
+        assert m.is_cuda and v.is_cuda
+        assert torch.equal(m, part.state["exp_avg"].view(-1).cuda().to(torch.bfloat16))
+        assert torch.equal(v, part.state["exp_avg_sq"].view(-1).cuda().to(torch.bfloat16))
+    while eng.phase is Phase.PREDICT:
+        eng.train_step(b.step())
+    st = eng.statistics()
+    assert st["gradient_prefetched_runs"] == 1 and st["gradient_prefetch_stale"] == 0
+
+
 def test_bf16_run_state_and_gradient_sum_stay_close_to_fp32():
     """memory.gradient_state_dtype: bf16 (what auto takes beside a GPU with bf16 weights): the run's
     moments and the gradient's sum over micro-batches are bf16 (half the device memory), the loss

@@ -50,3 +50,8 @@ def test_on_a_gpu_the_copies_go_through_pinned_buffers_on_a_side_stream_and_matc
     back = torch.empty(n)
     stager.download(back, gpu, after=Stager.mark(gpu.device))
     assert torch.equal(back, (host.to(torch.bfloat16) * 2).float())
+    side = torch.cuda.Stream()   # a thread on a stream of its own orders its work after the copies by join()
+    with torch.cuda.stream(side):
+        stager.upload(gpu, host * 3)
+        stager.join()
+        assert torch.equal(gpu, (host * 3).to("cuda").to(torch.bfloat16))
