@@ -49,7 +49,8 @@
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
 #            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
 #            the gradient is laid on this rank's share a parameter at a time and, with offload_param, the
-#            run's state and the moved 16-bit partition are in host memory (GRADZ3_VARIANTS picks fewer)
+#            run's state and the moved 16-bit partition are in host memory (GRADZ3_VARIANTS picks fewer,
+#            GRADZ3_STEPS fewer steps: on 2026-11-26 its gradient run did not finish 24 in 4 minutes)
 #                                                            -> OUT/offload-gpu-1b-grad-z3.json
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
@@ -108,7 +109,7 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); host_kernels.load()
 print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > "$OUT/ops.log" 2>&1
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
-      $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
+      timeout "${TESTS_SECONDS:-240}" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
         tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
         -rfEs > "$OUT/tests.log" 2>&1
       rc=$?; tail -25 "$OUT/tests.log"   # (the whole log, failures first in its summary, is in OUT)
@@ -166,7 +167,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       rc=$?
       stage_rc grad1b $rc "$t0" ;;
     gradz3)
-      $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
+      $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps "${GRADZ3_STEPS:-24}" \
         --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
         --json "$OUT/offload-gpu-1b-grad-z3.json"
       rc=$?
