@@ -334,28 +334,43 @@ class GradientPredict(WorkerOwner):
         return tuple((p.step, id(p.state.get("exp_avg")), id(p.state.get("exp_avg_sq"))) for p in parts)
 
     def _state_copies(self, parts: list, shards: list) -> tuple[list, list]:
+        """The run's moments beside the shards, copied now."""
+        ms, vs, fill = self._state_buffers(parts, shards)
+        self._fill(parts, ms, vs, fill)
+        return ms, vs
+
+    def _state_buffers(self, parts: list, shards: list) -> tuple[list, list, list]:
+        """Per partition the run's first and second moment (allocated; the host path's first
+        moment already a copy, a second moment that can be read where it lies is the optimizer's
+        own) and what is left to copy into them: 0 nothing, 1 the first moment, 2 both."""
         ms: list = []
         vs: list = []
+        fill: list = []
         for i, part in enumerate(parts):
             if "exp_avg" not in part.state or part.master.numel() == 0:
-                ms.append(None)
-                vs.append(None)
+                ms.append(None), vs.append(None), fill.append(0)
                 continue
             if not self.on_device:
                 ms.append(part.state["exp_avg"].detach().clone())
-                vs.append(None)   # (the optimizer's own exp_avg_sq is read in place)
+                vs.append(None), fill.append(0)   # (the optimizer's own exp_avg_sq is read in place)
                 continue
             shard = shards[i]
-            m = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
-            self._copy(m, part.state["exp_avg"].view(-1))
+            ms.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
             v = part.state["exp_avg_sq"].view(-1)
             if v.device != shard.device or v.dtype != self.state_dtype:   # (read-only: no copy where it can be read)
-                w = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
-                self._copy(w, v)
-                v = w
-            ms.append(m)
-            vs.append(v)
-        return ms, vs
+                vs.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
+                fill.append(2)
+            else:
+                vs.append(v)
+                fill.append(1)
+        return ms, vs, fill
+
+    def _fill(self, parts: list, ms: list, vs: list, fill: list, after=None, order: bool = True) -> None:
+        for part, m, v, f in zip(parts, ms, vs, fill):
+            if f:
+                self._copy(m, part.state["exp_avg"].view(-1), after, order)
+            if f == 2:
+                self._copy(v, part.state["exp_avg_sq"].view(-1), after, order)
 
     def prefetch(self) -> None:
         """The next step begins a run (the engine calls this after the real step before it):
@@ -369,22 +384,26 @@ class GradientPredict(WorkerOwner):
         if not self._crosses(parts, shards):
             return
         key = self._state_key(parts)
+        # Allocated here, and the copies wait only for the work queued so far (what freed that
+        # memory), not for the next step's forward and backward queued while they run.
+        ms, vs, fill = self._state_buffers(parts, shards)
+        ready = Stager.mark(next(s.device for s in shards))
 
-        def job() -> tuple:
-            ms, vs = self._state_copies(parts, shards)
+        def job() -> tuple:   # (_begin orders the main stream after these copies: Stager.join)
+            self._fill(parts, ms, vs, fill, after=ready, order=False)
             return key, ms, vs
 
         self._next = None
         self._prefetching = True
         self._worker.start(job)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, order: bool = True) -> None:
         """``dst.copy_(src)``; between host memory and a GPU through the stager (the cast on the
         host, pinned chunks: no pageable copy, no GPU transient)."""
         if dst.device == src.device:
             dst.copy_(src)
         elif src.device.type == "cpu":
-            self._stager.upload(dst, src, after)
+            self._stager.upload(dst, src, after, order)
         else:
             self._stager.download(dst, src, after=after)
 

@@ -92,11 +92,13 @@ class Stager:
             events[j].record(stream)
 
     @torch.no_grad()
-    def upload(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, after=None, order: bool = True) -> None:
         """``dst.copy_(src)`` for a flat ``dst`` on the device and a flat ``src`` in host memory,
         cast to ``dst.dtype`` on the host. The copies wait for ``after`` (``mark``), else for
         the work queued on the current stream; work queued on the current stream after this
-        call sees the values."""
+        call sees the values (``order``; a host thread passes False and its caller calls
+        ``join`` once it has joined the thread, so the main thread's kernels queued meanwhile
+        do not wait for the copies)."""
         n = dst.numel()
         if src.numel() != n:
             raise ValueError(f"staging: {src.numel()} values into {n}")
@@ -111,7 +113,7 @@ class Stager:
             with self._on(stream):
                 dst[a:b].copy_(staged, non_blocking=True)
             self._record(stream, events, j)
-        if stream is not None:
+        if stream is not None and order:
             torch.cuda.current_stream(dst.device).wait_stream(stream)
 
     @torch.no_grad()
