@@ -321,7 +321,6 @@ class GradientPredict(WorkerOwner):
         if ready is not None:
             if ready[0] == self._state_key(parts):
                 self.m, self.v = ready[1], ready[2]
-                self._stager.join()   # (made on the worker: this thread's stream waits for its copies)
                 self.prefetched[0] += 1
                 return
             self.prefetched[1] += 1
@@ -389,7 +388,7 @@ class GradientPredict(WorkerOwner):
         ms, vs, fill = self._state_buffers(parts, shards)
         ready = Stager.mark(next(s.device for s in shards))
 
-        def job() -> tuple:   # (_begin orders the main stream after these copies: Stager.join)
+        def job() -> tuple:   # (wait() orders the main stream after these copies: Stager.join)
             self._fill(parts, ms, vs, fill, after=ready, order=False)
             return key, ms, vs
 
@@ -477,7 +476,13 @@ class GradientPredict(WorkerOwner):
         """Join a commit or a prefetch running in the background, re-raising its error (a
         prefetch's copies are kept for the run they were made for)."""
         prefetching, self._prefetching = self._prefetching, False
-        got = self._worker.wait()
+        try:
+            got = self._worker.wait()
+        finally:
+            if prefetching:
+                # The copies were queued by the thread: this thread's stream waits for them before
+                # anything reads those tensors, or frees them (a stale copy) for reuse.
+                self._stager.join()
         if prefetching:
             self._next = got
 
