@@ -1,17 +1,24 @@
-"""What the fold behind the next real step (``memory.fold_overlap``) costs in loss: the predictor
-hears of each real step's direction statistics one real step late, so its step scale and
-confidence lag the inline fold's by a step. Everything else (the velocity, the weights' path
-given the same decisions) is the inline fold's bit for bit (``tests/test_fold_overlap.py``).
+"""What moving the fold off the real step costs in loss, arm against arm:
+
+* ``behind`` against ``inline`` (``memory.fold_overlap``): the fold runs behind the next real
+  step, so the predictor hears of each real step's direction statistics one real step late and
+  its step scale and confidence lag the inline fold's by a step. Everything else (the velocity,
+  the weights' path given the same decisions) is the inline fold's bit for bit
+  (``tests/test_fold_overlap.py``).
+* ``during`` against ``behind`` (``memory.fold_during_run``): the real step before a Predict run
+  no longer waits for its own fold; the run moves along the velocity from before that fold (one
+  real step older) while the fold runs (``tests/test_fold_during_run.py``).
 
 Measured on the ``offload`` bench suite's CPU setup (gpt2-tiny, the ``tiny-cpu`` preset at its
 LR, ZeRO 2 with ``offload_optimizer: cpu``, 300 steps of 16 x 128 bytes) with the bench's
 ``predict`` arm (2 drift steps after every 4 real ones from step 50, checked by the next real
 step) on the device-side Predict path with the fold read back from the Adam state and an int8
-velocity, as the offload presets ship it beside a GPU. The two arms differ in
-``memory.fold_overlap`` only (``true``: on a host thread; ``false``: inline). On DeepSpeed's CPU
-accelerator ``auto`` would keep it inline, so ``true`` is forced.
+velocity, as the offload presets ship it beside a GPU. The arms differ in
+``memory.fold_overlap`` and ``memory.fold_during_run`` only (``SETTINGS``). On DeepSpeed's CPU
+accelerator ``auto`` would keep the fold inline, so the settings are forced.
 
     .venv/bin/python benchmarks/fold_overlap_ab.py --json docs/results/fold-overlap-cpu.json
+    .venv/bin/python benchmarks/fold_overlap_ab.py --arms behind during --json docs/results/fold-during-run-cpu.json
 
 Runs go to ``--out`` (default ``/tmp/fold-overlap-ab``), two at a time with one thread each
 (the runs are deterministic: their losses do not depend on timing). The times they report are
@@ -36,27 +43,32 @@ from ds_hybrid.bench import ARMS, deep_merge  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 MEMORY = {"offload_predict": "device", "fold_source": "optimizer_state", "velocity_dtype": "int8"}
-STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_overlap", "fold_background_seconds")
+STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_overlap", "fold_during_run",
+         "fold_background_seconds")
+# what each arm sets in hybrid_predict.memory
+SETTINGS = {"inline": {"fold_overlap": False, "fold_during_run": False},
+        "behind": {"fold_overlap": True, "fold_during_run": False},
+        "during": {"fold_overlap": True, "fold_during_run": True}}
 
 
-def config(overlap: bool) -> dict:
+def config(arm: str) -> dict:
     suite = SUITES["offload"]
     cfg, _ = resolve_config(suite.config, "--config")
     cfg = deep_merge(cfg, suite.overrides)
     hybrid = json.loads(json.dumps(ARMS["predict"].hybrid))
-    hybrid["memory"] = dict(MEMORY, fold_overlap=overlap)
+    hybrid["memory"] = dict(MEMORY, **SETTINGS[arm])
     cfg["hybrid_predict"] = hybrid
     return cfg
 
 
-def run(seed: int, overlap: bool, out: Path) -> dict:
+def run(seed: int, arm: str, out: Path) -> dict:
     suite = SUITES["offload"]
-    folder = out / f"{'behind' if overlap else 'inline'}-s{seed}"
+    folder = out / f"{arm}-s{seed}"
     summary = folder / "summary.json"
     if not summary.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         cfg_path = folder / "ds_config.json"
-        cfg_path.write_text(json.dumps(config(overlap), indent=1))
+        cfg_path.write_text(json.dumps(config(arm), indent=1))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-m", "ds_hybrid.cli", "train", "--config", str(cfg_path), "--model", suite.model,
                "--steps", str(suite.steps), "--seq-len", str(suite.seq_len), "--seed", str(seed),
@@ -67,7 +79,7 @@ def run(seed: int, overlap: bool, out: Path) -> dict:
     s = json.loads(summary.read_text())
     st = s["statistics"]
     book = st.get("bookkeeping_seconds", {})
-    return {"seed": seed, "fold_overlap": overlap, "final_val_loss": s["final_val_loss"],
+    return {"seed": seed, "arm": arm, "final_val_loss": s["final_val_loss"],
             **{k: st.get(k) for k in STATS}, "fold_seconds": book.get("fold", 0.0),
             "fold_wait_seconds": book.get("fold_wait", 0.0)}
 
@@ -78,27 +90,32 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/fold-overlap-ab")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--arms", nargs=2, default=["inline", "behind"], choices=list(SETTINGS),
+                    help="the reference arm, then the arm measured against it")
     args = ap.parse_args()
     out = Path(args.out)
-    jobs = [(seed, overlap) for seed in args.seeds for overlap in (False, True)]
+    ref, new = args.arms
+    jobs = [(seed, arm) for seed in args.seeds for arm in (ref, new)]
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda j: run(*j, out), jobs))
-    by = {(r["seed"], r["fold_overlap"]): r for r in rows}
-    deltas = [by[(s, True)]["final_val_loss"] - by[(s, False)]["final_val_loss"] for s in args.seeds]
-    print("| seed | inline: loss (Predict steps, kept) | behind: loss (Predict steps, kept) | behind - inline |")
+    by = {(r["seed"], r["arm"]): r for r in rows}
+    deltas = [by[(s, new)]["final_val_loss"] - by[(s, ref)]["final_val_loss"] for s in args.seeds]
+    print(f"| seed | {ref}: loss (Predict steps, kept) | {new}: loss (Predict steps, kept) | {new} - {ref} |")
     print("|---|---|---|---|")
     for s, d in zip(args.seeds, deltas):
-        a, b = by[(s, False)], by[(s, True)]
+        a, b = by[(s, ref)], by[(s, new)]
         print(f"| {s} | {a['final_val_loss']:.6f} ({a['predict_steps']}, {a['predict_accepted']}) | "
               f"{b['final_val_loss']:.6f} ({b['predict_steps']}, {b['predict_accepted']}) | {d:+.2e} |")
     spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
     print(f"mean difference {statistics.mean(deltas):+.2e} ± {spread:.2e} (sd over {len(deltas)} seeds)")
     if args.json:
+        arms = "" if args.arms == ["inline", "behind"] else f" --arms {ref} {new}"
         Path(args.json).write_text(json.dumps({
-            "what": "memory.fold_overlap true (behind) against false (inline), offload suite's CPU setup, bench "
-                    "predict arm on the device path (fold from the Adam state, int8 velocity)",
-            "command": "python benchmarks/fold_overlap_ab.py" + (f" --json {args.json}" if args.json else ""),
-            "config_inline": config(False), "runs": rows, "loss_difference_behind_minus_inline": deltas,
+            "what": f"{ref} {SETTINGS[ref]} against {new} {SETTINGS[new]} (hybrid_predict.memory), offload suite's CPU "
+                    "setup, bench predict arm on the device path (fold from the Adam state, int8 velocity)",
+            "command": f"python benchmarks/fold_overlap_ab.py{arms} --json {args.json}",
+            "arms": [ref, new], f"config_{ref}": config(ref), "runs": rows,
+            f"loss_difference_{new}_minus_{ref}": deltas,
             "mean_difference": statistics.mean(deltas), "sd_difference": spread}, indent=1) + "\n")
 
 

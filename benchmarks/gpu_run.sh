@@ -40,7 +40,8 @@
 #            (predictor.direction: gradient, 1 real : 3 Predict) on the device path (the run's Adam moments in
 #            bf16 beside the GPU's 16-bit weights, copied there behind the run's first forward and backward, the
 #            masters caught up once per kept run), and the drift step's device path checked by the next real step
-#            (drift-int8-device-next: no forward of its own) and verified each step (drift-int8-device): step time
+#            (drift-int8-device-next: no forward of its own; -behind: the real step before a run waits for its
+#            fold, memory.fold_during_run false) and verified each step (drift-int8-device): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
 #            2026-11-26), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
@@ -161,7 +162,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       stage_rc off1b $rc "$t0" ;;
     grad1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device drift-int8-device-next drift-int8-device} --wall-clock \
+        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device drift-int8-device-next drift-int8-device-next-behind drift-int8-device} --wall-clock \
         --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \
         --json "$OUT/offload-gpu-1b-grad.json"
       rc=$?

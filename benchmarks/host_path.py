@@ -110,7 +110,7 @@ def measure(n: int, velocity_dtype: str, repeat: int, cpp: bool) -> dict:
         dev.host_kernel = hk
         tag = "_cpp" if hk else ""
         out["shard_update_bf16" + tag] = _best(lambda: dev._add_to_shards(vel, run[:1]), repeat)
-        out["commit_4_steps" + tag] = _best(lambda: dev._add_to_masters(list(access.partitions()), vel, run), repeat)
+        out["commit_4_steps" + tag] = _best(lambda: dev._add_to_masters(list(access.partitions()), vel.buffers, run), repeat)
     out["adam_update"] = _best(lambda: za.apply_predicted_update(access, [0.5], backend="torch"), repeat)
     return out
 

@@ -297,6 +297,22 @@ class MemoryConfig(_Section):
     DeepSpeed's swapper). ``auto``: on where it can be and the masters are in host memory
     beside a GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores)."""
 
+    fold_during_run: bool | Literal["auto"] = "auto"
+    """With ``fold_overlap`` and the device-side drift path (``offload_predict``): a Predict run
+    moves along the velocity as it was before the last real step's fold, so that fold runs on its
+    host thread during the run instead of before it. Without it, the real step before a run waits
+    for its own fold (``bookkeeping_seconds.fold_wait``; 129 ms of a 862 ms real step with
+    llama-1b on an H200, 2026-11-26). At the end of that real step the velocity is copied beside
+    the 16-bit shards for the run (a copy the run holds until it ends: the host buffer is the
+    fold's again once the copy has left it); the commit adds the run's steps along that copy
+    (from a GPU a chunk at a time through pinned buffers) on the commit's thread after the
+    fold, so the masters are bit for bit those of a host path moving along the same velocity. A
+    checkpoint in the middle of a run saves the held copy too. The velocity each run moves along
+    misses the last real step's update (one fold of ``drift_beta``'s average): what that costs in
+    loss is ``benchmarks/fold_overlap_ab.py --arms behind during``. ``true`` refuses, naming the
+    key, setups without ``fold_overlap`` or the device-side drift path. ``auto``: on where
+    ``fold_overlap`` is."""
+
     host_kernels: Literal["auto", "cpp", "torch"] = "auto"
     """How the hybrid's drift work runs where the masters are in host memory
     (``offload_optimizer``, DeepSpeed's CPU accelerator): a real step's fold into the velocity,

@@ -26,8 +26,13 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   (``verified``); the masters take it with the rest of the run at the next real step, or, when
   a later step of the run is rejected, alone before the re-propagation: the additions an inline
   commit after each kept step would make, so the host path's snapshot-and-restore bit for bit.
-* **Checkpoint in the middle of a run**: the masters (the last good point) and the
-  coefficients are saved; on load the 16-bit copies are propagated from the masters and the
+* **Fold during the run** (``memory.fold_during_run``): the real step before a run copies the
+  velocity beside the shards and the run holds that copy (``hold``) until it ends, so the host
+  buffer is free for that real step's fold on its thread while the run goes on. The commit (and a
+  rejection's verified steps) add the steps along the held copy: from a GPU one chunk at a time
+  through pinned buffers (``staging.Stager``), with the same additions in the same order.
+* **Checkpoint in the middle of a run**: the masters (the last good point), the
+  coefficients and a held velocity copy are saved; on load the 16-bit copies are propagated from the masters and the
   run's updates re-applied (``replay``), bit for bit.
 
 Where a 16-bit shard is in host memory (ZeRO 3 with ``offload_param: cpu``; DeepSpeed's CPU
@@ -48,7 +53,8 @@ import torch
 
 from . import host_kernels, kernels
 from .host_worker import HostWorker, WorkerOwner
-from .quant import CompactBuffer, scratch
+from .quant import BLOCK, CompactBuffer, scratch
+from .staging import Stager
 from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
 
 
@@ -85,34 +91,67 @@ class DevicePredict(WorkerOwner):
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
+        # memory.fold_during_run: the device copy is the pending run's (made by hold), kept until
+        # the run ends whatever the host velocity does meanwhile
+        self._held = False
+        self._stager = Stager()   # a held copy on a GPU comes down through it at the commit
+        self.stage_commit = False   # tests: that staged path also where the copy shares the masters' device
         # memory.host_kernels resolved: shards and masters in host memory take the steps in one C++
         # pass (host_kernels.shift), bit for bit the torch ops below
         self.host_kernel = False
         self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
 
-    def _device_velocity(self, vel: VelocityBuffers) -> list[CompactBuffer | None]:
+    def _device_velocity(self, vel: VelocityBuffers, always_copy: bool = False) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
         device (DeepSpeed's CPU accelerator), else a copy made once per velocity state (the
-        velocity only changes at real steps, so a Predict run uploads it at most once)."""
-        if self._current(vel):
+        velocity only changes at real steps, so a Predict run uploads it at most once). A held
+        copy (``hold``) while the run lasts. ``always_copy``: a copy on a shared device too."""
+        if self._held or (self._current(vel) and not always_copy):
             return self._velocity
         out: list[CompactBuffer | None] = []
         copies: list[bool] = []
         for i, buf in enumerate(vel.buffers):
             shard = self.access.device_shard(i) if buf is not None else None
-            copies.append(not (buf is None or shard is None or shard.device == buf.device))
+            copies.append(not (buf is None or shard is None or (shard.device == buf.device and not always_copy)))
             if not copies[-1]:
                 out.append(buf)
                 continue
-            old = self._velocity[i] if i < len(self._velocity) else None
-            dev = old if old is not None and old.device == shard.device and old.numel == buf.numel \
-                and old.dtype == buf.dtype else CompactBuffer(buf.numel, buf.dtype, shard.device)
-            dev.data.copy_(buf.data, non_blocking=True)
+            out.append(self._copy_buffer(i, buf.numel, buf.dtype, shard.device))
+            out[-1].data.copy_(buf.data, non_blocking=True)
             if buf.dtype == "int8":
-                dev.scale.copy_(buf.scale, non_blocking=True)
-            out.append(dev)
+                out[-1].scale.copy_(buf.scale, non_blocking=True)
         self._velocity, self._copies, self._uploaded = out, copies, vel.updates
         return out
+
+    def _copy_buffer(self, i: int, numel: int, dtype: str, device: torch.device) -> CompactBuffer:
+        """The last copy of partition ``i``'s velocity where it fits (the GPU memory is reused
+        from run to run), else a new one."""
+        old = self._velocity[i] if i < len(self._velocity) else None
+        if old is not None and i < len(self._copies) and self._copies[i] and old.device == device and old.numel == numel and old.dtype == dtype:
+            return old
+        return CompactBuffer(numel, dtype, device)
+
+    def hold(self, vel: VelocityBuffers):
+        """``memory.fold_during_run``: copy the velocity beside the shards now, for the Predict
+        run that comes next, and keep that copy until the run ends (a copy also where they share
+        a device). Returns the event after which the host buffer may be written (None: it may
+        be now); the engine's fold waits for it on its thread."""
+        self.wait()   # (a commit reading the last held copy)
+        self._held = False
+        self._device_velocity(vel, always_copy=True)
+        self._held = True
+        devices = [b.device for b, copy in zip(self._velocity, self._copies) if copy and b.device.type == "cuda"]
+        return Stager.mark(devices[0]) if devices else None
+
+    @property
+    def held(self) -> bool:
+        """A run's velocity copy is held (``hold``) until the run ends."""
+        return self._held
+
+    def _release(self) -> None:
+        """The run ended: the held copy is no longer its velocity (the buffers stay for the next)."""
+        if self._held:
+            self._held, self._uploaded = False, -1
 
     def _current(self, vel: VelocityBuffers) -> bool:
         """The velocity list beside the shards was made from this velocity state."""
@@ -122,7 +161,7 @@ class DevicePredict(WorkerOwner):
         """The next Predict step copies the velocity to the device first: it changed since the
         last copy, and some shard is on another device than its velocity (a GPU beside host
         masters). The engine times that copy on its own (``bookkeeping_seconds.velocity_upload``)."""
-        if self._current(vel):
+        if self._held or self._current(vel):
             return False
         return any(buf is not None and (shard := self.access.device_shard(i)) is not None
                    and shard.device != buf.device for i, buf in enumerate(vel.buffers))
@@ -165,45 +204,98 @@ class DevicePredict(WorkerOwner):
     def _on_host(self, t: torch.Tensor) -> bool:
         return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()
 
-    def commit(self, vel: VelocityBuffers, background: bool = False) -> None:
+    def commit(self, vel: VelocityBuffers, background: bool = False, first=None) -> None:
         """The run was kept: the masters take its displacement, each chunk once with every
         step's ``coef * v`` added in order (bit for bit the host path's masters). The 16-bit
         copies already hold the run; the next optimizer step writes them from the masters.
 
         ``background``: on a host thread, returning at once; whoever reads or writes the masters
         or the velocity next calls ``wait`` first (the engine: before the optimizer step, and
-        before a capture of the masters). Local: no collective, so ranks need not agree on it."""
+        before a capture of the masters). ``first``: called before the additions, on that thread
+        (the engine joins the fold there, which reads the masters: ``fold_during_run``). Local: no
+        collective, so ranks need not agree on it."""
         self.wait()
         self.verified = 0
         if not self.pending:
+            self._release()
             return
         steps, self.pending = self.pending, []
         parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
+        bufs = self._run_velocity(vel)
+        after = self._mark(bufs)
+        self._release()   # (the copies stay untouched until the next hold, which waits for this commit)
         if background:   # (the worker has its own work buffers)
-            self._worker.start(lambda: self._add_to_masters(parts, vel, steps))
+            def job() -> None:
+                if first is not None:
+                    first()
+                self._add_to_masters(parts, bufs, steps, after)
+            self._worker.start(job)
         else:
-            self._add_to_masters(parts, vel, steps)
+            if first is not None:
+                first()
+            self._add_to_masters(parts, bufs, steps, after)
 
     def wait(self) -> None:
         """Join a commit running in the background, re-raising its error."""
         self._worker.wait()
 
+    def _run_velocity(self, vel: VelocityBuffers) -> list:
+        """What the pending run moved along: the held copy, else the velocity itself."""
+        return list(self._velocity) if self._held else list(vel.buffers)
+
+    @staticmethod
+    def _mark(bufs: list):
+        """An event after the work queued so far on the GPU a held copy is on (None: none is)."""
+        devices = [b.device for b in bufs if b is not None and b.device.type == "cuda"]
+        return Stager.mark(devices[0]) if devices else None
+
     @torch.no_grad()
-    def _add_to_masters(self, parts: list, vel: VelocityBuffers, steps: list[list[float]]) -> None:
+    def _add_to_masters(self, parts: list, bufs: list, steps: list[list[float]], after=None) -> None:
+        """Each master takes ``coef * v`` for every step in order, ``v`` from ``bufs`` (one per
+        partition); a buffer on another device comes down a chunk at a time (``after``: the
+        event its copies wait for)."""
         for part_i, part in enumerate(parts):
             gi = part.group_index
-            if part_i >= len(vel.buffers) or vel.buffers[part_i] is None or part.master.numel() == 0:
+            if part_i >= len(bufs) or bufs[part_i] is None or part.master.numel() == 0:
                 continue
-            master, buf = _flat(part.master), vel.buffers[part_i]
-            if self._on_host(master):
-                host_kernels.shift(master, buf, [coefs[gi] for coefs in steps])
-                continue
-            work = scratch(master.device, 0, master.numel())
-            for a, b in buf.chunks():
-                v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
-                for coefs in steps:
-                    if coefs[gi] != 0.0:
-                        master[a:b].add_(v, alpha=coefs[gi])
+            master, buf = _flat(part.master), bufs[part_i]
+            coefs = [c[gi] for c in steps]
+            if buf.device != master.device or self.stage_commit:
+                self._add_staged(master, buf, coefs, after)
+            else:
+                self._add(master, buf, coefs)
+
+    def _add(self, master: torch.Tensor, buf: CompactBuffer, coefs: list[float]) -> None:
+        """``master += c * v`` for each ``c`` in order, ``buf`` on the master's device."""
+        if self._on_host(master):
+            host_kernels.shift(master, buf, coefs)
+            return
+        work = scratch(master.device, 0, master.numel())
+        for a, b in buf.chunks():
+            v = buf.data[a:b] if buf.dtype == "fp32" else buf.load(a, b, out=work)
+            for c in coefs:
+                if c != 0.0:
+                    master[a:b].add_(v, alpha=c)
+
+    def _add_staged(self, master: torch.Tensor, buf: CompactBuffer, coefs: list[float], after=None) -> None:
+        """``_add`` with ``buf`` on another device: its values come down through the stager's
+        pinned chunks (int8: 1 byte a value, the scales first), each chunk added on the host
+        while the next crosses. The chunks start on block boundaries (``STAGE_CHUNK`` is
+        ``quant.CHUNK``), so the additions are ``_add``'s on the same values."""
+        scale = None
+        if buf.dtype == "int8":
+            scale = torch.empty(buf.scale.numel(), dtype=torch.float32)
+            self._stager.download(scale, buf.scale, after=after)
+        n = buf.numel
+
+        def take(staged: torch.Tensor, a: int, b: int) -> None:
+            if a >= n:
+                return
+            e = min(b, n)
+            chunk = CompactBuffer.wrap(staged, None if scale is None else scale[a // BLOCK:], buf.dtype, e - a)
+            self._add(master[a:e], chunk, coefs)
+
+        self._stager.download(None, buf.data, take, after=after)
 
     @torch.no_grad()
     def discard(self, vel: VelocityBuffers | None = None) -> None:
@@ -217,7 +309,9 @@ class DevicePredict(WorkerOwner):
         if good:
             if vel is None:
                 raise ValueError("DevicePredict.discard: the run has verified steps; pass the velocity they moved along")
-            self._add_to_masters(list(self.access.partitions()), vel, good)
+            bufs = self._run_velocity(vel)
+            self._add_to_masters(list(self.access.partitions()), bufs, good, self._mark(bufs))
+        self._release()
         self.access.lp_current = False
         self.access.propagate()
 
@@ -233,10 +327,29 @@ class DevicePredict(WorkerOwner):
             self.access.gather_device_shards()
 
     def state_dict(self) -> dict:
+        """The pending run's coefficients (the same on every rank)."""
         return {"pending": [list(c) for c in self.pending], "verified": self.verified}
 
-    def load_state_dict(self, sd: dict | None) -> None:
-        self.pending = [list(map(float, c)) for c in (sd or {}).get("pending", [])]
-        self.verified = int((sd or {}).get("verified", 0))
-        self._uploaded = -1   # the velocity was loaded too: upload it again before the next use
+    def held_state_dict(self) -> list | None:
+        """This rank's held velocity copy (``hold``) in host memory; None when none is held."""
+        self.wait()
+        return [None if b is None else b.state_dict() for b in self._velocity] if self._held else None
 
+    def load_state_dict(self, sd: dict | None, held: list | None = None, vel: VelocityBuffers | None = None) -> None:
+        """Restore ``state_dict()`` and this rank's ``held_state_dict()``; a held copy is made
+        again beside the shards (``vel``: the loaded velocity, whose dtype and sizes it has)."""
+        self.wait()
+        sd = sd or {}
+        self.pending = [list(map(float, c)) for c in sd.get("pending", [])]
+        self.verified = int(sd.get("verified", 0))
+        self._held, self._uploaded = False, -1   # the velocity was loaded too: upload it again before the next use
+        if held is None:
+            return
+        if vel is None or len(held) != len(vel.buffers):
+            raise ValueError("DevicePredict.load_state_dict: the checkpoint's held velocity copy has "
+                             f"{len(held)} partitions, this rank's velocity {None if vel is None else len(vel.buffers)}")
+        self._device_velocity(vel, always_copy=True)   # (allocates the copies where they belong)
+        for buf, saved in zip(self._velocity, held):
+            if buf is not None and saved is not None:
+                buf.load_state_dict(saved)
+        self._held = True

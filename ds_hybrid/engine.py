@@ -224,6 +224,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._commit_overlap = False    # memory.commit_overlap resolved
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
+        self._fold_during_run = False   # memory.fold_during_run resolved: a run holds the velocity before the fold
         self._gradient: GradientPredict | None = None   # predictor.direction: gradient
         if not self.hybrid_config.enabled:
             return
@@ -274,6 +275,7 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.hybrid_config.group_predict.enabled:
             self._setup_group_predict()
         self._folds = BackgroundFold() if self._resolve_fold_overlap() else None
+        self._fold_during_run = self._resolve_fold_during_run()
         self._pending = 0  # Predict steps applied since the last good point
         dyn = self.hybrid_config.dynamics
         self._difficulty = BatchDifficulty() if dyn.batch_difficulty else None
@@ -355,9 +357,10 @@ class PredictiveEngine(DeepSpeedEngine):
                     result = self._predict_step(batches, loss_fn)
                 else:
                     result = self._full_step(batches, loss_fn, self.controller.phase)
-                if self.controller.phase is Phase.PREDICT:
+                if self.controller.phase is Phase.PREDICT and not self._fold_during_run:
                     # memory.fold_overlap: a Predict step moves along the velocity, so it could only
                     # wait for this step's fold; the wait is booked to the real step whose work it is.
+                    # (fold_during_run: the run moves along the copy it holds; the fold goes on.)
                     self._wait_fold()
             finally:
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
@@ -413,6 +416,7 @@ class PredictiveEngine(DeepSpeedEngine):
             out["host_kernels"] = "cpp" if self._host_kernel else "torch"
             out["fold_overlap"] = self._folds is not None
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
+            out["fold_during_run"] = self._fold_during_run
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
             if self._device_path():
@@ -538,13 +542,14 @@ class PredictiveEngine(DeepSpeedEngine):
             self._step_groups = frozenset()
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         applied = self.was_step_applied()
-        if drift and applied and self._folds is not None and not predicted:
+        fold_behind = drift and applied and self._folds is not None and not predicted
+        if fold_behind:
             # memory.fold_overlap: this step's fold runs behind the next step's forward and
-            # backward; the predictor gets the last one's sums (joined before this optimizer step).
+            # backward (started at the end of this step, once the next phase is known); the
+            # predictor gets the last one's sums (joined before this optimizer step).
             groups = self._folds.take()
             if groups is None:
                 groups = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
-            self._start_fold(lrs)
         elif drift and applied:
             real = None if not predicted else set(range(self._masters.num_groups())) - predicted
             with self._timed("fold"):
@@ -608,6 +613,8 @@ class PredictiveEngine(DeepSpeedEngine):
         if self._planner is not None:
             self._planner.stepped(k)
             self._plan_next_step()
+        if fold_behind:
+            self._start_fold(lrs)
         return StepResult(self.global_steps, label.value, loss, predicted_loss, self.predictor.confidence(),
                           True, 0.0, lr=self._lr(), predicted_groups=k, checked=check, bookkeeping=not idle)
 
@@ -632,7 +639,6 @@ class PredictiveEngine(DeepSpeedEngine):
         if groups is None:
             return False
         self._check_groups = None
-        self._wait_fold()   # (a rollback below writes the masters)
         local = torch.cat([torch.tensor([float(loss.detach().float()), 1.0], dtype=torch.float64),
                            self._measure_difficulty([batch])])
         shared = self._all_reduce_sum(local)
@@ -672,6 +678,7 @@ class PredictiveEngine(DeepSpeedEngine):
                 with self._timed("commit"):   # (memory.commit_overlap: behind this step's forward and backward)
                     gradient.commit(background=self._commit_overlap)
             return False
+        self._wait_fold()   # (a rollback writes the masters; a kept run's commit waits for it itself)
         with self._timed("restore"):
             self._undo(device, gradient, set(groups))
         if not run:
@@ -682,7 +689,8 @@ class PredictiveEngine(DeepSpeedEngine):
         ctl, cfg = self.controller, self.hybrid_config
         next_step = cfg.check == "next_step"
         device = self._device_predict
-        self._wait_fold()   # the velocity this step moves along, and the masters a snapshot copies
+        if not self._fold_during_run:   # (else the run moves along its held copy, and takes no snapshot)
+            self._wait_fold()   # the velocity this step moves along, and the masters a snapshot copies
         if ctl.predict_index == 0:
             if self._check_groups is None:
                 if not self._device_path():   # (device-side runs leave the masters at the last good point)
@@ -930,6 +938,11 @@ class PredictiveEngine(DeepSpeedEngine):
     def _commit_run(self) -> None:
         """A kept device-side Predict run's displacement into the masters (``memory.commit_overlap``:
         on a host thread behind the forward and backward, joined by ``_wait_commit``)."""
+        if self._commit_overlap and self._folds is not None and self._folds.running:
+            # The fold reads the masters: the commit's thread waits for it, not this one
+            # (fold_during_run: it started at the last real step and may still run).
+            self._device_predict.commit(self._velocity, background=True, first=self._folds.waiter())
+            return
         self._wait_fold()   # (it reads the masters)
         if self._commit_overlap:
             self._device_predict.commit(self._velocity, background=True)
@@ -939,12 +952,23 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _start_fold(self, lrs: list[float]) -> None:
         """This real step's fold on the host thread (``memory.fold_overlap``): from the Adam state
-        and the masters its optimizer step left, which nothing writes before ``_wait_fold``."""
+        and the masters its optimizer step left, which nothing writes before ``_wait_fold``.
+        ``memory.fold_during_run``, before a Predict run: the run's copy of the velocity is made
+        first (``DevicePredict.hold``), and the fold writes the host buffer once it has left."""
         p = self.hybrid_config.predictor
         parts = list(self._masters.partitions())   # DeepSpeed's structures read here, not on the thread
         step, host = int(self.global_steps), self._host_kernel
-        self._folds.start(lambda: za.fold_real_update(self._masters, None, self._velocity, lrs, p.drift_beta, step,
-                                                      moments=False, host_kernel=host, parts=parts))
+        left = None
+        if self._fold_during_run and self.controller.phase is Phase.PREDICT:
+            with self._timed("velocity_hold"):   # (a real step's work: the copy is queued here)
+                left = self._device_predict.hold(self._velocity)
+
+        def fold() -> torch.Tensor:
+            if left is not None:
+                left.synchronize()   # the copy beside the shards has read the host buffer
+            return za.fold_real_update(self._masters, None, self._velocity, lrs, p.drift_beta, step,
+                                       moments=False, host_kernel=host, parts=parts)
+        self._folds.start(fold)
 
     def _wait_fold(self) -> None:
         """Join a fold running behind the step (what a step waits for it: ``fold_wait``)."""
@@ -1025,7 +1049,10 @@ class PredictiveEngine(DeepSpeedEngine):
         branch: gradients cleared, no update, LR scheduler not stepped,
         ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
         (DeepSpeed's fp16-overflow semantics)."""
-        self._wait_fold()     # the last real step's fold reads the masters and moments this step writes
+        if self._predicted_update is None or not self._fold_during_run:
+            # the last real step's fold reads the masters and moments this step writes (a device-side
+            # drift step writes neither: with fold_during_run the fold goes on through the run)
+            self._wait_fold()
         self._wait_commit()   # a kept run's displacement, added behind the forward/backward: the step reads the masters
         if self._predicted_update is None:
             if self._parking is not None:
@@ -1200,7 +1227,10 @@ class PredictiveEngine(DeepSpeedEngine):
                 # memory.fold_overlap: the last fold's sums, which the next real step observes
                 "fold": self._folds.state_dict() if self._folds is not None else None,
                 # direction: gradient: the Predict run's own first moment on this rank's partitions
-                "gradient": self._gradient.state_dict() if self._gradient is not None else None}
+                "gradient": self._gradient.state_dict() if self._gradient is not None else None,
+                # memory.fold_during_run: the velocity copy the pending run moves along
+                "held_velocity": (self._device_predict.held_state_dict() if self._device_predict is not None
+                                  else None)}
 
     def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
         """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
@@ -1241,8 +1271,9 @@ class PredictiveEngine(DeepSpeedEngine):
         loaded masters are its last good point; True when nothing else is left to restore."""
         saved, self._saved_device_run = self._saved_device_run, None
         pending = (saved or {}).get("pending") or []
+        held = None if sd is None else sd.get("held_velocity")
         if self._device_predict is not None:
-            self._device_predict.load_state_dict(saved)
+            self._device_predict.load_state_dict(saved, held, self._velocity)
             if pending:   # the 16-bit copies from the masters, then the run's updates again
                 self._device_predict.replay(self._velocity)
             elif sd is not None and sd.get("snapshot") is not None:
@@ -1256,7 +1287,7 @@ class PredictiveEngine(DeepSpeedEngine):
         # snapshot, then they take the run, which is where the host path would hold them.
         run = DevicePredict(self._masters, backend=self.hybrid_config.kernels)
         run.host_kernel = self._host_kernel
-        run.load_state_dict(saved)
+        run.load_state_dict(saved, held, self._velocity)
         rest = run.pending[run.verified:]
         run.pending = run.pending[:run.verified]
         run.commit(self._velocity)   # its verified steps: the last good point
@@ -1380,6 +1411,19 @@ class PredictiveEngine(DeepSpeedEngine):
         if why is not None:
             raise ValueError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
         return True
+
+    def _resolve_fold_during_run(self) -> bool:
+        """``memory.fold_during_run``: whether a drift run holds a copy of the velocity from before
+        the last real step's fold, which then runs during the run."""
+        setting = self.hybrid_config.memory.fold_during_run
+        why = None
+        if self._folds is None:
+            why = "memory.fold_overlap is off here (the fold runs inline)"
+        elif self._device_predict is None:
+            why = "the Predict steps are not on the device-side drift path (memory.offload_predict)"
+        if setting is True and why is not None:
+            raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
+        return setting is not False and why is None
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:
         if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):

@@ -46,6 +46,10 @@ class BackgroundFold(WorkerOwner):
             # one fold's sums are ever waiting.)
             self._sums = self._worker.wait()
 
+    def waiter(self) -> Callable[[], None]:
+        """For another host thread: a call that returns once the running fold has ended."""
+        return self._worker.waiter()
+
     def take(self) -> torch.Tensor | None:
         """The joined fold's sums, once (None: no fold since the last take)."""
         sums, self._sums = self._sums, None

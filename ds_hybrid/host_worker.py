@@ -50,6 +50,16 @@ class HostWorker:
         """A job was started and not yet joined."""
         return self._future is not None
 
+    def waiter(self) -> Callable[[], None]:
+        """A call that blocks until the running job has ended (re-raising its error), for a job
+        on another worker that must come after it; this thread still joins it with ``wait``."""
+        future = self._future
+
+        def wait_for_it() -> None:
+            if future is not None:
+                future.result()
+        return wait_for_it
+
     def wait(self) -> Any:
         """Join the running job and return its result (None when none runs), re-raising its error."""
         future, self._future = self._future, None

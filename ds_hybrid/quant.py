@@ -103,6 +103,16 @@ class CompactBuffer:
             self.data = torch.zeros(nblocks * BLOCK, dtype=torch.int8, **kw)
             self.scale = torch.zeros(nblocks, dtype=torch.float32, **kw)
 
+    @classmethod
+    def wrap(cls, data: torch.Tensor, scale: torch.Tensor | None, dtype: str, numel: int) -> "CompactBuffer":
+        """A buffer over existing tensors (no copy): ``numel`` values stored in ``data`` (int8:
+        whole blocks, with their ``scale``), e.g. one staged chunk of a buffer on another device."""
+        buf = cls.__new__(cls)
+        buf.numel, buf.dtype, buf.device, buf.data = int(numel), dtype, data.device, data
+        if dtype == "int8":
+            buf.scale = scale
+        return buf
+
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
         if self.dtype == "int8":

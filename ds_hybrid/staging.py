@@ -117,15 +117,16 @@ class Stager:
             torch.cuda.current_stream(dst.device).wait_stream(stream)
 
     @torch.no_grad()
-    def download(self, dst: torch.Tensor, src: torch.Tensor,
+    def download(self, dst: torch.Tensor | None, src: torch.Tensor,
                  take: Callable[[torch.Tensor, int, int], None] | None = None, after=None) -> None:
         """Each chunk of a flat ``src`` on the device into a staging buffer in host memory (as
         ``src.dtype``), then ``take(staged, a, b)`` on the host, while the next chunk crosses;
-        ``take`` defaults to ``dst[a:b].copy_(staged)`` (the cast on the host). ``src`` must
-        not change until this returns; the copies wait for ``after`` as ``upload``'s do."""
+        ``take`` defaults to ``dst[a:b].copy_(staged)`` (the cast on the host; ``dst`` is only
+        read by it). ``src`` must not change until this returns; the copies wait for ``after``
+        as ``upload``'s do."""
         n = src.numel()
-        if dst.numel() != n:
-            raise ValueError(f"staging: {src.numel()} values into {dst.numel()}")
+        if take is None and (dst is None or dst.numel() != n):
+            raise ValueError(f"staging: {src.numel()} values into {None if dst is None else dst.numel()}")
         if take is None:
             def take(staged: torch.Tensor, a: int, b: int) -> None:
                 dst[a:b].copy_(staged)

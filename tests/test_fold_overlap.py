@@ -20,8 +20,11 @@ def _velocity(engine) -> torch.Tensor:
     return torch.cat(bufs) if bufs else torch.zeros(0)
 
 
-def _cfg(stage: str, overlap, velocity: str = "int8", kernels: str = "auto", **changes) -> dict:
-    mem = {"velocity_dtype": velocity, "host_kernels": kernels, "fold_overlap": overlap}
+def _cfg(stage: str, overlap, velocity: str = "int8", kernels: str = "auto", during=False, **changes) -> dict:
+    """``during``: memory.fold_during_run (off here unless asked: these tests pin the fold behind
+    the next real step; tests/test_fold_during_run.py covers the fold during a run)."""
+    mem = {"velocity_dtype": velocity, "host_kernels": kernels, "fold_overlap": overlap,
+           "fold_during_run": during}
     return ds_config(offload_opt="cpu", hybrid=_hybrid("device", fold="auto", memory=mem, **changes), **STAGES[stage])
 
 

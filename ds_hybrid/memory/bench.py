@@ -80,6 +80,12 @@ VARIANTS: dict[str, dict | None] = {
                                "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                           "fold_source": "optimizer_state"},
                                "check": "next_step", "correction_steps": 0},
+    # ... with the real step before a run waiting for its own fold (memory.fold_during_run false:
+    # beside a GPU auto moves it behind the run, which takes the velocity from before that fold).
+    "drift-int8-device-next-behind": {"predictor": {"direction": "drift"},
+                                      "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                                 "fold_source": "optimizer_state", "fold_during_run": False},
+                                      "check": "next_step", "correction_steps": 0},
     # ... with its host passes inline instead of on host threads behind the next forward and
     # backward (beside a GPU, auto is the threads): a kept run's commit into the masters, and
     # each real step's fold into the velocity.
@@ -316,9 +322,10 @@ def predictor_figures(summary: dict) -> dict:
             "bookkeeping_ms": _bookkeeping_ms(st)}
 
 
-# Timed inside real steps: ms per real step. The rest (the Predict step's own work, the velocity's
-# upload at a run's first Predict step, a rollback) is given per Predict step.
-REAL_STEP_PARTS = ("capture", "fold", "stash", "compare", "commit", "commit_wait", "fold_wait")
+# Timed inside real steps: ms per real step (velocity_hold: memory.fold_during_run's copy of the
+# velocity for the next run, at the end of the real step before it). The rest (the Predict step's own
+# work, the velocity's upload at a run's first Predict step, a rollback) is given per Predict step.
+REAL_STEP_PARTS = ("capture", "fold", "stash", "compare", "commit", "commit_wait", "fold_wait", "velocity_hold")
 
 
 def _bookkeeping_ms(st: dict) -> dict:
