@@ -311,7 +311,9 @@ class MemoryConfig(_Section):
     misses the last real step's update (one fold of ``drift_beta``'s average): what that costs in
     loss is ``benchmarks/fold_overlap_ab.py --arms behind during``. ``true`` refuses, naming the
     key, setups without ``fold_overlap`` or the device-side drift path. ``auto``: on where
-    ``fold_overlap`` is."""
+    ``fold_overlap`` is and the 16-bit shards are on a GPU (the held copy is then the velocity's
+    copy beside them, no new memory; beside shards in host memory, ZeRO 3's ``offload_param:
+    cpu``, it would add 1 byte a parameter of host memory)."""
 
     host_kernels: Literal["auto", "cpp", "torch"] = "auto"
     """How the hybrid's drift work runs where the masters are in host memory

@@ -94,6 +94,7 @@ class DevicePredict(WorkerOwner):
         # memory.fold_during_run: the device copy is the pending run's (made by hold), kept until
         # the run ends whatever the host velocity does meanwhile
         self._held = False
+        self._held_ready = None   # the event after which a held copy on a GPU is complete
         self._stager = Stager()   # a held copy on a GPU comes down through it at the commit
         self.stage_commit = False   # tests: that staged path also where the copy shares the masters' device
         # memory.host_kernels resolved: shards and masters in host memory take the steps in one C++
@@ -141,7 +142,8 @@ class DevicePredict(WorkerOwner):
         self._device_velocity(vel, always_copy=True)
         self._held = True
         devices = [b.device for b, copy in zip(self._velocity, self._copies) if copy and b.device.type == "cuda"]
-        return Stager.mark(devices[0]) if devices else None
+        self._held_ready = Stager.mark(devices[0]) if devices else None
+        return self._held_ready
 
     @property
     def held(self) -> bool:
@@ -151,7 +153,7 @@ class DevicePredict(WorkerOwner):
     def _release(self) -> None:
         """The run ended: the held copy is no longer its velocity (the buffers stay for the next)."""
         if self._held:
-            self._held, self._uploaded = False, -1
+            self._held, self._uploaded, self._held_ready = False, -1, None
 
     def _current(self, vel: VelocityBuffers) -> bool:
         """The velocity list beside the shards was made from this velocity state."""
@@ -222,7 +224,7 @@ class DevicePredict(WorkerOwner):
         steps, self.pending = self.pending, []
         parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
         bufs = self._run_velocity(vel)
-        after = self._mark(bufs)
+        after = self._ready(bufs)
         self._release()   # (the copies stay untouched until the next hold, which waits for this commit)
         if background:   # (the worker has its own work buffers)
             def job() -> None:
@@ -243,9 +245,12 @@ class DevicePredict(WorkerOwner):
         """What the pending run moved along: the held copy, else the velocity itself."""
         return list(self._velocity) if self._held else list(vel.buffers)
 
-    @staticmethod
-    def _mark(bufs: list):
-        """An event after the work queued so far on the GPU a held copy is on (None: none is)."""
+    def _ready(self, bufs: list):
+        """The event after which ``bufs`` are complete on their GPU (None: none is on one): a held
+        copy's, made when it was copied (nothing writes it after), so the copies down need not
+        wait for the work queued since (the real step's forward)."""
+        if self._held and self._held_ready is not None:
+            return self._held_ready
         devices = [b.device for b in bufs if b is not None and b.device.type == "cuda"]
         return Stager.mark(devices[0]) if devices else None
 
@@ -310,7 +315,7 @@ class DevicePredict(WorkerOwner):
             if vel is None:
                 raise ValueError("DevicePredict.discard: the run has verified steps; pass the velocity they moved along")
             bufs = self._run_velocity(vel)
-            self._add_to_masters(list(self.access.partitions()), bufs, good, self._mark(bufs))
+            self._add_to_masters(list(self.access.partitions()), bufs, good, self._ready(bufs))
         self._release()
         self.access.lp_current = False
         self.access.propagate()

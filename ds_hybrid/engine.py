@@ -1423,6 +1423,11 @@ class PredictiveEngine(DeepSpeedEngine):
             why = "the Predict steps are not on the device-side drift path (memory.offload_predict)"
         if setting is True and why is not None:
             raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
+        if setting == "auto" and why is None:
+            # The held copy replaces the velocity's copy beside GPU shards (no new memory); beside
+            # shards in host memory (ZeRO 3's offload_param: cpu) it would be 1 byte a parameter
+            # more of host memory, which the 7b-24gb preset does not have to spare.
+            return all(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
         return setting is not False and why is None
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:

@@ -110,14 +110,14 @@ def test_device_side_predict_under_offload_agrees_with_the_host_path(stage, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("during", ["auto", "false"])
+@pytest.mark.parametrize("during", ["true", "false"])
 def test_fold_behind_the_next_step_keeps_the_ranks_together(during, tmp_path):
     """memory.fold_overlap, 2 ranks, ZeRO 2 under offload with the device path: each rank folds on
     its own thread and the direction statistics reach the predictor a real step late on every
     rank alike, so the phases, losses, rollbacks and weights stay the same on both, through the
     skipped NaN steps (a joined fold's statistics wait for the next applied step) and rank 1's
-    rejected run. ``during``: memory.fold_during_run (auto: on; each rank's run holds its own
-    copy of its velocity partition while its fold runs)."""
+    rejected run. ``during``: memory.fold_during_run (each rank's run holds its own copy of its
+    velocity partition while its fold runs)."""
     ranks = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults", "--offload-predict",
                                               "device", "--fold-source", "auto", "--fold-overlap",
                                               "--fold-during-run", during], 2, tmp_path)
@@ -127,7 +127,7 @@ def test_fold_behind_the_next_step_keeps_the_ranks_together(during, tmp_path):
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
     st = ranks[0]["statistics"]
     assert st["fold_overlap"] is True and st["fold_background_seconds"] > 0
-    assert st["fold_during_run"] is (during == "auto")
+    assert st["fold_during_run"] is (during == "true")
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
 
 
