@@ -357,7 +357,7 @@ class PredictiveEngine(DeepSpeedEngine):
                     result = self._predict_step(batches, loss_fn)
                 else:
                     result = self._full_step(batches, loss_fn, self.controller.phase)
-                if self.controller.phase is Phase.PREDICT and not self._fold_during_run:
+                if self.controller.phase is Phase.PREDICT and not self._run_holds_velocity():
                     # memory.fold_overlap: a Predict step moves along the velocity, so it could only
                     # wait for this step's fold; the wait is booked to the real step whose work it is.
                     # (fold_during_run: the run moves along the copy it holds; the fold goes on.)
@@ -689,7 +689,7 @@ class PredictiveEngine(DeepSpeedEngine):
         ctl, cfg = self.controller, self.hybrid_config
         next_step = cfg.check == "next_step"
         device = self._device_predict
-        if not self._fold_during_run:   # (else the run moves along its held copy, and takes no snapshot)
+        if not self._run_holds_velocity():   # (else the fold goes on; no snapshot on the device path)
             self._wait_fold()   # the velocity this step moves along, and the masters a snapshot copies
         if ctl.predict_index == 0:
             if self._check_groups is None:
@@ -970,6 +970,11 @@ class PredictiveEngine(DeepSpeedEngine):
                                        moments=False, host_kernel=host, parts=parts)
         self._folds.start(fold)
 
+    def _run_holds_velocity(self) -> bool:
+        """The Predict run moves along its own copy of the velocity (``memory.fold_during_run``,
+        ``DevicePredict.hold``), so the last real step's fold may go on meanwhile."""
+        return self._device_predict is not None and self._device_predict.held
+
     def _wait_fold(self) -> None:
         """Join a fold running behind the step (what a step waits for it: ``fold_wait``)."""
         if self._folds is not None and self._folds.running:
@@ -1049,7 +1054,7 @@ class PredictiveEngine(DeepSpeedEngine):
         branch: gradients cleared, no update, LR scheduler not stepped,
         ``skipped_steps`` += 1, while ``global_steps`` / ``global_samples`` advance
         (DeepSpeed's fp16-overflow semantics)."""
-        if self._predicted_update is None or not self._fold_during_run:
+        if self._predicted_update is None or not self._run_holds_velocity():
             # the last real step's fold reads the masters and moments this step writes (a device-side
             # drift step writes neither: with fold_during_run the fold goes on through the run)
             self._wait_fold()
