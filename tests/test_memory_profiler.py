@@ -312,3 +312,13 @@ def test_every_memory_bench_variant_is_a_valid_config_on_the_gpu_stages_presets(
     for kind, variant in mbench.VARIANTS.items():
         if variant is not None:
             assert parse_hybrid_config(mbench.run_config(4, 12, variant, preset)).enabled, kind
+
+
+def test_the_gpu_runs_tests_stage_runs_every_file_with_gpu_tests():
+    """benchmarks/gpu_run.sh's ``tests`` stage names its test files: one with GPU-marked tests left
+    out of the list would go unrun on the lent GPU."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    stage = (root / "benchmarks" / "gpu_run.sh").read_text().split("    tests)", 1)[1].split(";;", 1)[0]
+    marked = {p.name for p in (root / "tests").glob("test_*.py") if "pytest.mark.gpu" in p.read_text()}
+    assert marked and {name for name in marked if f"tests/{name}" not in stage} == set()
