@@ -32,8 +32,8 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   rejection's verified steps) add the steps along the held copy: from a GPU one chunk at a time
   through pinned buffers (``staging.Stager``), with the same additions in the same order.
 * **Checkpoint in the middle of a run**: the masters (the last good point), the
-  coefficients and a held velocity copy are saved; on load the 16-bit copies are propagated from the masters and the
-  run's updates re-applied (``replay``), bit for bit.
+  coefficients and a held velocity copy are saved; on load the 16-bit copies are propagated
+  from the masters and the run's updates re-applied (``replay``), bit for bit.
 
 Where a 16-bit shard is in host memory (ZeRO 3 with ``offload_param: cpu``; DeepSpeed's CPU
 accelerator) and for the commit into the masters, ``memory.host_kernels`` does the additions in one
@@ -109,6 +109,7 @@ class DevicePredict(WorkerOwner):
         copy (``hold``) while the run lasts. ``always_copy``: a copy on a shared device too."""
         if self._held or (self._current(vel) and not always_copy):
             return self._velocity
+        self.wait()   # (a commit in the background may still read the last copies)
         out: list[CompactBuffer | None] = []
         copies: list[bool] = []
         for i, buf in enumerate(vel.buffers):
@@ -128,7 +129,8 @@ class DevicePredict(WorkerOwner):
         """The last copy of partition ``i``'s velocity where it fits (the GPU memory is reused
         from run to run), else a new one."""
         old = self._velocity[i] if i < len(self._velocity) else None
-        if old is not None and i < len(self._copies) and self._copies[i] and old.device == device and old.numel == numel and old.dtype == dtype:
+        copy = i < len(self._copies) and self._copies[i]   # (never the host buffer itself)
+        if old is not None and copy and old.device == device and old.numel == numel and old.dtype == dtype:
             return old
         return CompactBuffer(numel, dtype, device)
 
@@ -351,8 +353,9 @@ class DevicePredict(WorkerOwner):
         if held is None:
             return
         if vel is None or len(held) != len(vel.buffers):
+            have = None if vel is None else len(vel.buffers)
             raise ValueError("DevicePredict.load_state_dict: the checkpoint's held velocity copy has "
-                             f"{len(held)} partitions, this rank's velocity {None if vel is None else len(vel.buffers)}")
+                             f"{len(held)} partitions, this rank's velocity {have}")
         self._device_velocity(vel, always_copy=True)   # (allocates the copies where they belong)
         for buf, saved in zip(self._velocity, held):
             if buf is not None and saved is not None:
