@@ -1,4 +1,5 @@
-"""A kept gradient Predict run's commit on the host, timed: what the real step after the run waits for.
+"""A gradient Predict run's host work, timed: its commit (what the real step after the run waits for)
+and, where the 16-bit partition lives in host memory, each of its steps' update.
 
 Under ZeRO-Offload the device path's commit writes the run's first moment into the optimizer's
 ``exp_avg`` and catches the fp32 masters up with the 16-bit weights the run moved
@@ -9,6 +10,12 @@ on one partition of ``--values`` values, best of ``--repeat``: the catch-up with
 with ``kernels/host_fold.cpp`` (``host_kernels.catch_up``), and the first moment's bf16 -> fp32
 hand-over, each per value and over DeepSpeed's own CPU Adam step on as many values. (The PCIe part
 of the commit, 4 bytes a value through the stager's pinned chunks, needs a GPU: stage ``grad1b``.)
+
+With ZeRO 3's ``offload_param: cpu`` (the ``7b-24gb`` layout) every Predict step's held Adam
+update moves a bf16 partition in host memory: timed with the torch ops
+(``kernels.held_adam_step_reference``, whose random bits' int64 hash is most of it; on the H200
+the ``gradz3`` stage's gradient run did not finish 24 steps of llama-1b in 4 minutes) and with the
+C++ pass (``host_kernels.held_adam``), fp32 moments.
 
     python benchmarks/grad_commit.py --values 67108864 --repeat 5 --json docs/results/grad-commit.json
 """
@@ -28,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_path import _best, cpu_adam_step  # noqa: E402  (the same timer and reference step)
 
-from ds_hybrid import host_kernels  # noqa: E402
+from ds_hybrid import host_kernels, kernels  # noqa: E402
 from ds_hybrid.grad_predict import _catch_up  # noqa: E402
 
 
@@ -44,6 +51,14 @@ def measure(n: int, repeat: int) -> dict:
         out["catch_up" + ("_cpp" if hk else "_torch")] = _best(lambda: _catch_up(work, moved, host_kernel=hk), repeat,
                                                                setup=lambda: work.copy_(master))
     out["first_moment_hand_over"] = _best(lambda: exp_avg.copy_(run_m), repeat)
+    # a Predict step's update of a bf16 partition in host memory (moments fp32, as auto keeps them there)
+    m, v = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-8
+    x = moved.clone()
+    bc1, bc2 = kernels._bias_corrections(0.9, 0.95, 10, True)
+    out["held_adam_step_torch"] = _best(lambda: kernels.held_adam_step_reference(
+        x, m, v, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, step=10, weight_decay=0.1, decoupled=True, key=1), repeat)
+    out["held_adam_step_cpp"] = _best(lambda: host_kernels.held_adam(
+        x, m, v, lr=1e-4, bc1=bc1, bc2=bc2, eps=1e-8, decay=-1e-5, key=1), repeat)
     return out
 
 

@@ -423,11 +423,26 @@ class GradientPredict(WorkerOwner):
             # the stochastic rounding's random bits: a hash of (seed, step, partition) and the index,
             # the same on a rerun and after a resume
             key = ((self.seed * 1_000_003 + int(step)) * 1009 + i) & 0xFFFFFFFF
-            kernels.held_adam_step(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1,
-                                   beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
-                                   weight_decay=float(g.get("weight_decay", 0.0)), decoupled=self.access.decoupled_decay,
-                                   bias_correction=g.get("bias_correction", True), key=key, backend=self.backend)
+            shard, kw = self._shard(i), dict(lr=float(g["lr"]), eps=g.get("eps", 1e-8), key=key)
+            wd = float(g.get("weight_decay", 0.0))
+            if self._host_step(shard, self.m[i], self.v[i]):
+                # a bf16 partition in host memory (ZeRO 3's offload_param: cpu): one C++ pass, bit
+                # for bit the torch ops (whose random bits' hash alone took seconds a step for 1B)
+                bc1, bc2 = kernels._bias_corrections(beta1, beta2, part.step, g.get("bias_correction", True))
+                decay = -kw["lr"] * wd if self.access.decoupled_decay and wd else 0.0
+                host_kernels.held_adam(shard, self.m[i], self.v[i], bc1=bc1, bc2=bc2, decay=decay, **kw)
+                continue
+            kernels.held_adam_step(shard, self.m[i], self.v[i], beta1=beta1, beta2=beta2, step=part.step,
+                                   weight_decay=wd, decoupled=self.access.decoupled_decay,
+                                   bias_correction=g.get("bias_correction", True), backend=self.backend, **kw)
         self.access.gather_device_shards()
+
+    def _host_step(self, shard: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
+        """``memory.host_kernels`` takes this step: a bf16 shard in host memory beside moments there
+        (with fp32 weights the step is ``fused_update``'s, bit for bit the host path's masters)."""
+        return (self.host_kernel and shard.device.type == "cpu" and shard.dtype == torch.bfloat16
+                and m.device.type == v.device.type == "cpu" and m.dtype == v.dtype
+                and all(t.is_contiguous() for t in (shard, m, v)))
 
     # --------------------------------------------------------- how a run ends
     @torch.no_grad()

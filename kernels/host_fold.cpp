@@ -395,6 +395,73 @@ void catch_up(torch::Tensor master, torch::Tensor w) {
   }
 }
 
+// A gradient Predict step's update of a 16-bit partition in host memory (ZeRO 3 with
+// offload_param: cpu; kernels.held_adam_step_reference): Adam's step from the run's first moment
+// m and the held second moment v, the bf16 weight written back rounded stochastically. The torch
+// reference's operations in its order, each rounded to fp32 as it rounds them:
+//   denom = sqrt(v / bc2) + eps;  u = ((m / bc1) / denom) * (-lr);  u = fma(w, decay, u) (an add
+//   with alpha, torch's vectorised fmadd);  w = w + u;  then quant.stochastic_round_bf16_: 16
+//   random bits of (key, index) added to w's bits, the low 16 cleared, narrowed exactly.
+// One pass: x read and written, m and v read (the torch ops: about twenty passes per chunk, most
+// of them the random bits' int64 hash).
+inline uint32_t mix32(uint32_t x) {   // quant._mix32 / fused_update.cu's dsh_mix32 ("lowbias32")
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t sr_bits(uint32_t key, int64_t i) {   // quant.sr_bits: 16 random bits of value i
+  const uint64_t u = static_cast<uint64_t>(i);
+  return mix32(static_cast<uint32_t>(u & 0xFFFFFFFFu) ^ mix32(static_cast<uint32_t>(u >> 32) ^ key)) & 0xFFFFu;
+}
+
+template <typename S>
+void held_adam_typed(at::BFloat16* x, const S* m, const S* v, int64_t n, float neg_lr, float bc1, float bc2,
+                     float eps, float decay, uint32_t key) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const float denom = std::sqrt(static_cast<float>(v[i]) / bc2) + eps;
+      float u = ((static_cast<float>(m[i]) / bc1) / denom) * neg_lr;
+      float w = static_cast<float>(x[i]);
+      if (decay != 0.0f) u = std::fma(w, decay, u);
+      w = w + u;
+      uint32_t bits;
+      std::memcpy(&bits, &w, sizeof bits);
+      bits = (bits + sr_bits(key, i)) & 0xFFFF0000u;   // (int32 addition: wraps as torch's add_)
+      std::memcpy(&w, &bits, sizeof w);
+      x[i] = static_cast<at::BFloat16>(w);   // exact: the dropped bits are zero
+    }
+  });
+}
+
+void held_adam(torch::Tensor x, torch::Tensor m, torch::Tensor v, double lr, double bc1, double bc2, double eps,
+               double decay, int64_t key) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == torch::kBFloat16,
+              "host_held_adam: the weights must be contiguous bf16 in host memory");
+  TORCH_CHECK(m.is_contiguous() && v.is_contiguous() && m.device().is_cpu() && v.device().is_cpu() &&
+                  m.scalar_type() == v.scalar_type() && m.numel() == x.numel() && v.numel() == x.numel(),
+              "host_held_adam: the moments must be contiguous, in host memory, of one dtype and as many as x");
+  const int64_t n = x.numel();
+  // (the Python floats become the torch ops' fp32 scalars)
+  const float neg_lr = static_cast<float>(-lr), b1 = static_cast<float>(bc1), b2 = static_cast<float>(bc2);
+  const float e = static_cast<float>(eps), d = static_cast<float>(decay);
+  const uint32_t k = static_cast<uint32_t>(key & 0xFFFFFFFF);
+  switch (m.scalar_type()) {
+    case torch::kFloat32:
+      held_adam_typed<float>(x.data_ptr<at::BFloat16>(), m.data_ptr<float>(), v.data_ptr<float>(), n, neg_lr, b1,
+                             b2, e, d, k);
+      break;
+    case torch::kBFloat16:
+      held_adam_typed<at::BFloat16>(x.data_ptr<at::BFloat16>(), m.data_ptr<at::BFloat16>(),
+                                    v.data_ptr<at::BFloat16>(), n, neg_lr, b1, b2, e, d, k);
+      break;
+    default: TORCH_CHECK(false, "host_held_adam: the moments must be fp32 or bf16, not ", m.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is released for the pass: with memory.fold_overlap it runs on a host thread while the
   // main thread launches the next step's forward and backward (the arguments are converted first).
@@ -405,5 +472,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>());
   // Released too: the gradient run's commit runs on a host thread (memory.commit_overlap).
   mod.def("catch_up", &catch_up, "master = (master - round16(master)) + w, one pass (see host_fold.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  // Released too: the main thread's gradient Predict step, but the GIL is not needed for it.
+  mod.def("held_adam", &held_adam, "Adam's step with the second moment held, bf16 x rounded stochastically, one pass",
           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
