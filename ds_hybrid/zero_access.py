@@ -157,7 +157,7 @@ class MasterAccess(abc.ABC):
         return None
 
     def gather_device_shards(self) -> None:
-        """After ``device_shard``\ s were written in place: what DeepSpeed does after its own
+        """After the ``device_shard`` tensors were written in place: what DeepSpeed does after its own
         step to make every rank's parameters see them (an all-gather). Collective."""
         raise NotImplementedError(f"{self.kind}: no device shards")
 
