@@ -109,11 +109,10 @@ def main() -> None:
     spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
     print(f"mean difference {statistics.mean(deltas):+.2e} ± {spread:.2e} (sd over {len(deltas)} seeds)")
     if args.json:
-        arms = "" if args.arms == ["inline", "behind"] else f" --arms {ref} {new}"
         Path(args.json).write_text(json.dumps({
             "what": f"{ref} {SETTINGS[ref]} against {new} {SETTINGS[new]} (hybrid_predict.memory), offload suite's CPU "
                     "setup, bench predict arm on the device path (fold from the Adam state, int8 velocity)",
-            "command": f"python benchmarks/fold_overlap_ab.py{arms} --json {args.json}",
+            "command": "python benchmarks/fold_overlap_ab.py " + " ".join(sys.argv[1:]),
             "arms": [ref, new], f"config_{ref}": config(ref), "runs": rows,
             f"loss_difference_{new}_minus_{ref}": deltas,
             "mean_difference": statistics.mean(deltas), "sd_difference": spread}, indent=1) + "\n")
