@@ -260,6 +260,7 @@ class PredictiveEngine(DeepSpeedEngine):
                 self._masters_on_cuda = any(self._gradient._shard(i).is_cuda for i in range(self._masters._count()))
                 if any(p.master.device.type == "cpu" for p in self._masters.partitions()):
                     self._gradient.host_kernel = host_kernels.resolve(mem.host_kernels)   # (the commit's catch-up)
+                self._gradient.prefetch_host = self._host_masters_beside_an_accelerator()
         overlap = mem.commit_overlap
         self._commit_overlap = self._device_path() and (
             overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))

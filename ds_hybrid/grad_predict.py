@@ -151,6 +151,9 @@ class GradientPredict(WorkerOwner):
         # memory.host_kernels resolved (the engine sets it where the masters are in host memory):
         # the commit's catch-up in one C++ pass (host_kernels.catch_up), bit for bit the torch ops
         self.host_kernel = False
+        # the engine sets it beside an accelerator: copies of moments that stay in host memory (ZeRO
+        # 3's offload_param: cpu) are made behind the GPU's forward and backward too
+        self.prefetch_host = False
         # prefetch(): the next run's copies being made on the worker, then (key, m, v) once joined
         self._prefetching = False
         self._next: tuple | None = None
@@ -374,13 +377,15 @@ class GradientPredict(WorkerOwner):
     def prefetch(self) -> None:
         """The next step begins a run (the engine calls this after the real step before it):
         make the run's copies of the moments now, on the host thread, while that step's forward
-        and backward run (its gradient needs no moment). Only where they cross to another
-        device (the device path beside a GPU); elsewhere ``_begin`` copies in place of it."""
+        and backward run (its gradient needs no moment). Where they cross to another device
+        (the device path beside a GPU), or stay in host memory beside one (``prefetch_host``:
+        the GPU runs the forward and backward meanwhile); elsewhere (DeepSpeed's CPU accelerator,
+        where the thread would take the forward's cores) ``_begin`` copies in place of it."""
         if not self.on_device or self.m is not None or self._worker.running:
             return
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))]
-        if not self._crosses(parts, shards):
+        if not (self._crosses(parts, shards) or self.prefetch_host):
             return
         key = self._state_key(parts)
         # Allocated here, and the copies wait only for the work queued so far (what freed that

@@ -337,15 +337,22 @@ def test_a_device_run_leaves_the_masters_and_moments_alone_and_rolls_back_exactl
     assert not dev._gradient.pending
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_runs_moments_copied_behind_the_step_before_it_train_as_copies_made_at_its_start(stage):
-    """Beside a GPU the run's moments cross PCIe: the engine starts their copies on the host thread
-    after the real step before the run (``prefetch``), and the run's first step joins them only
-    after its gradient. Here the crossing is declared on the CPU accelerator: every step's
-    weights, masters and moments are those of copies made at the run's start, and a copy made
-    from a state that changed since (here the first moment replaced) is dropped, not used."""
-    ref, fetch = _paths(stage)[1], _paths(stage)[1]
-    fetch._gradient._crosses = lambda parts, shards: True
+@pytest.mark.parametrize("stage, why", [(2, "crossing"), (3, "crossing"), (3, "host")])
+def test_a_runs_moments_copied_behind_the_step_before_it_train_as_copies_made_at_its_start(stage, why):
+    """Beside a GPU the run's moments cross PCIe (or, ZeRO 3's offload_param: cpu, are copied within
+    host memory while the GPU works): the engine starts their copies on the host thread after the
+    real step before the run (``prefetch``), and the run's first step joins them only after its
+    gradient. Here the crossing (or the GPU beside, ``prefetch_host``) is declared on the CPU
+    accelerator: every step's weights, masters and moments are those of copies made at the run's
+    start, and a copy made from a state that changed since (here the first moment replaced) is
+    dropped, not used."""
+    kw = dict(offload_param="cpu") if why == "host" else {}
+    ref, fetch = _paths(stage, **kw)[1], _paths(stage, **kw)[1]
+    assert not fetch._gradient.prefetch_host   # (no accelerator beside the host memory here)
+    if why == "crossing":
+        fetch._gradient._crosses = lambda parts, shards: True
+    else:
+        fetch._gradient.prefetch_host = True
     a, b = Batches(seed=6), Batches(seed=6)
     began = changed = 0
     for _ in range(16):
