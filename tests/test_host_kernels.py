@@ -277,6 +277,30 @@ def test_cpp_held_adam_step_is_the_ieee_step_and_the_torch_ops_within_a_rounding
         host_kernels.held_adam(got, m, v[:-1], bc1=bc1, bc2=bc2, decay=0.0, **kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+def test_cpp_held_adam_step_is_the_cuda_kernels_bit_for_bit(sdtype):
+    """The same gradient Predict step on a bf16 partition in host memory (C++) and on a GPU (CUDA
+    kernel, NVRTC's IEEE division and square root, the decay's multiply-add fused): the same
+    operations and random bits, so the same bf16 weights bit for bit."""
+    from ds_hybrid import kernels
+    if not kernels.cupy_available():
+        pytest.skip("CuPy does not import")
+    n = CHUNK + 300
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+    m, v = (torch.randn(n, generator=g) * 1e-3).to(sdtype), (torch.rand(n, generator=g) * 1e-6).to(sdtype)
+    kw = dict(lr=3e-4, eps=1e-8, key=0xDEADBEEF)
+    bc1, bc2 = kernels._bias_corrections(0.9, 0.95, 7, True)
+    host = x.clone()
+    host_kernels.held_adam(host, m, v, bc1=bc1, bc2=bc2, decay=-kw["lr"] * 0.1, **kw)
+    dev = x.cuda()
+    kernels.held_adam_step(dev, m.cuda(), v.cuda(), beta1=0.9, beta2=0.95, step=7, weight_decay=0.1, decoupled=True,
+                           backend="cupy", **kw)
+    assert torch.equal(host.view(torch.int16), dev.cpu().view(torch.int16))
+
+
 @pytest.mark.parametrize("stage", ["z2", "z3"])
 def test_the_engine_catches_the_masters_up_with_the_cpp_kernel_bit_for_bit(stage):
     """Gradient Predict runs on the device path under offload_optimizer: cpu with bf16 weights
