@@ -29,3 +29,46 @@ def ensure_distributed_env() -> bool:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return True
+
+
+# DeepSpeed's CPU shared-memory allreduce names each rank's segment so (deepspeed/ops/csrc/cpu/comm/shm.cpp).
+_SHM_SEGMENT = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+_shm_released = False
+
+
+def release_cpu_allreduce_segment() -> bool:
+    """Unlink this rank's DeepSpeed CPU allreduce segment once every rank has mapped it. Call it on
+    every rank right after ``deepspeed.initialize``; returns whether it unlinked one.
+
+    On the CPU accelerator, with every rank on this host (DeepSpeed's launcher sets ``LOCAL_SIZE``),
+    DeepSpeed gives each rank a 64 MiB POSIX shared-memory segment for its low-latency allreduce and
+    never unlinks it: every such run left ``/dev/shm/deepspeed_allreduce_buffer_*`` behind, memory
+    that stays taken until a reboot (a 2-rank run, 128 MiB). Each rank maps every rank's segment
+    while DeepSpeed sets up its communicator, so after a barrier each rank unlinks its own name:
+    the mappings stay valid, and the name is gone even if the process is killed later.
+    """
+    global _shm_released
+    if _shm_released or not torch_dist_initialized():
+        return False
+    from deepspeed.comm import comm as ds_comm
+    if getattr(ds_comm.cdb, "shm_comm_op", None) is None:
+        return False
+    world = ds_comm.get_world_size()
+    if os.environ.get("LOCAL_SIZE") != str(world):   # DeepSpeed made no segment (the same on every rank)
+        return False
+    _shm_released = True
+    if world > 1:
+        ds_comm.barrier()
+    path = _SHM_SEGMENT.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
+                               port=os.environ.get("MASTER_PORT", ""), rank=ds_comm.get_rank())
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    logger.debug("unlinked %s (DeepSpeed's CPU allreduce segment; the mappings stay)", path)
+    return True
+
+
+def torch_dist_initialized() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()

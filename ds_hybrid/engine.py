@@ -44,7 +44,7 @@ from . import zero_access as za
 from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
-from .dist_env import ensure_distributed_env
+from .dist_env import ensure_distributed_env, release_cpu_allreduce_segment
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
 from .fold_overlap import BackgroundFold
@@ -1609,12 +1609,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     try:
         if from_args:
             args.deepspeed_config = None   # DeepSpeed refuses a config in both places
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    config=cfg_dict, **kwargs)
+        result = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                      model_parameters=model_parameters, config=cfg_dict, **kwargs)
     finally:
         deepspeed.DeepSpeedEngine = original
         if from_args:
             args.deepspeed_config = config
+    release_cpu_allreduce_segment()   # DeepSpeed's CPU allreduce would leave 64 MiB per rank in /dev/shm
+    return result
 
 
 class InitializeError(ValueError, AssertionError):

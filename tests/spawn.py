@@ -26,12 +26,14 @@ def rank_env(rank: int, world: int, port: int) -> dict:
                 PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
 
 
-def run_ranks(script: str, args: list[str], world: int, out_dir: Path, timeout: float = 300) -> list[dict]:
-    """Run ``tests/<script> <args> --out <out_dir>`` as ``world`` ranks; return each rank's
-    ``rank{r}.json`` (the worker writes it before its DONE marker)."""
+def run_ranks(script: str, args: list[str], world: int, out_dir: Path, timeout: float = 300,
+              env: dict | None = None) -> list[dict]:
+    """Run ``tests/<script> <args> --out <out_dir>`` as ``world`` ranks (``env`` added to each
+    rank's environment); return each rank's ``rank{r}.json`` (the worker writes it before its
+    DONE marker)."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / script), *args, "--out", str(out_dir)],
-                              env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**rank_env(rank, world, port), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for rank in range(world)]
     outputs = []
