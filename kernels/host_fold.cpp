@@ -62,35 +62,54 @@ struct Args {
   bool moments;
 };
 
-// One block of kBlock values in one loop (then, for int8, the quantisation): each value's
-// direction, update, old and new velocity, and its terms of the sums in kLanes lanes, which the
-// compiler vectorises. The last block, when short, is copied into zero-padded arrays first (as
-// quant.CompactBuffer.store pads it) and written back after.
+// kLanes fp32 lanes as one vector (GCC's vector extension): the lane sums below and the running
+// max and min of the int8 quantisation. Lane l holds what a scalar loop over the values l, l +
+// kLanes, l + 2 kLanes, ... would, in that order; with -ffp-contract=off a += b * c is a multiply
+// then an add, as in that loop.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes lanes_at(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(Lanes));
+  return v;
+}
+
+// One block of kBlock values (then, for int8, the quantisation): each value's direction, update
+// and old velocity in plain loops over the block, which the compiler vectorises at full width
+// (a loop over kLanes lanes with the lane sums inside it went out in 4-wide pieces, its divisions
+// and square root the fold's bottleneck); the sums in kLanes lanes; then the new velocity. The
+// last block, when short, is copied into zero-padded arrays first (as quant.CompactBuffer.store
+// pads it) and written back after.
 template <int VD, bool FROM_STATE, bool DECAY, bool FIRST>
 void fold_values(const Args& A, const float* w, const float* m, const float* v2, const float* before,
                  const void* vin, float v_scale, float* x, Sums& s) {
-  float dv[kLanes] = {0}, vv[kLanes] = {0}, dd[kLanes] = {0}, ww[kLanes] = {0};
+  alignas(64) float d[kBlock], v_buf[kBlock];
+  const float* v_old = VD == 0 ? static_cast<const float*>(vin) : v_buf;   // (fp32: read in place)
+  for (int64_t j = 0; j < kBlock; ++j) {
+    if (FROM_STATE) {
+      const float a = (m[j] / A.bc1) / (std::sqrt(v2[j] / A.bc2) + A.eps);
+      // torch.add(w, a, alpha=lr).mul_(k).sub_(a, alpha=lr): an add with alpha is torch's fmadd
+      d[j] = DECAY ? std::fma(a, -A.lr, std::fma(a, A.lr, w[j]) * A.decay) : a * A.neg_lr;
+    } else {
+      d[j] = w[j] - before[j];
+    }
+  }
+  if (VD == 1) {
+    const auto* src = static_cast<const at::BFloat16*>(vin);
+    for (int64_t j = 0; j < kBlock; ++j) v_buf[j] = static_cast<float>(src[j]);
+  } else if (VD == 2) {
+    const auto* src = static_cast<const int8_t*>(vin);
+    for (int64_t j = 0; j < kBlock; ++j) v_buf[j] = static_cast<float>(src[j]) * v_scale;
+  }
+  Lanes dv = {}, vv = {}, dd = {}, ww = {};
   for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t j = j0 + l;
-      float d;
-      if (FROM_STATE) {
-        const float a = (m[j] / A.bc1) / (std::sqrt(v2[j] / A.bc2) + A.eps);
-        // torch.add(w, a, alpha=lr).mul_(k).sub_(a, alpha=lr): an add with alpha is torch's fmadd
-        d = DECAY ? std::fma(a, -A.lr, std::fma(a, A.lr, w[j]) * A.decay) : a * A.neg_lr;
-      } else {
-        d = w[j] - before[j];
-      }
-      float v_old;
-      if (VD == 0) v_old = static_cast<const float*>(vin)[j];
-      else if (VD == 1) v_old = static_cast<float>(static_cast<const at::BFloat16*>(vin)[j]);
-      else v_old = static_cast<float>(static_cast<const int8_t*>(vin)[j]) * v_scale;
-      dv[l] += d * v_old;
-      vv[l] += v_old * v_old;
-      dd[l] += d * d;
-      if (A.moments) ww[l] += w[j] * w[j];
-      // mul_(beta).add_(d, alpha=(1 - beta) / lr)
-      x[j] = FIRST ? d * A.inv_lr : std::fma(d, A.mix, v_old * A.beta);
+    const Lanes dj = lanes_at(d + j0), vj = lanes_at(v_old + j0);
+    dv += dj * vj;
+    vv += vj * vj;
+    dd += dj * dj;
+    if (A.moments) {
+      const Lanes wj = lanes_at(w + j0);
+      ww += wj * wj;
     }
   }
   for (int l = 0; l < kLanes; ++l) {
@@ -99,13 +118,19 @@ void fold_values(const Args& A, const float* w, const float* m, const float* v2,
     s.dd += dd[l];
     s.ww += ww[l];
   }
+  // mul_(beta).add_(d, alpha=(1 - beta) / lr)
+  for (int64_t j = 0; j < kBlock; ++j) x[j] = FIRST ? d[j] * A.inv_lr : std::fma(d[j], A.mix, v_old[j] * A.beta);
   if (A.moments && m != nullptr) {
-    float ma[kLanes] = {0}, vs[kLanes] = {0};
-    for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        ma[l] += std::fabs(m[j0 + l]);
-        vs[l] += std::sqrt(v2[j0 + l]);
-      }
+    alignas(64) float m_abs[kBlock], v_sqrt[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      m_abs[j] = std::fabs(m[j]);
+      v_sqrt[j] = std::sqrt(v2[j]);
+    }
+    Lanes ma = {}, vs = {};
+    for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes) {
+      ma += lanes_at(m_abs + j0);
+      vs += lanes_at(v_sqrt + j0);
+    }
     for (int l = 0; l < kLanes; ++l) {
       s.m_abs += ma[l];
       s.v_sqrt += vs[l];
@@ -115,14 +140,18 @@ void fold_values(const Args& A, const float* w, const float* m, const float* v2,
 
 // int8: absmax per block as max(max x, -min x), then x / scale + the noise, floored and clamped
 // (quant.CompactBuffer.store's arithmetic)
+// (The running max and min in Lanes: a loop over kLanes scalars with its compare-and-select was
+// not vectorised. Each lane keeps the scalar rule's value: hi < x ? x : hi, lo > x ? x : lo.)
 inline float quantize(const float* x, const float* u, int8_t* out) {
+  Lanes hi_v = lanes_at(x), lo_v = hi_v;
+  for (int64_t j0 = kLanes; j0 < kBlock; j0 += kLanes) {
+    const Lanes xv = lanes_at(x + j0);
+    hi_v = hi_v < xv ? xv : hi_v;
+    lo_v = lo_v > xv ? xv : lo_v;
+  }
   float hi[kLanes], lo[kLanes];
-  for (int l = 0; l < kLanes; ++l) hi[l] = lo[l] = x[l];
-  for (int64_t j0 = kLanes; j0 < kBlock; j0 += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      hi[l] = hi[l] < x[j0 + l] ? x[j0 + l] : hi[l];
-      lo[l] = lo[l] > x[j0 + l] ? x[j0 + l] : lo[l];
-    }
+  std::memcpy(hi, &hi_v, sizeof(Lanes));
+  std::memcpy(lo, &lo_v, sizeof(Lanes));
   float top = hi[0], bottom = lo[0];
   for (int l = 1; l < kLanes; ++l) {
     top = std::max(top, hi[l]);
