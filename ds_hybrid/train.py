@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap this process's CUDA allocator at SIZE (16GB, 16GiB, ...) with "
                         "torch.cuda.set_per_process_memory_fraction: train as if the GPU were that small; "
                         "an allocation past it fails with CUDA out-of-memory")
+    p.add_argument("--pinned-round-mb", type=int, default=64, metavar="MB",
+                   help="on a GPU, pinned host blocks above MB MiB are allocated at their size, not rounded up "
+                        "to a power of two (torch's pinned_max_round_threshold_mb, set with "
+                        "pinned_max_cached_size_mb to the same value; ds_hybrid/pinned.py): DeepSpeed's offload "
+                        "buffers then take what they need of host memory; 0 keeps torch's rounding; a "
+                        "PYTORCH_ALLOC_CONF that sets either key is kept")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     p.add_argument("--save-dir", default=None,
@@ -397,6 +403,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)
+    if args.pinned_round_mb < 0:
+        raise SystemExit(f"--pinned-round-mb: must be 0 (torch's rounding) or more (got {args.pinned_round_mb})")
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if args.zero_init and stage != 3:
         raise SystemExit(f"--zero-init: builds the model partitioned for ZeRO 3, but {config_path.name} has "
@@ -423,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logs(args.verbose)
     if gpu_cap is not None:
         apply_gpu_cap(gpu_cap, args.local_rank)
+    from .pinned import limit_pinned_rounding
+    pinned_limits = limit_pinned_rounding(args.pinned_round_mb)   # (before DeepSpeed pins its buffers)
     torch.manual_seed(args.seed)
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
@@ -567,6 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_rss_mb": max(peak_rss_mb(), profiler.process_peak_rss_mb if profiler else 0.0),
         # The allocator's peak on this rank's GPU (None on CPU), for the bench's memory column.
         "gpu_mem_cap_bytes": gpu_cap,
+        "pinned_allocator": pinned_limits,   # (None: torch's power-of-two rounding; ds_hybrid/pinned.py)
         "gpu_peak_allocated_mb": ((profiler.process_peak_gpu_allocated_mb if profiler else None)
                                   or ((torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None)),
         "memory": profiler.summary() if profiler else None,
