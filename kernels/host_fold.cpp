@@ -34,22 +34,6 @@ const float* ptr_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// n values from src, the rest of the block zero (a short last block, padded as the torch path pads it)
-inline void load_block(float* dst, const float* src, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-  if (n < kBlock) std::memset(dst + n, 0, (kBlock - n) * sizeof(float));
-}
-
-// sum x[j] * y[j] over a block, in kLanes fp32 lanes, then in fp64
-inline double block_dot(const float* x, const float* y) {
-  float acc[kLanes] = {0};
-  for (int64_t j0 = 0; j0 < kBlock; j0 += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[j0 + l] * y[j0 + l];
-  double s = 0;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
-
 struct Args {
   const float *w, *m, *v2, *before;
   float* v32;
