@@ -52,5 +52,10 @@ def limit_pinned_rounding(threshold_mb: int) -> str | None:
         return None
     settings = ",".join(f"{key}:{int(threshold_mb)}" for key in KEYS)
     current = get()
-    put(f"{current},{settings}" if current else settings)
+    try:
+        put(f"{current},{settings}" if current else settings)
+    except (RuntimeError, ValueError) as err:   # a torch whose allocator does not know the keys
+        logger.warning("torch %s refused the pinned allocator's limits (%s): pinned buffers are rounded up to "
+                       "powers of two", torch.__version__, str(err).splitlines()[0] if str(err) else err)
+        return None
     return settings

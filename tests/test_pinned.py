@@ -64,6 +64,15 @@ def test_a_torch_without_the_setting_is_said_and_left_alone(fake_gpu, monkeypatc
     assert "powers of two" in caplog.text
 
 
+def test_a_torch_that_refuses_the_keys_is_said_and_training_goes_on(fake_gpu, monkeypatch, caplog):
+    def refuse(text):
+        raise RuntimeError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config.")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    with caplog.at_level(logging.WARNING, logger="ds_hybrid.pinned"):
+        assert pinned.limit_pinned_rounding(64) is None
+    assert "refused" in caplog.text and "Unrecognized key" in caplog.text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_without_a_gpu_nothing_is_set():
     assert pinned.limit_pinned_rounding(64) is None
