@@ -59,10 +59,13 @@
 #            wall_clock_breakdown. About 25 min of runs: it stops itself after OFFBENCH_SECONDS
 #            (560) and resumes (--reuse) when called again on the same warm machine
 #                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz
-#   train7b llama-7b on the 7b-24gb preset (ZeRO 3, optimizer and parameters in pinned CPU memory,
-#            built under zero.Init) under a 24 GB allocator cap, 2048-token sequences, 2 micro-batches
-#            a step: a hybrid run (Predict from step 4) and plain ZeRO-Offload, 12 steps each, and the
-#            planner's estimate beside them    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json
+#   train7b llama-7b on the 7b-24gb-z2 preset (ZeRO 2, optimizer in pinned CPU memory, bf16 weights on
+#            the GPU, the hybrid's velocity copy there only during a run) under a 24 GB allocator cap,
+#            2048-token sequences, 2 micro-batches a step: a hybrid run (Predict from step 4) and plain
+#            ZeRO-Offload, 12 steps each, and the planner's estimate beside them (7b-24gb, ZeRO 3 with the
+#            parameters offloaded too, needs 125.5 GiB of host memory for DeepSpeed's buffers alone:
+#            more than this machine has; docs/results/offload-host-layout.json)
+#                                                  -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json
 #   stale124 the CPU window's cost in loss at GPT-2 124M (benchmarks/stale_update_study.py, plain PyTorch, bf16
 #            autocast): the synchronous step against a gradient taken one update behind the masters, bare and
 #            covered by the last update; 8 x 256 bytes a step, 600 steps, peak LR 6e-4 and 1.2e-3, 3 seeds. It
@@ -188,9 +191,9 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       stage_rc offbench $rc "$t0" ;;
     train7b)
       $DSH plan --model llama-7b --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
-        --seq-len 2048 --presets 7b-24gb --json "$OUT/plan-7b.json" | tail -4
+        --seq-len 2048 --presets 7b-24gb-z2 7b-24gb --json "$OUT/plan-7b.json" | tail -5
       $PY -c "
-import json; c = json.load(open('ds_configs/7b-24gb.json')); c['gradient_accumulation_steps'] = 2
+import json; c = json.load(open('ds_configs/7b-24gb-z2.json')); c['gradient_accumulation_steps'] = 2
 c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
                            confidence_threshold=0.0, check='next_step')
 json.dump(c, open('/tmp/7b-short.json', 'w'))"

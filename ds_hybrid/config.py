@@ -315,6 +315,21 @@ class MemoryConfig(_Section):
     copy beside them, no new memory; beside shards in host memory, ZeRO 3's ``offload_param:
     cpu``, it would add 1 byte a parameter of host memory)."""
 
+    free_velocity_copy: bool = False
+    """With the device-side drift path (``offload_predict``) and the 16-bit shards on a GPU: free
+    the velocity's copy beside them when a Predict run ends (at the start of the next real step,
+    before its forward), so that step's activations, gradient buckets and backward have that
+    memory back (1 byte a parameter with the int8 velocity), and copy it again at the next run's
+    first step (``bookkeeping_seconds.velocity_upload``, once per run, as after every fold
+    anyway). For a model whose 16-bit weights and velocity copy leave a real step too little GPU
+    memory: the ``7b-24gb-z2`` preset (llama-7b's 12.6 GiB of bf16 weights and 6.4 GiB of
+    int8 velocity on a 24 GB GPU). The updates, the commit and a rollback are the same bit for
+    bit (they read the host velocity, which the copy equals). Where there is no such copy (the
+    host path, shards in host memory, DeepSpeed's CPU accelerator) there is nothing to free and
+    ``statistics()["free_velocity_copy"]`` says false. ``true`` with ``fold_during_run: true``
+    refuses, naming both keys (the commit reads that run's held copy during the next real step);
+    ``fold_during_run: auto`` is off where this is on."""
+
     host_kernels: Literal["auto", "cpp", "torch"] = "auto"
     """How the hybrid's drift work runs where the masters are in host memory
     (``offload_optimizer``, DeepSpeed's CPU accelerator): a real step's fold into the velocity,

@@ -97,6 +97,7 @@ class DevicePredict(WorkerOwner):
         self._held_ready = None   # the event after which a held copy on a GPU is complete
         self._stager = Stager()   # a held copy on a GPU comes down through it at the commit
         self.stage_commit = False   # tests: that staged path also where the copy shares the masters' device
+        self.copy_always = False    # tests: a velocity copy also where the shards share its device
         # memory.host_kernels resolved: shards and masters in host memory take the steps in one C++
         # pass (host_kernels.shift), bit for bit the torch ops below
         self.host_kernel = False
@@ -114,7 +115,8 @@ class DevicePredict(WorkerOwner):
         copies: list[bool] = []
         for i, buf in enumerate(vel.buffers):
             shard = self.access.device_shard(i) if buf is not None else None
-            copies.append(not (buf is None or shard is None or (shard.device == buf.device and not always_copy)))
+            copies.append(not (buf is None or shard is None
+                               or (shard.device == buf.device and not (always_copy or self.copy_always))))
             if not copies[-1]:
                 out.append(buf)
                 continue
@@ -168,11 +170,24 @@ class DevicePredict(WorkerOwner):
         if self._held or self._current(vel):
             return False
         return any(buf is not None and (shard := self.access.device_shard(i)) is not None
-                   and shard.device != buf.device for i, buf in enumerate(vel.buffers))
+                   and (shard.device != buf.device or self.copy_always) for i, buf in enumerate(vel.buffers))
 
     def upload(self, vel: VelocityBuffers) -> None:
         """Make the device copy of the velocity current now (``apply`` would at its start)."""
         self._device_velocity(vel)
+
+    def free_copies(self) -> None:
+        """``memory.free_velocity_copy``: drop the velocity's copies beside the shards (their
+        memory goes back to the allocator for the real step's activations and gradients); the
+        next ``apply`` or ``upload`` copies the velocity again. Not while a run holds its copy
+        (``hold``): a pending commit reads that one. A commit that reads the host velocity may
+        still be running: it never reads these copies."""
+        if self._held:
+            raise RuntimeError("DevicePredict.free_copies: the run's held velocity copy is still to be committed")
+        if any(self._copies):
+            self._velocity = [None if copy else buf for buf, copy in zip(self._velocity, self._copies)]
+            self._copies = [False] * len(self._copies)
+            self._uploaded = -1
 
     def device_bytes(self) -> int:
         """Bytes of velocity copies this path keeps beside the 16-bit shards."""

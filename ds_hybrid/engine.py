@@ -225,6 +225,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
         self._fold_during_run = False   # memory.fold_during_run resolved: a run holds the velocity before the fold
+        self._free_velocity_copy = False   # memory.free_velocity_copy: the velocity's GPU copy only during a run
         self._gradient: GradientPredict | None = None   # predictor.direction: gradient
         if not self.hybrid_config.enabled:
             return
@@ -276,6 +277,7 @@ class PredictiveEngine(DeepSpeedEngine):
         if self.hybrid_config.group_predict.enabled:
             self._setup_group_predict()
         self._folds = BackgroundFold() if self._resolve_fold_overlap() else None
+        self._free_velocity_copy = self._resolve_free_velocity_copy()
         self._fold_during_run = self._resolve_fold_during_run()
         self._pending = 0  # Predict steps applied since the last good point
         dyn = self.hybrid_config.dynamics
@@ -418,6 +420,7 @@ class PredictiveEngine(DeepSpeedEngine):
             out["fold_overlap"] = self._folds is not None
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
             out["fold_during_run"] = self._fold_during_run
+            out["free_velocity_copy"] = self._free_velocity_copy
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
             if self._device_path():
@@ -495,6 +498,10 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
+        if self._free_velocity_copy:
+            # The run (if one came before) is over: its check, commit or rollback read the host
+            # velocity, so its GPU copy goes before this step's forward and backward need the memory.
+            self._device_predict.free_copies()
         idle = self._idle(phase)
         self._stats.idle_steps += int(idle)
         drift = self._velocity is not None and not idle
@@ -1427,6 +1434,8 @@ class PredictiveEngine(DeepSpeedEngine):
             why = "memory.fold_overlap is off here (the fold runs inline)"
         elif self._device_predict is None:
             why = "the Predict steps are not on the device-side drift path (memory.offload_predict)"
+        if why is None and self.hybrid_config.memory.free_velocity_copy:
+            why = "memory.free_velocity_copy is on (the commit would read the run's held copy after it is freed)"
         if setting is True and why is not None:
             raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
         if setting == "auto" and why is None:
@@ -1435,6 +1444,14 @@ class PredictiveEngine(DeepSpeedEngine):
             # more of host memory, which the 7b-24gb preset does not have to spare.
             return all(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
         return setting is not False and why is None
+
+    def _resolve_free_velocity_copy(self) -> bool:
+        """``memory.free_velocity_copy``: where there is a velocity copy to free, the device-side
+        drift path's beside shards on a GPU (a preset that sets it still runs on the CPU)."""
+        if not self.hybrid_config.memory.free_velocity_copy or self._device_predict is None:
+            return False
+        return self._device_predict.copy_always or all(
+            self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
 
     def _snapshot_to_save(self) -> list[torch.Tensor] | None:
         if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):

@@ -1,5 +1,6 @@
 """The memory planner: sizes, flags, model counts, the arithmetic against DeepSpeed and autograd, the pick."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from ds_hybrid.memory import planner as pl
 from ds_hybrid.models import build_model, count_parameters
 
 GB, GiB = 10 ** 9, 2 ** 30
+VELOCITY_INT8 = pl.VELOCITY_BYTES["int8"]
 
 
 # ------------------------------------------------------------ sizes and flags
@@ -108,16 +110,67 @@ def llama7b():
     return pl.model_shape("llama-7b")
 
 
-def test_deepspeed_estimators_give_the_model_states(llama7b):
+def test_deepspeed_estimators_give_the_gpu_states_and_its_counted_buffers_the_host_ones(llama7b):
+    """GPU: DeepSpeed's estimators. Host under offload_optimizer: cpu: DeepSpeed's buffers as
+    counted (18 bytes a parameter of the partition, 20 with ZeRO 3's offload_param), its
+    estimator's figure (with the 1.5x) named beside them."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    P = llama7b.params
     items = pl.model_states(llama7b, spec(2, "cpu"), gpus=2, nodes=1)
-    cpu, gpu = estimate_zero2_model_states_mem_needs(llama7b.params, 2, 1, cpu_offload=True)
-    assert [(i.where, i.bytes, i.source) for i in items] == [("gpu", gpu, "deepspeed"), ("cpu", cpu, "deepspeed")]
+    cpu, gpu = estimate_zero2_model_states_mem_needs(P, 2, 1, cpu_offload=True)
+    assert [(i.where, i.bytes) for i in items] == [("gpu", gpu), ("cpu", 18 * P)]
+    assert items[1].source == "deepspeed 0.19.8 (counted)" and pl.fmt_bytes(cpu) in items[1].what
     items = pl.model_states(llama7b, spec(3, "cpu", "cpu"), gpus=1, nodes=1)
-    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(llama7b.params, llama7b.largest_module_params, 1, 1,
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(P, llama7b.largest_module_params, 1, 1,
                                                         cpu_offload=True, cpu_offload_params=True, zero_init=False)
-    assert [i.bytes for i in items] == [gpu, cpu]
+    assert [i.bytes for i in items] == [gpu, 20 * P]
+    assert [i.bytes for i in pl.model_states(llama7b, spec(3, "cpu"), gpus=1, nodes=1)][1] == 18 * P
+    # 8 GPUs a node, 2 nodes, built under zero.Init: each rank's partition, 8 of them in a node's memory
+    assert pl.model_states(llama7b, spec(3, "cpu", "cpu"), gpus=8, nodes=2, zero_init=True)[1].bytes == \
+        pytest.approx(20 * P * 8 / 16)
+    # built whole in each of 8 processes first: that build (x1.5, as DeepSpeed counts it) is the peak
+    assert pl.model_states(llama7b, spec(2, "cpu"), gpus=8, nodes=1)[1].bytes == pytest.approx(4 * P * 8 * 1.5)
+
+
+def test_the_counted_host_bytes_are_the_measured_ones():
+    """The planner's bytes per parameter are what benchmarks/offload_host_layout.py counted
+    (docs/results/offload-host-layout.json): ZeRO 2 and ZeRO 3 without offload_param 18, with it 20."""
+    rows = json.loads((Path(__file__).resolve().parents[1] / "docs/results/offload-host-layout.json").read_text())["rows"]
+    counted = {r["layout"]: r["summary"]["host_bytes_per_param"] for r in rows if not r["hybrid"]}
+    assert counted == {"z2-offload": pl.DS_OFFLOAD_HOST_BYTES, "z3-offload": pl.DS_OFFLOAD_HOST_BYTES,
+                       "z3-offload-param": pl.DS_OFFLOAD_HOST_BYTES + pl.DS_OFFLOAD_PARAM_HOST_BYTES}
+
+
+def test_a_freed_velocity_copy_counts_only_beyond_a_real_steps_activations(llama7b):
+    """memory.free_velocity_copy (7b-24gb-z2): the GPU copy of the int8 velocity is counted only
+    where it exceeds what a real step's buckets and activations need, since the two never
+    coexist; kept, it is counted whole."""
+    import dataclasses
+    (free,) = pl.load_presets(["7b-24gb-z2"])
+    assert free.free_velocity_copy and free.stage == 2 and free.offload_optimizer == "cpu"
+    kept = dataclasses.replace(free, free_velocity_copy=False)
+    a, b = (pl.estimate(llama7b, s, seq_len=2048) for s in (free, kept))
+    copy_a = [i for i in a.items if "velocity copy" in i.what]
+    copy_b = [i for i in b.items if "velocity copy" in i.what]
+    real = sum(i.bytes for i in a.items if i.what.startswith(("gradient reduction bucket", "activations:",
+                                                                "backward working set")))
+    assert copy_b[0].bytes == pytest.approx(VELOCITY_INT8 * llama7b.params)
+    assert copy_a[0].bytes == pytest.approx(copy_b[0].bytes - real)
+    assert a.gpu_bytes < b.gpu_bytes and a.cpu_bytes == b.cpu_bytes
+    # ZeRO 3 with offload_param: the shards are in host memory, so no GPU copy is counted at all
+    (z3,) = pl.load_presets(["7b-24gb"])
+    assert not [i for i in pl.estimate(llama7b, z3, seq_len=2048).items if "velocity copy" in i.what]
+
+
+def test_7b_fits_a_24gb_gpu_and_a_125gib_host_only_with_zero_2():
+    """The counted host bytes: 7b-24gb (ZeRO 3, parameters offloaded too) needs more than the
+    lent GPU machine's 125 GiB; 7b-24gb-z2 fits it, the weights and a Predict run's velocity copy
+    on the GPU."""
+    shape = pl.model_shape("llama-7b")
+    plan = pl.make_plan(shape, pl.load_presets(["7b-24gb", "7b-24gb-z2"]), 24 * GB, 125 * GiB, seq_len=2048)
+    fits = {e.preset: e.fits for e in plan.estimates}
+    assert fits == {"7b-24gb": False, "7b-24gb-z2": True} and plan.picked == "7b-24gb-z2"
 
 
 def test_our_counting_agrees_with_deepspeeds_formula_where_both_apply(llama7b):
@@ -195,7 +248,8 @@ def test_plan_for_7b_on_a_24gb_gpu_needs_nvme_or_more_host_memory():
     presets = pl.load_presets()
     assert pl.make_plan(shape, presets, 24 * GB, 128 * GB).picked is None
     assert pl.make_plan(shape, presets, 24 * GB, 128 * GB, nvme=500 * GB).picked == "50b-24gb-nvme"
-    assert pl.make_plan(shape, presets, 24 * GB, 512 * GB).picked == "7b-24gb"
+    assert pl.make_plan(shape, presets, 24 * GB, 512 * GB).picked == "7b-24gb-z2"
+    assert pl.make_plan(shape, [p for p in presets if p.name != "7b-24gb-z2"], 24 * GB, 512 * GB).picked == "7b-24gb"
 
 
 def test_plan_with_room_to_spare_picks_no_offload():
@@ -284,3 +338,23 @@ def test_gradient_predict_on_zero_3_holds_no_whole_gradient_and_keeps_its_state_
     assert est.snapshot_bytes == 0 and grad.device_predict("cuda")
     host = pl.estimate(shape, dataclasses.replace(grad, offload_predict="host"), accelerator="cuda")
     assert host.snapshot_bytes == pytest.approx(4 * P) and host.cpu_bytes > est.cpu_bytes
+
+
+def test_the_host_layout_benchmark_counts_deepspeeds_buffers(tmp_path):
+    """benchmarks/offload_host_layout.py on a one-layer Llama: ZeRO 3 with the parameters offloaded
+    keeps 20 bytes a parameter in host memory, the hybrid adds its int8 velocity (no snapshot on
+    the device path), and the JSON holds the table."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_host_layout.py"
+    spec = importlib.util.spec_from_file_location("offload_host_layout", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "layout.json"
+    assert mod.main(["--layouts", "z3-offload-param", "--hidden", "128", "--layers", "1", "--steps", "3",
+                     "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    plain, hybrid = (r["summary"] for r in saved["rows"])
+    assert plain["host_bytes_per_param"] == hybrid["host_bytes_per_param"] == 20
+    assert plain["hybrid_host_bytes_per_param"] == 0
+    assert hybrid["hybrid_host_bytes_per_param"] == pytest.approx(VELOCITY_INT8, rel=0.01)
+    assert "| z3-offload-param | hybrid | 20.0 |" in saved["table"]

@@ -61,6 +61,15 @@ MALLOC_RETAINED_MAX = 64 * MiB        # glibc: 2 x DEFAULT_MMAP_THRESHOLD_MAX (3
 PREDICTOR_BYTES = 16 * MiB
 # DeepSpeed's own CPU-side safety factor in its estimators (additional_buffer_factor).
 DS_BUFFER_FACTOR = 1.5
+# Host bytes per parameter (of the rank's partition) that DeepSpeed 0.19.8 allocates under
+# offload_optimizer: cpu with 16-bit weights, counted buffer by buffer on its CPU accelerator
+# (benchmarks/offload_host_layout.py, docs/results/offload-host-layout.json): fp32 masters, their
+# fp32 gradient and Adam's two moments (16), plus a 16-bit buffer: ZeRO 1/2's copy of the updated
+# weights for the upload, ZeRO 3's gradient partitions (its grad_partitions_flat_buffer beside the
+# masters' fp32 gradient); ZeRO 3's offload_param adds the 16-bit weights. DeepSpeed's estimators
+# count 16 and 18, one 16-bit buffer fewer, and multiply by their 1.5 factor instead.
+DS_OFFLOAD_HOST_BYTES = 18
+DS_OFFLOAD_PARAM_HOST_BYTES = 2
 
 class PlanError(InputError):
     """Bad planner input; the message names the flag."""
@@ -162,6 +171,7 @@ class PresetSpec:
     fold_source: str = "auto"         # hybrid_predict.memory.fold_source
     gradient: bool = False            # predictor.direction: gradient
     gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
+    free_velocity_copy: bool = False     # hybrid_predict.memory.free_velocity_copy
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
@@ -242,7 +252,8 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
                                   if hybrid.enabled and hybrid.predictor.direction == "drift" else 0.0),
         offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source,
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
-        gradient_state_dtype=hybrid.memory.gradient_state_dtype)
+        gradient_state_dtype=hybrid.memory.gradient_state_dtype,
+        free_velocity_copy=bool(hybrid.memory.free_velocity_copy))
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -327,7 +338,9 @@ def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
 
     DeepSpeed's estimators give the numbers where they apply (ZeRO 2 and 3, 16-bit weights, no
     NVMe); their CPU figures include DeepSpeed's 1.5x buffer factor and the build of the model
-    in each process. Elsewhere the same bytes per parameter are counted here: weights
+    in each process. Under ``offload_optimizer: cpu`` with 16-bit weights the host figure is
+    DeepSpeed's buffers as counted instead (``_offload_host_states``): more bytes per parameter
+    than its estimators count, without their 1.5x. Elsewhere the same bytes per parameter are counted here: weights
     (2 or 4), gradients (2 or 4; partitioned from ZeRO 2), an fp32 gradient partition (4),
     fp32 masters (4; the weights themselves in fp32 ZeRO 0) and Adam's two moments (8), the
     last three partitioned from ZeRO 1.
@@ -357,17 +370,21 @@ def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
         cpu, gpu = estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=oo == "cpu",
                                                          additional_buffer_factor=DS_BUFFER_FACTOR)
-        items += [Item("gpu", "model states", gpu, "deepspeed"),
-                  Item("cpu", "model states + model build", cpu, "deepspeed")]
+        items.append(Item("gpu", "model states", gpu, "deepspeed"))
+        items.append(_offload_host_states(P, gpus, W, build, 0, cpu) if oo == "cpu" else
+                     Item("cpu", "model states + model build", cpu, "deepspeed"))
         return items
     if lp == 2 and st == 3 and "nvme" not in (oo, op):
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             P, largest, gpus, nodes, cpu_offload=oo == "cpu", cpu_offload_params=op == "cpu",
             zero_init=zero_init, additional_buffer_factor=DS_BUFFER_FACTOR)
-        items += [Item("gpu", "model states + largest layer", gpu, "deepspeed"),
-                  Item("cpu", "model states + model build" if not zero_init else "model states", cpu,
-                       "deepspeed")]
+        items.append(Item("gpu", "model states + largest layer", gpu, "deepspeed"))
+        items.append(_offload_host_states(P, gpus, W, 0 if zero_init else build,
+                                          DS_OFFLOAD_PARAM_HOST_BYTES if op == "cpu" else 0, cpu)
+                     if oo == "cpu" else
+                     Item("cpu", "model states + model build" if not zero_init else "model states", cpu,
+                          "deepspeed"))
         return items
 
     # The same counting for what DeepSpeed has no estimator for.
@@ -382,8 +399,12 @@ def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
             items.append(Item("cpu", "model build", build * DS_BUFFER_FACTOR))
         else:
             items.append(Item("gpu", f"weights + gradients (ZeRO {st})", lp * P + (grads if st == 1 else 0)))
-            items.append(Item("cpu", "masters + Adam + fp32 gradients, or model build",
-                              max(build, 16 * P * gpus / W) * DS_BUFFER_FACTOR))
+            if lp == 2:   # ZeRO 1 runs ZeRO 2's code (stage_1_and_2.py): the same buffers
+                items.append(_offload_host_states(P, gpus, W, build, 0, max(build, 16 * P * gpus / W)
+                                                  * DS_BUFFER_FACTOR))
+            else:
+                items.append(Item("cpu", "masters + Adam + fp32 gradients, or model build",
+                                  max(build, 16 * P * gpus / W) * DS_BUFFER_FACTOR))
         return items
     # stage 3: fp32 weights, or NVMe (ZeRO-Infinity)
     items.append(Item("gpu", "largest layer gathered", 4 * largest, "deepspeed"))
@@ -409,6 +430,22 @@ def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
     items.append(Item("cpu", "offloaded states + pinned swap buffers, or model build",
                       max(0 if zero_init else build, states_cpu)))
     return items
+
+
+def _offload_host_states(P: float, gpus: int, W: int, build: float, param_bytes: int,
+                         deepspeed_estimate: float) -> Item:
+    """What DeepSpeed keeps in a node's host memory under ``offload_optimizer: cpu`` with 16-bit
+    weights: its buffers as counted (``DS_OFFLOAD_HOST_BYTES`` per parameter of each rank's
+    partition, plus ``offload_param``'s 16-bit weights), or the fp32 model each process builds
+    first where that is larger (it is freed before the states exist; counted as DeepSpeed's
+    estimators count it, with their 1.5x). DeepSpeed's own estimate is named beside it."""
+    per_param = DS_OFFLOAD_HOST_BYTES + param_bytes
+    states = per_param * P * gpus / W
+    build *= DS_BUFFER_FACTOR
+    return Item("cpu", f"model states: DeepSpeed's offload buffers, {per_param} bytes a parameter (counted; "
+                       f"its estimator says {fmt_bytes(deepspeed_estimate)} with its 1.5x factor)"
+                       + (", or model build" if build > states else ""),
+                max(build, states), "deepspeed 0.19.8 (counted)")
 
 
 @dataclass
@@ -484,9 +521,20 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
             vel = preset.velocity_bytes_per_value * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
             items.append(Item(vel_where, "drift velocity (hybrid_predict.memory.velocity_dtype)", vel))
-            if preset.device_predict(accelerator) and vel_where == "cpu" and accelerator != "cpu":
-                items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
-                                  preset.velocity_bytes_per_value * part / 4))
+            if preset.device_predict(accelerator) and vel_where == "cpu" and preset.shards_on_gpu(accelerator):
+                copy = preset.velocity_bytes_per_value * part / 4
+                if preset.free_velocity_copy:
+                    # Only during a Predict run (no backward, no activations kept): a real step's
+                    # buckets, activations and backward working set have that memory then.
+                    real_only = sum(i.bytes for i in items if i.where == "gpu" and
+                                    i.what.startswith(("gradient reduction bucket", "activations:",
+                                                       "backward working set")))
+                    items.append(Item("gpu", "drift velocity copy beside the 16-bit shards during a Predict run, "
+                                             "beyond what a real step's buckets and activations free "
+                                             "(memory.free_velocity_copy)", max(0.0, copy - real_only)))
+                else:
+                    items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
+                                      copy))
         if preset.gradient:
             # A gradient Predict step's private gradient on the device (autograd's 16-bit tensors; a
             # flat sum beside them with accumulation or several ranks, in the device path's state dtype,
@@ -602,7 +650,9 @@ def format_plan(plan: Plan) -> str:
                      "--micro-batch or --seq-len)")
     lines.append("Estimates, not measurements. GPU: model states (DeepSpeed's estimators where they apply) + buckets "
                  "+ activations + ds_hybrid's snapshot and predictor + CUDA context (1 GiB, assumed) + 10% "
-                 "fragmentation (assumed). CPU: per node, including building the fp32 model in each process.")
+                 "fragmentation (assumed). CPU: per node, including building the fp32 model in each process; "
+                 "under offload_optimizer: cpu, DeepSpeed's buffers as counted on its CPU accelerator "
+                 "(benchmarks/offload_host_layout.py), not its estimator's 1.5x.")
     return "\n".join(lines)
 
 
