@@ -67,7 +67,9 @@ DS_BUFFER_FACTOR = 1.5
 # fp32 gradient and Adam's two moments (16), plus a 16-bit buffer: ZeRO 1/2's copy of the updated
 # weights for the upload, ZeRO 3's gradient partitions (its grad_partitions_flat_buffer beside the
 # masters' fp32 gradient); ZeRO 3's offload_param adds the 16-bit weights. DeepSpeed's estimators
-# count 16 and 18, one 16-bit buffer fewer, and multiply by their 1.5 factor instead.
+# count 16 and 18, one 16-bit buffer fewer, and multiply by their 1.5 factor instead. (On an H100,
+# plain ZeRO-Offload on 1b-16gb held 18.1 bytes a parameter above its pre-build RSS:
+# docs/results/memory-gpu-1b.json.)
 DS_OFFLOAD_HOST_BYTES = 18
 DS_OFFLOAD_PARAM_HOST_BYTES = 2
 
