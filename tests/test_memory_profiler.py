@@ -303,7 +303,7 @@ def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_p
     assert plain["runs"][0]["wall_clock_ms"] is None and "backward's own" not in plain["table_markdown"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-cpu", "1b-16gb", "7b-24gb"])
+@pytest.mark.parametrize("preset", ["tiny-cpu", "1b-16gb", "7b-24gb", "7b-24gb-z2"])
 def test_every_memory_bench_variant_is_a_valid_config_on_the_gpu_stages_presets(preset):
     """benchmarks/gpu_run.sh runs these on a lent GPU whose minutes are few: a variant that does not
     parse there would waste a stage."""

@@ -11,7 +11,7 @@ from ds_hybrid.arguments import resolve_config
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRESETS = sorted(PRESET_DIR.glob("*.json"))
-EXPECTED = {"tiny-cpu", "gpt2-124m", "1b-16gb", "7b-24gb", "50b-24gb-nvme"}
+EXPECTED = {"tiny-cpu", "gpt2-124m", "1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"}
 
 
 class _FakeDist:
@@ -74,6 +74,15 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     assert seven.zero_optimization_stage == 3 and seven.bfloat16_config.enabled
     assert seven.zero_config.offload_optimizer.device == "cpu" and seven.zero_config.offload_param.device == "cpu"
 
+    # 7B on a 125 GiB host: ZeRO 2, bf16 weights on the GPU, optimizer in host memory (18 bytes a
+    # parameter, counted, where 7b-24gb's parameter offload needs 20); the velocity's GPU copy only
+    # during a Predict run
+    z2 = zero("7b-24gb-z2")
+    assert z2.zero_optimization_stage == 2 and z2.bfloat16_config.enabled
+    assert z2.zero_config.offload_optimizer.device == "cpu"
+    assert z2.zero_config.offload_param is None or z2.zero_config.offload_param.device == "none"
+    assert parse_hybrid_config(json.loads((PRESET_DIR / "7b-24gb-z2.json").read_text())).memory.free_velocity_copy
+
     fifty = zero("50b-24gb-nvme")
     assert fifty.zero_optimization_stage == 3 and fifty.bfloat16_config.enabled
     assert fifty.zero_config.offload_optimizer.device == "nvme" and fifty.zero_config.offload_param.device == "nvme"
@@ -85,6 +94,30 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     # (the planner's 50B shape: a 32000 x 8192 embedding).
     assert fifty.zero_config.offload_param.buffer_size >= 32000 * 8192
 
-    for name in ("1b-16gb", "7b-24gb", "50b-24gb-nvme"):
+    for name in ("1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
         hybrid = parse_hybrid_config(json.loads((PRESET_DIR / f"{name}.json").read_text()))
         assert hybrid.snapshot_device == "cpu", f"{name}: the snapshot of a big model belongs in host memory"
+
+
+def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
+    """benchmarks/gpu_run.sh's train7b config (7b-24gb-z2, 2 micro-batches a step, Predict from
+    step 4, checked by the next step), with a small model: both arms run through ds-hybrid train,
+    the hybrid takes Predict steps, and on the CPU there is no GPU copy to free."""
+    from ds_hybrid import train
+    from spawn import write_corpus
+    stage = (PRESET_DIR.parent / "benchmarks" / "gpu_run.sh").read_text().split("    train7b)", 1)[1].split(";;", 1)[0]
+    assert "ds_configs/7b-24gb-z2.json" in stage
+    cfg = json.loads((PRESET_DIR / "7b-24gb-z2.json").read_text())
+    cfg["gradient_accumulation_steps"] = 2
+    cfg["hybrid_predict"].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
+                                 confidence_threshold=0.0, check="next_step")
+    (tmp_path / "7b-short.json").write_text(json.dumps(cfg))
+    common = ["--config", str(tmp_path / "7b-short.json"), "--model", "llama-tiny", "--seq-len", "32",
+              "--steps", "12", "--eval-every", "12", "--val-batches", "1", "--no-progress", "--no-plot",
+              "--data", str(write_corpus(tmp_path))]
+    hybrid = train.main(common + ["--out", str(tmp_path / "hybrid")])
+    plain = train.main(common + ["--out", str(tmp_path / "plain"), "--baseline"])
+    assert hybrid["steps_done"] == plain["steps_done"] == 12
+    stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
+    flat = json.dumps(stats)
+    assert '"predict": 4' in flat and '"free_velocity_copy": false' in flat
