@@ -190,7 +190,9 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       fi
       stage_rc offbench $rc "$t0" ;;
     train7b)
-      $DSH plan --model llama-7b --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
+      # (ds-hybrid train's byte-level data: llama-7b with a 256-entry vocabulary, 6.48B parameters; the plan
+      # for the model as trained)
+      $DSH plan --model llama-7b --vocab-size 256 --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
         --seq-len 2048 --presets 7b-24gb-z2 7b-24gb --json "$OUT/plan-7b.json" | tail -5
       $PY -c "
 import json; c = json.load(open('ds_configs/7b-24gb-z2.json')); c['gradient_accumulation_steps'] = 2
