@@ -240,6 +240,36 @@ def parse_gpu_cap(text: str | None) -> int | None:
     return cap
 
 
+def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, gpu_cap: int | None,
+                   accelerator: str, say) -> dict | None:
+    """The planner's estimate for this run (``ds-hybrid plan``'s), before the model is built: a
+    warning when it puts the run over this machine's memory (GPU: the ``--gpu-mem-cap`` or the
+    card; host: ``MemTotal``), since an out-of-memory host kills the run only after minutes of
+    set-up. A warning, not an error: it is an estimate. The summary keeps it beside what the run
+    measures. None (and a note) where the planner cannot model the run."""
+    from .memory import planner
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    gpu_mem = gpu_cap
+    if gpu_mem is None and accelerator == "cuda":
+        import torch
+        gpu_mem = torch.cuda.get_device_properties(args.local_rank % torch.cuda.device_count()).total_memory
+    cpu_mem = planner.host_memory_bytes()
+    try:
+        est = planner.plan_for_run(ds_config, args.model, args.seq_len, zero_init,
+                                   "cpu" if accelerator == "cpu" else "cuda", gpu_mem, cpu_mem,
+                                   gpus=local, nodes=max(1, world // local))
+    except Exception as err:   # (any model or layout it cannot count: the run itself decides)
+        say(f"memory plan: none for this run ({type(err).__name__}: {err})")
+        return None
+    if not est.fits:
+        say(f"WARNING: the memory planner puts this run over the machine's memory: {'; '.join(est.reasons)} "
+            f"(an estimate; `ds-hybrid plan --model {args.model}` lists what fits)")
+    return {"gpu_bytes": est.gpu_bytes, "cpu_bytes": est.cpu_bytes, "gpu_mem_bytes": gpu_mem,
+            "cpu_mem_bytes": cpu_mem, "fits": est.fits, "reasons": est.reasons,
+            "accelerator": "cpu" if accelerator == "cpu" else "cuda"}
+
+
 def apply_gpu_cap(cap: int, local_rank: int) -> None:
     """Limit the caching allocator on this rank's GPU to ``cap`` bytes, so a bigger card trains
     within a 16 GB card's budget (a real limit: past it, allocation fails). The CUDA context and the libraries' workspaces outside the allocator are
@@ -436,6 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
+    # (after that baseline: what the planner imports to count the model, the build would import anyway)
+    plan = preflight_plan(ds_config, args, zero_init, gpu_cap, deepspeed.get_accelerator().device_name(), say)
     # zero.Init through transformers (not a bare deepspeed.zero.Init around the build): transformers
     # then initialises its weights on gathered parameters. Under a bare zero.Init its post-init
     # writes into the empty local shards and the embeddings keep PyTorch's N(0, 1) init.
@@ -578,6 +610,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The allocator's peak on this rank's GPU (None on CPU), for the bench's memory column.
         "gpu_mem_cap_bytes": gpu_cap,
         "pinned_allocator": pinned_limits,   # (None: torch's power-of-two rounding; ds_hybrid/pinned.py)
+        "plan": plan,   # the planner's estimate for this run, made before it started (ds-hybrid plan)
         "gpu_peak_allocated_mb": ((profiler.process_peak_gpu_allocated_mb if profiler else None)
                                   or ((torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None)),
         "memory": profiler.summary() if profiler else None,

@@ -86,6 +86,25 @@ def test_train_runs_from_deepspeed_config(corpus, tmp_path):
                           "--no-memory-profile"])
     assert summary["config_file"] == str(tmp_path / "ds.json") and summary["steps_done"] == 2
     assert summary["args"]["config"] == str(tmp_path / "ds.json")   # what a --resume compares
+    # the planner's estimate for the run, made before it, beside what it measured
+    plan = summary["plan"]
+    assert plan["fits"] and plan["accelerator"] == "cpu" and plan["gpu_bytes"] == 0 and plan["cpu_bytes"] > 0
+
+
+def test_train_warns_first_when_the_planner_puts_the_run_over_the_machines_memory(corpus, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A host with 1 MiB by MemTotal: a warning with the figures before training, which still runs
+    (an estimate is no reason to refuse); the summary keeps the estimate and the reason."""
+    from ds_hybrid.memory import planner
+    monkeypatch.setattr(planner, "host_memory_bytes", lambda *a: 2 ** 20)
+    summary = train.main(["--data", str(corpus), "--model", "gpt2-test", "--steps", "2", "--seq-len", "16",
+                          "--eval-every", "2", "--val-batches", "1", "--out", str(tmp_path / "run"), "--no-progress",
+                          "--no-plot", "--no-memory-profile"])
+    out = capsys.readouterr().out
+    assert "WARNING: the memory planner puts this run over the machine's memory: CPU" in out
+    assert "ds-hybrid plan --model gpt2-test" in out
+    assert summary["steps_done"] == 2 and not summary["plan"]["fits"]
+    assert summary["plan"]["cpu_mem_bytes"] == 2 ** 20 and summary["plan"]["reasons"][0].startswith("CPU ")
 
 
 # ------------------------------------------------------------ --help and --version

@@ -358,3 +358,23 @@ def test_the_host_layout_benchmark_counts_deepspeeds_buffers(tmp_path):
     assert plain["hybrid_host_bytes_per_param"] == 0
     assert hybrid["hybrid_host_bytes_per_param"] == pytest.approx(VELOCITY_INT8, rel=0.01)
     assert "| z3-offload-param | hybrid | 20.0 |" in saved["table"]
+
+
+def test_plan_for_run_checks_this_runs_estimate_against_the_machine(tmp_path):
+    """ds-hybrid train's pre-flight: the estimate for its config and model, over the machine's GPU
+    or host memory or not (on the CPU accelerator the host figure is per process, checked times
+    the processes on the node); MemTotal read from /proc/meminfo, None where it cannot be."""
+    ds, _ = resolve_config("7b-24gb-z2")
+    fits = pl.plan_for_run(ds, "llama-7b", 2048, False, "cuda", 24 * GB, 125 * GiB)
+    assert fits.fits and fits.cpu_bytes == pytest.approx(117.7 * GiB, rel=0.01)   # the model as trained: vocab 256
+    over = pl.plan_for_run(ds, "llama-7b", 2048, False, "cuda", 16 * GB, 100 * GiB)
+    assert not over.fits and [r.split()[0] for r in over.reasons] == ["GPU", "CPU"]
+    ds, _ = resolve_config("tiny-cpu")
+    one = pl.plan_for_run(ds, "gpt2-tiny", 128, False, "cpu", None, None)
+    assert one.fits and one.gpu_bytes == 0
+    limit = one.cpu_bytes * 1.5   # one process fits, two do not
+    assert pl.plan_for_run(ds, "gpt2-tiny", 128, False, "cpu", None, limit).fits
+    assert not pl.plan_for_run(ds, "gpt2-tiny", 128, False, "cpu", None, limit, gpus=2).fits
+    (tmp_path / "meminfo").write_text("MemTotal:       131072000 kB\nMemFree:  1 kB\n")
+    assert pl.host_memory_bytes(tmp_path / "meminfo") == 131072000 * 1024
+    assert pl.host_memory_bytes(tmp_path / "missing") is None

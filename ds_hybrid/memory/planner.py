@@ -631,6 +631,37 @@ def make_plan(shape: ModelShape, presets: list[PresetSpec], gpu_mem: int, cpu_me
     return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked)
 
 
+def host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """The machine's memory (``MemTotal``), or None where the kernel does not say (not Linux)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_for_run(ds_config: dict, model: str, seq_len: int, zero_init: bool, accelerator: str,
+                 gpu_mem: int | None, cpu_mem: int | None, gpus: int = 1, nodes: int = 1,
+                 vocab_size: int | None = 256) -> Estimate:
+    """The estimate for the run ``ds-hybrid train`` is about to start (its config, model, sequence
+    length and machine), marked as fitting or not: checked before anything is built, so that a
+    run the estimate puts over the machine's memory says so first, and recorded beside what
+    the run measures. ``gpu_mem`` / ``cpu_mem`` None: that side is not checked. On DeepSpeed's
+    CPU accelerator the host figure is per process (``estimate``), so it is checked times
+    ``gpus`` (the processes on this node)."""
+    shape = model_shape(model, vocab_size=vocab_size)
+    e = estimate(shape, preset_spec(ds_config, "this run"), gpus, nodes, seq_len, None, zero_init, accelerator)
+    host = e.cpu_bytes * (gpus if accelerator == "cpu" else 1)
+    if gpu_mem is not None and e.gpu_bytes > gpu_mem:
+        e.reasons.append(f"GPU {fmt_bytes(e.gpu_bytes)} > {fmt_bytes(gpu_mem)}")
+    if cpu_mem is not None and host > cpu_mem:
+        e.reasons.append(f"CPU {fmt_bytes(host)} > {fmt_bytes(cpu_mem)}")
+    e.fits = not e.reasons
+    return e
+
+
 def format_plan(plan: Plan) -> str:
     m = plan.model
     lines = [f"model {m.name}: {m.params / 1e6:,.1f}M parameters ({m.layers} layers x {m.hidden}, "
