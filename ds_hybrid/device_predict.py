@@ -95,6 +95,9 @@ class DevicePredict(WorkerOwner):
         # the run ends whatever the host velocity does meanwhile
         self._held = False
         self._held_ready = None   # the event after which a held copy on a GPU is complete
+        # the event after which the last copies to a GPU have read the host velocity (their copies
+        # are asynchronous from page-locked memory, so the fold must not write it before)
+        self._copied = None
         self._stager = Stager()   # a held copy on a GPU comes down through it at the commit
         self.stage_commit = False   # tests: that staged path also where the copy shares the masters' device
         self.copy_always = False    # tests: a velocity copy also where the shards share its device
@@ -125,7 +128,19 @@ class DevicePredict(WorkerOwner):
             if buf.dtype == "int8":
                 out[-1].scale.copy_(buf.scale, non_blocking=True)
         self._velocity, self._copies, self._uploaded = out, copies, vel.updates
+        self._copied = self._mark_copies()
         return out
+
+    def _mark_copies(self):
+        """An event after the work queued so far on the GPU the copies live on (None: none there)."""
+        devices = [b.device for b, copy in zip(self._velocity, self._copies) if copy and b.device.type == "cuda"]
+        return Stager.mark(devices[0]) if devices else None
+
+    def take_copied(self):
+        """The event after which the last copies have read the host velocity (None: they have),
+        for whoever writes the host velocity next (the fold): it calls ``synchronize()`` on it."""
+        ev, self._copied = self._copied, None
+        return ev
 
     def _copy_buffer(self, i: int, numel: int, dtype: str, device: torch.device) -> CompactBuffer:
         """The last copy of partition ``i``'s velocity where it fits (the GPU memory is reused
@@ -145,8 +160,7 @@ class DevicePredict(WorkerOwner):
         self._held = False
         self._device_velocity(vel, always_copy=True)
         self._held = True
-        devices = [b.device for b, copy in zip(self._velocity, self._copies) if copy and b.device.type == "cuda"]
-        self._held_ready = Stager.mark(devices[0]) if devices else None
+        self._held_ready = self.take_copied()
         return self._held_ready
 
     @property
@@ -376,3 +390,4 @@ class DevicePredict(WorkerOwner):
             if buf is not None and saved is not None:
                 buf.load_state_dict(saved)
         self._held = True
+        self._held_ready = self._copied = self._mark_copies()   # (after the loaded values too)

@@ -561,6 +561,9 @@ class PredictiveEngine(DeepSpeedEngine):
         elif drift and applied:
             real = None if not predicted else set(range(self._masters.num_groups())) - predicted
             with self._timed("fold"):
+                copied = self._velocity_copied()
+                if copied is not None:
+                    copied.synchronize()   # (the last upload has read the host velocity)
                 before = None if self._fold_from_state and not predicted else self._snapshot
                 groups = za.fold_real_update(self._masters, before, self._velocity, lrs,
                                              cfg.predictor.drift_beta, int(self.global_steps), groups=real,
@@ -801,6 +804,9 @@ class PredictiveEngine(DeepSpeedEngine):
                     with self._timed("snapshot"):
                         za.capture_weights(self._masters, self._snapshot)  # the new last good point
             else:
+                # The fold may still run behind a run that holds its copy, and (with weight decay)
+                # it reads the masters the undo writes: wait for it, as the real step's rollback does.
+                self._wait_fold()
                 with self._timed("restore"):
                     self._undo(device, gradient)
                 undone = self._pending
@@ -966,7 +972,7 @@ class PredictiveEngine(DeepSpeedEngine):
         p = self.hybrid_config.predictor
         parts = list(self._masters.partitions())   # DeepSpeed's structures read here, not on the thread
         step, host = int(self.global_steps), self._host_kernel
-        left = None
+        left = self._velocity_copied()
         if self._fold_during_run and self.controller.phase is Phase.PREDICT:
             with self._timed("velocity_hold"):   # (a real step's work: the copy is queued here)
                 left = self._device_predict.hold(self._velocity)
@@ -977,6 +983,11 @@ class PredictiveEngine(DeepSpeedEngine):
             return za.fold_real_update(self._masters, None, self._velocity, lrs, p.drift_beta, step,
                                        moments=False, host_kernel=host, parts=parts)
         self._folds.start(fold)
+
+    def _velocity_copied(self):
+        """The event after which the device path's last copies of the velocity to a GPU have read
+        its host buffers (None: they have, or there were none): the fold writes them next."""
+        return self._device_predict.take_copied() if self._device_predict is not None else None
 
     def _run_holds_velocity(self) -> bool:
         """The Predict run moves along its own copy of the velocity (``memory.fold_during_run``,

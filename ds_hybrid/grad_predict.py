@@ -111,6 +111,13 @@ def _cut(batch: Any, size: int, keep: int) -> Any:
     return batch
 
 
+def _add_into(total: torch.Tensor, start: int) -> Callable[[torch.Tensor, int, int], None]:
+    """A ``Stager.download`` take: each staged chunk ``[a, b)`` added into ``total`` at ``start + a``."""
+    def take(staged: torch.Tensor, a: int, b: int) -> None:
+        total[start + a:start + b].add_(staged)
+    return take
+
+
 class GradientPredict(WorkerOwner):
     """One engine's gradient Predict steps: the gradient's layout on this rank's partitions and
     the run's state: its first moment ``m`` (one tensor per master partition; None outside a
@@ -148,6 +155,10 @@ class GradientPredict(WorkerOwner):
         self._worker = HostWorker("gradient-commit", "commit of a kept gradient Predict run")
         # The moments' copies between host memory and a GPU: cast on the host, through pinned chunks
         self._stager = Stager()
+        # ZeRO 3 with offload_param: cpu: each parameter's gradient share from a GPU into the sums
+        # in host memory, on autograd's thread (its own buffers: a prefetch may use the other's then)
+        self._share_stager = Stager()
+        self.stage_shares = False   # tests: that staged copy also where the share and the sums share a device
         # memory.host_kernels resolved (the engine sets it where the masters are in host memory):
         # the commit's catch-up in one C++ pass (host_kernels.catch_up), bit for bit the torch ops
         self.host_kernel = False
@@ -288,8 +299,13 @@ class GradientPredict(WorkerOwner):
                     flat = flat.to(self.sum_dtype, copy=True)
                     self._all_reduce(flat)
                 for i, ps, ms, n in where.get(p, ()):
-                    if sums[i] is not None:
-                        sums[i][ms:ms + n].add_(flat[ps:ps + n].to(sums[i].device))
+                    if sums[i] is None:
+                        continue
+                    share = flat[ps:ps + n]
+                    if share.device == sums[i].device and not self.stage_shares:
+                        sums[i][ms:ms + n].add_(share)
+                    else:   # (a GPU's share into host memory: pinned chunks, not a pageable copy per parameter)
+                        self._share_stager.download(None, share, take=_add_into(sums[i], ms))
                 return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
             return take_share
 
@@ -327,6 +343,7 @@ class GradientPredict(WorkerOwner):
                 self.prefetched[0] += 1
                 return
             self.prefetched[1] += 1
+            ready = None   # (the stale copies' GPU memory back before the new ones are made)
         self.m, self.v = self._state_copies(parts, [self._shard(i) for i in range(len(parts))]
                                             if self.on_device else [])
 
@@ -480,10 +497,13 @@ class GradientPredict(WorkerOwner):
         """The run's first moment into the optimizer's, and (``shards``: the device path) the
         masters caught up with the 16-bit weights. ``after``: the event its copies from a GPU
         wait for (``Stager.mark``; None: the work queued so far)."""
-        for i, (part, m) in enumerate(zip(parts, run)):
-            if m is None:
+        for i, part in enumerate(parts):
+            if run[i] is None:
                 continue
-            self._copy(part.state["exp_avg"].view(-1), m.view(-1), after)
+            self._copy(part.state["exp_avg"].view(-1), run[i].view(-1), after)
+            # (the copy has finished: the moment's GPU memory goes back now, not after the last
+            # partition's catch-up, which a background commit runs during the next real step)
+            run[i] = None
             if shards:
                 _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
 

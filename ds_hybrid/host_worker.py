@@ -35,8 +35,15 @@ class HostWorker:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ds_hybrid-{self.name}")
 
+        # The caller's GPU for the thread: a new thread's current device is GPU 0, and a stream or
+        # device context on it that switches back there would create a CUDA context on GPU 0 in
+        # every rank's process (hundreds of MB each with several GPUs on a node).
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
         def run() -> Any:
             t0 = time.perf_counter()
+            if device is not None:
+                torch.cuda.set_device(device)
             try:
                 with torch.no_grad(), worker_scratch(self.name):   # (grad mode is per thread)
                     return job()

@@ -49,13 +49,16 @@ __device__ __forceinline__ unsigned short dsh_to_lp(float f) {
     return LP == 1 ? dsh_f32_to_bf16(f) : dsh_f32_to_f16(f);
 }
 
-// The update u of one element whose master is x (the new master is x + u).
+// The update u of one element whose master is x (the new master is __fadd_rn(x, u)).
+// The roundings are pinned (NVRTC contracts a multiply and an add into one fma by default, and
+// which one it picks is the compiler's choice): the product rounded, the decay one fma as torch's
+// add with alpha, the sum rounded: host_fold.cpp's held_adam (-ffp-contract=off) bit for bit.
 __device__ __forceinline__ float dsh_update_of(float x, float m, float v, float step,
                                                float bc1, float bc2, float eps, float decay) {
     const float denom = sqrtf(v / bc2) + eps;
     const float d = (m / bc1) / denom;
-    float u = d * step;
-    if (decay != 0.0f) u = u + decay * x;   // AdamW's decoupled decay (0: none; an inf master stays inf)
+    float u = __fmul_rn(d, step);
+    if (decay != 0.0f) u = __fmaf_rn(x, decay, u);   // AdamW's decoupled decay (0: none; an inf master stays inf)
     return u;
 }
 
@@ -276,7 +279,7 @@ held_adam_step(void* __restrict__ x, const void* __restrict__ m, const void* __r
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = tid; i < n; i += stride) {
         const float xf = dsh_load<X>(x, i);
-        const float w = xf + dsh_update_of(xf, dsh_load<S>(m, i), dsh_load<S>(v, i), step, bc1, bc2, eps, decay);
+        const float w = __fadd_rn(xf, dsh_update_of(xf, dsh_load<S>(m, i), dsh_load<S>(v, i), step, bc1, bc2, eps, decay));
         if (X == 0) {
             static_cast<float*>(x)[i] = w;
         } else {   // (a carry rounds the magnitude up; uint32 wrap-around as the reference's int32)

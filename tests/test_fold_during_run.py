@@ -153,6 +153,43 @@ def test_a_rejection_after_verified_steps_adds_them_along_the_held_copy(stage):
     assert rejected >= 2
 
 
+def test_a_rejection_in_the_run_waits_for_a_slow_fold(monkeypatch):
+    """A verified step rejected while the last real step's fold still runs (at 1B-7B parameters
+    the fold takes seconds): the undo writes the masters the fold reads (AdamW's weight decay), so
+    it waits for the fold first. With the fold slowed down, the velocity and masters are those of
+    an engine whose fold is done in time, bit for bit."""
+    import time
+    from ds_hybrid import engine as engine_mod
+
+    def run(delay: float):
+        fold = engine_mod.za.fold_real_update
+
+        def slow(*args, **kwargs):
+            if kwargs.get("parts") is not None:   # (the fold behind the step, on its thread)
+                time.sleep(delay)
+            return fold(*args, **kwargs)
+        monkeypatch.setattr(engine_mod.za, "fold_real_update", slow)
+        eng = make_engine(_cfg("z2", True, check="forward", verify_every=1, min_predict_steps=3,
+                               max_predict_steps=3), seed=0)
+        _accept_then_reject(eng, keep=2)
+        folding = []
+        discard = eng._device_predict.discard
+        eng._device_predict.discard = lambda vel=None: (folding.append(eng._folds.running), discard(vel))[1]
+        b = Batches(seed=5)
+        for _ in range(16):
+            eng.train_step(b.step())
+        eng._wait_fold()
+        monkeypatch.setattr(engine_mod.za, "fold_real_update", fold)
+        return folding, _values(eng._velocity.buffers), master_copies(eng)
+
+    prompt, prompt_vel, prompt_masters = run(0.0)
+    slow, slow_vel, slow_masters = run(0.4)
+    assert len(slow) >= 2 and len(prompt) == len(slow)
+    assert not any(slow)   # (each rejection found the fold joined)
+    for a, b in zip(prompt_vel + prompt_masters, slow_vel + slow_masters):
+        assert a is None and b is None or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("when", ["in the run", "before the run"])
 def test_a_checkpoint_while_a_run_holds_its_copy_resumes_bit_for_bit(when, tmp_path):
     """Saved in the middle of a run (a step taken along the held copy) or at the end of the real

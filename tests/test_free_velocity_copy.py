@@ -5,9 +5,13 @@ On DeepSpeed's CPU accelerator the shards share the velocity's memory, so the de
 no copy; these tests make it copy anyway (``DevicePredict.copy_always``), as beside a GPU."""
 from __future__ import annotations
 
-import pytest
+import gc
+import weakref
 
-from engine_utils import Batches, ds_config, make_engine, step_together
+import pytest
+import torch
+
+from engine_utils import Batches, ds_config, full_params, make_engine, step_together
 from test_device_predict import STAGES, _accept_then_reject, _hybrid, _same
 
 
@@ -86,3 +90,33 @@ def test_free_velocity_copy_refuses_fold_during_run_and_is_off_where_there_is_no
         assert eng.statistics()["free_velocity_copy"] is False
         b = Batches(seed=3)
         assert "predict" in [eng.train_step(b.step()).phase for _ in range(8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_copy_is_made_per_run_and_its_memory_released():
+    """Beside a GPU (bf16 weights, masters in host memory, the `7b-24gb-z2` layout): the device path
+    makes its own copy without the test hook, every run uploads it once, and after each run's next
+    real step nothing holds the copy's GPU tensors any more (their memory is the allocator's)."""
+    eng = make_engine(ds_config(offload_opt="cpu", bf16=True, stage=2, hybrid=_hybrid(
+        "auto", fold="auto", memory={"velocity_dtype": "int8", "free_velocity_copy": True})), seed=0)
+    st = eng.statistics()
+    assert st["offload_predict"] == "device" and st["free_velocity_copy"] is True and st["fold_during_run"] is False
+    b = Batches(seed=3, device=eng.device)
+    copies, phases = [], []
+    for _ in range(16):
+        r = eng.train_step(b.step())
+        phases.append(r.phase)
+        if r.phase == "predict":
+            dp = eng._device_predict   # (no local name may keep a copy alive past the step)
+            made = [weakref.ref(v.data) for v, copy in zip(dp._velocity, dp._copies) if copy and v.device.type == "cuda"]
+            assert made
+            copies += made
+        else:
+            assert eng.statistics()["device_velocity_bytes"] == 0
+            gc.collect()
+            assert all(ref() is None for ref in copies)
+    runs = sum(1 for a, c in zip(phases, phases[1:]) if a != "predict" and c == "predict")
+    assert runs >= 3
+    assert eng.statistics()["bookkeeping_seconds"].get("velocity_upload", 0) > 0
+    assert all(torch.isfinite(p).all() for p in full_params(eng))

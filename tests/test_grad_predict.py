@@ -646,3 +646,28 @@ def test_zero_3_with_state_on_nvme_is_refused_naming_the_key(offload, tmp_path):
     key = "offload_optimizer" if offload["offload_opt"] == "nvme" else "offload_param"
     with pytest.raises(ConfigError, match=f"zero_optimization.{key}.device: nvme"):
         make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), **offload, **aio))
+
+
+def test_zero3_shares_from_a_gpu_go_through_pinned_chunks_bit_for_bit():
+    """ZeRO 3 with offload_param: cpu beside a GPU: each parameter's gradient share reaches the
+    sums in host memory through the share stager's chunks (not a pageable copy per parameter, on
+    autograd's thread). Made to stage on the CPU too, in chunks of 100 values so that shares span
+    several: the same weights, masters and first moments as the direct add, at every step."""
+    from ds_hybrid.staging import Stager
+    direct, staged = (_engine(SETUPS["z3-offload"]) for _ in range(2))
+    staged._gradient.stage_shares = True
+    staged._gradient._share_stager = Stager(chunk=100)
+    calls = []
+    download = staged._gradient._share_stager.download
+    staged._gradient._share_stager.download = lambda *a, **k: (calls.append(a[1].numel()), download(*a, **k))[1]
+    bd, bs = Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(12):
+        rd, rs = direct.train_step(bd.step()), staged.train_step(bs.step())
+        assert (rd.phase, rd.loss) == (rs.phase, rs.loss)
+        phases.append(rd.phase)
+        assert _equal(full_params(direct), full_params(staged))
+        assert _equal(master_copies(direct), master_copies(staged))
+        assert _equal(_moments(direct, "exp_avg"), _moments(staged, "exp_avg"))
+    assert phases.count(Phase.PREDICT.value) >= 3
+    assert calls and max(calls) > 100

@@ -280,10 +280,11 @@ def test_cpp_held_adam_step_is_the_ieee_step_and_the_torch_ops_within_a_rounding
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
-def test_cpp_held_adam_step_is_the_cuda_kernels_bit_for_bit(sdtype):
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_cpp_held_adam_step_is_the_cuda_kernels_bit_for_bit(sdtype, wd):
     """The same gradient Predict step on a bf16 partition in host memory (C++) and on a GPU (CUDA
-    kernel, NVRTC's IEEE division and square root, the decay's multiply-add fused): the same
-    operations and random bits, so the same bf16 weights bit for bit."""
+    kernel, NVRTC's IEEE division and square root, its roundings pinned: the decay's multiply-add
+    fused, nothing else): the same operations and random bits, so the same bf16 weights bit for bit."""
     from ds_hybrid import kernels
     if not kernels.cupy_available():
         pytest.skip("CuPy does not import")
@@ -294,9 +295,9 @@ def test_cpp_held_adam_step_is_the_cuda_kernels_bit_for_bit(sdtype):
     kw = dict(lr=3e-4, eps=1e-8, key=0xDEADBEEF)
     bc1, bc2 = kernels._bias_corrections(0.9, 0.95, 7, True)
     host = x.clone()
-    host_kernels.held_adam(host, m, v, bc1=bc1, bc2=bc2, decay=-kw["lr"] * 0.1, **kw)
+    host_kernels.held_adam(host, m, v, bc1=bc1, bc2=bc2, decay=-kw["lr"] * wd, **kw)
     dev = x.cuda()
-    kernels.held_adam_step(dev, m.cuda(), v.cuda(), beta1=0.9, beta2=0.95, step=7, weight_decay=0.1, decoupled=True,
+    kernels.held_adam_step(dev, m.cuda(), v.cuda(), beta1=0.9, beta2=0.95, step=7, weight_decay=wd, decoupled=True,
                            backend="cupy", **kw)
     assert torch.equal(host.view(torch.int16), dev.cpu().view(torch.int16))
 

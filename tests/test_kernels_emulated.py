@@ -232,6 +232,28 @@ def test_held_adam_step_kernel_source_matches_reference(emu, n, xdtype, sdtype):
     assert n < 16 or not torch.equal(got, x)
 
 
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+def test_held_adam_step_kernel_source_is_the_cpp_step_bit_for_bit(emu, decay, sdtype):
+    """The kernel's roundings are pinned (__fmul_rn, __fmaf_rn, __fadd_rn: no contraction left to
+    the compiler), so its source computes host_kernels.held_adam's IEEE operations: the same bf16
+    weights bit for bit, with and without the decay (the GPU test compares the compiled kernel)."""
+    from ds_hybrid import host_kernels
+    n = 3001
+    x, m, v = _held_inputs(n, torch.bfloat16, sdtype, 5)
+    bc1, bc2 = 1 - HELD["beta1"] ** HELD["step"], 1 - HELD["beta2"] ** HELD["step"]
+    host, got = x.clone(), x.clone()
+    host_kernels.held_adam(host, m, v, lr=HELD["lr"], bc1=bc1, bc2=bc2, eps=HELD["eps"], decay=-HELD["lr"] * decay,
+                           key=99)
+    codes = {torch.float32: 0, torch.bfloat16: 1}
+    assert emu.emu_held_adam_step(1, codes[sdtype], 3, 64, _p(got), _p(m), _p(v), ctypes.c_longlong(n),
+                                  ctypes.c_float(-HELD["lr"]), ctypes.c_float(bc1), ctypes.c_float(bc2),
+                                  ctypes.c_float(HELD["eps"]), ctypes.c_float(-HELD["lr"] * decay),
+                                  ctypes.c_uint(99)) == 0
+    assert not torch.equal(got, x)
+    assert torch.equal(got.view(torch.int16), host.view(torch.int16))
+
+
 def test_held_adam_step_random_bits_are_the_kernels_and_unbiased(emu):
     """quant.sr_bits is dsh_sr_bits: a step that is a fraction of a bf16 step moves that fraction
     of the weights by one step, the same ones in the kernel and the reference, and another key

@@ -117,6 +117,10 @@ inline double atomicAdd(double* p, double v) {
     *p = old + v;
     return old;
 }
+// CUDA's rounding-pinned intrinsics: IEEE round to nearest even, never contracted.
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
