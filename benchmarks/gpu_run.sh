@@ -57,7 +57,9 @@
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
 #            wall_clock_breakdown. About 25 min of runs: it stops itself after OFFBENCH_SECONDS
-#            (560) and resumes (--reuse) when called again on the same warm machine
+#            (560) or what is left of the call (CALL_SECONDS, 570, less a minute for its tar) and resumes
+#            (--reuse) when called again on the same warm machine; in a later session, unpack
+#            offload-gpu-runs.tgz into runs/bench here and name runs/bench/offload-gpu in the call's carry
 #                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz
 #   train7b llama-7b on the 7b-24gb-z2 preset (ZeRO 2, optimizer in pinned CPU memory, bf16 weights on
 #            the GPU, the hybrid's velocity copy there only during a run) under a 24 GB allocator cap,
@@ -77,6 +79,11 @@
 #            8 x 256 bytes a step, 600 steps, peak LR 6e-4, 3 seeds; JSON after every run, stopped at 560 s
 #                                                            -> OUT/grad-step-study-124m.json
 #
+# Time limits: each stage that sizes its own timeout takes at most what is left of CALL_SECONDS (570)
+# from the script's start; the memory stages kill a run still going after RUN_SECONDS (150; gradz3 200)
+# and go on with the next variant. The memory stages' plain run books its first steps as Warmup,
+# as the hybrid runs do, so that no Full mean has the slow first steps (ds-hybrid train --profile-warmup).
+#
 # On the lent machine (no DeepSpeed, no network) the command starts with the wheels of
 # ../shared/device/README.md: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
@@ -93,6 +100,12 @@ fi
 PY=${PYTHON:-python3}
 DSH="$PY -m ds_hybrid.cli"
 status=0
+# The call's own limit (the lent machine's is 600 s a command; the documented call wraps this script in
+# `timeout -k 5 575`): a stage that sizes its own timeout takes what is left of it, so that what it
+# must do after its runs (copy, tar) still happens.
+deadline=$(( $(date +%s) + ${CALL_SECONDS:-570} ))
+left() { local n=$(( deadline - $(date +%s) - ${1:-0} )); [ "$n" -gt 10 ] && echo "$n" || echo 10; }
+smaller() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
 stage_rc() { echo "=== stage $1: rc $2 ($(( $(date +%s) - $3 )) s)"; [ "$2" = 0 ] || status=1; }
 
 for stage in "$@"; do
@@ -113,7 +126,7 @@ FusedAdamBuilder().load(); CPUAdamBuilder().load(); host_kernels.load()
 print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > "$OUT/ops.log" 2>&1
       rc=$?; tail -3 "$OUT/ops.log"; stage_rc ops $rc "$t0" ;;
     tests)
-      timeout "${TESTS_SECONDS:-240}" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
+      timeout -k 20 "$(smaller "${TESTS_SECONDS:-240}" "$(left 20)")" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
         tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
         tests/test_fold_during_run.py tests/test_host_kernels.py tests/test_pinned.py tests/test_free_velocity_copy.py \
         -rfEs > "$OUT/tests.log" 2>&1
@@ -160,13 +173,14 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
     off1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
         --gpu-mem-cap 16GB --variants full drift-int8-host drift-int8-device drift-int8-device-inline --wall-clock \
-        --out /tmp/off1b \
+        --run-timeout "${RUN_SECONDS:-150}" --out /tmp/off1b \
         --json "$OUT/offload-gpu-1b.json"
       rc=$?
       stage_rc off1b $rc "$t0" ;;
     grad1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
         --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device drift-int8-device-next drift-int8-device-next-behind drift-int8-device} --wall-clock \
+        --run-timeout "${RUN_SECONDS:-150}" \
         --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \
         --json "$OUT/offload-gpu-1b-grad.json"
       rc=$?
@@ -174,13 +188,15 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
     gradz3)
       $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps "${GRADZ3_STEPS:-24}" \
         --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
+        --run-timeout "${RUN_SECONDS:-200}" \
         --json "$OUT/offload-gpu-1b-grad-z3.json"
       rc=$?
       stage_rc gradz3 $rc "$t0" ;;
     offbench)
       launcher=python; command -v numactl >/dev/null && launcher=deepspeed
       echo "launcher: $launcher"
-      timeout "${OFFBENCH_SECONDS:-560}" $DSH bench --suite offload-gpu --launcher "$launcher" \
+      # (what is left of the call, less a minute for the tar: after `ops` in the same call too)
+      timeout -k 20 "$(smaller "${OFFBENCH_SECONDS:-560}" "$(left 60)")" $DSH bench --suite offload-gpu --launcher "$launcher" \
         --out runs/bench/offload-gpu --reuse > "$OUT/offbench.log" 2>&1
       rc=$?; tail -5 "$OUT/offbench.log"
       pkill -f "ds_hybrid.train" 2>/dev/null; pkill -f "deepspeed.launcher" 2>/dev/null  # a run cut off by the timeout
@@ -200,22 +216,25 @@ c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, ma
                            confidence_threshold=0.0, check='next_step')
 json.dump(c, open('/tmp/7b-short.json', 'w'))"
       rc=0
+      arms=2
       for arm in hybrid plain; do
         flag=""; [ $arm = plain ] && flag="--baseline"
-        timeout 270 $DSH train --config /tmp/7b-short.json --model llama-7b --gpu-mem-cap 24GB --seq-len 2048 \
+        # (each arm its share of what is left: a slow hybrid arm must not leave the plain one no time)
+        timeout -k 30 "$(smaller 270 $(( $(left 40) / arms )))" $DSH train --config /tmp/7b-short.json --model llama-7b --gpu-mem-cap 24GB --seq-len 2048 \
           --steps 12 --eval-every 12 --val-batches 1 --no-progress --no-plot --out /tmp/t7b-$arm $flag \
           > "$OUT/train7b-$arm.log" 2>&1 || rc=1
         tail -4 "$OUT/train7b-$arm.log"
         [ -f /tmp/t7b-$arm/summary.json ] && cp /tmp/t7b-$arm/summary.json "$OUT/train7b-$arm.json"
+        arms=$(( arms - 1 ))
       done
       stage_rc train7b $rc "$t0" ;;
     stale124)
-      timeout 560 $PY benchmarks/stale_update_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
+      timeout -k 20 "$(smaller 560 "$(left 10)")" $PY benchmarks/stale_update_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
         --lrs 6e-4 1.2e-3 --seeds 1 2 3 --modes stale cover-last --json "$OUT/stale-update-study-124m.json" \
         > "$OUT/stale124.log" 2>&1
       rc=$?; tail -12 "$OUT/stale124.log"; stage_rc stale124 $rc "$t0" ;;
     grad124)
-      timeout 560 $PY benchmarks/grad_step_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
+      timeout -k 20 "$(smaller 560 "$(left 10)")" $PY benchmarks/grad_step_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;

@@ -199,6 +199,7 @@ class Runner:
     def __init__(self, suite: Suite, out: Path, data: str | None, init: str | None, live: bool, reuse: bool):
         self.suite, self.out, self.data, self.init, self.live, self.reuse = suite, out, data, init, live, reuse
         self.done, self.total, self.t_start, self.reused = 0, 0, time.time(), 0
+        self.gpus: dict[str, Path] = {}   # the GPU each run trained on (summary.json's host), a run that did
 
     def args_for(self, run: Run) -> list[str]:
         s = self.suite
@@ -248,9 +249,21 @@ class Runner:
             (run.out / "bench_args.json").write_text(json.dumps(args))
         row = load_run(run.out)
         row.update(arm=run.arm, budget=run.budget, lr=run.lr)
+        self._one_gpu(run)
         print(f"      val loss {row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
               f"{row['predicted_pct']:.0f}% predicted, {time.time() - self.t_start:.0f} s elapsed", flush=True)
         return row
+
+
+    def _one_gpu(self, run: Run) -> None:
+        """Every run of a suite on one kind of GPU: a --reuse'd run timed on another card would mix
+        their times in one table."""
+        gpu = (json.loads((run.out / "summary.json").read_text()).get("host") or {}).get("gpu")
+        self.gpus.setdefault(str(gpu), run.out)
+        if len(self.gpus) > 1:
+            (a, pa), (b, pb) = list(self.gpus.items())[:2]
+            raise RuntimeError(f"bench: runs on different GPUs in one suite ({a} in {pa}, {b} in {pb}); "
+                               "remove the other card's run folders or run without --reuse")
 
 
 def child_env() -> dict:

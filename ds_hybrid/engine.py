@@ -984,6 +984,12 @@ class PredictiveEngine(DeepSpeedEngine):
                                        moments=False, host_kernel=host, parts=parts)
         self._folds.start(fold)
 
+    def book_wall_clock_as_warmup(self) -> None:
+        """The ``wall_clock_breakdown`` figures of the steps so far booked as Warmup
+        (``ds-hybrid train --profile-warmup``); nothing without the breakdown."""
+        if self._wall_clock is not None:
+            self._wall_clock.book_so_far_as_warmup()
+
     def _velocity_copied(self):
         """The event after which the device path's last copies of the velocity to a GPU have read
         its host buffers (None: they have, or there were none): the fold writes them next."""

@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record memory every step (ds_hybrid.memory.MemoryProfiler; 0.2-0.3 ms per step on a CPU): "
                         "memory.csv, memory_report.txt, memory.png, and per-phase peaks in summary.json")
+    p.add_argument("--profile-warmup", type=int, default=0, metavar="N",
+                   help="book the first N steps as 'warmup' in the memory profile and its step times (a plain run "
+                        "compared with a hybrid one leaves out the same first steps: first use, state allocation)")
     p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
                    help="cap this process's CUDA allocator at SIZE (16GB, 16GiB, ...) with "
                         "torch.cuda.set_per_process_memory_fraction: train as if the GPU were that small; "
@@ -401,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     for flag in ("steps", "seq_len", "eval_every", "val_batches"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be at least 1 (got {getattr(args, flag)})")
+    if args.profile_warmup < 0:
+        raise SystemExit(f"--profile-warmup: must be 0 or more (got {args.profile_warmup})")
 
     # Everything that can be wrong with the input fails here, before a model is built.
     check_checkpoint_flags(args)
@@ -554,7 +559,10 @@ def main(argv: list[str] | None = None) -> dict:
             train_seconds += result.step_time_s
             records.append(result.as_dict())
             if profiler is not None:
-                profiler.record(step, result.phase, result.step_time_s)
+                profiler.record(step, "warmup" if step <= args.profile_warmup else result.phase,
+                                result.step_time_s)
+            if step == args.profile_warmup:
+                engine.book_wall_clock_as_warmup()
             if step % args.eval_every == 0 or step == args.steps:
                 val_points.append((step, validation_loss(engine, val_set)))
                 if profiler is not None:
@@ -619,7 +627,8 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "deepspeed": deepspeed.__version__, "ds_hybrid": ds_hybrid.__version__},
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                 "accelerator": engine.device.type},
+                 "accelerator": engine.device.type,
+                 "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None},
     }
     if is_main:
         (out / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -56,6 +56,15 @@ class WallClockBreakdown:
         self._kept.clear()
         self.steps[phase] = self.steps.get(phase, 0) + 1
 
+    def book_so_far_as_warmup(self) -> None:
+        """Move every step booked so far to ``warmup`` (``ds-hybrid train --profile-warmup``: a
+        plain run's first steps left out of its Full figures, as a hybrid run's Warmup is)."""
+        warm = self.ms.setdefault("warmup", {name: 0.0 for name in TIMERS})
+        for phase in [p for p in self.ms if p != "warmup"]:
+            for name, v in self.ms.pop(phase).items():
+                warm[name] += v
+            self.steps["warmup"] = self.steps.get("warmup", 0) + self.steps.pop(phase, 0)
+
     def summary(self) -> dict:
         """Per phase: steps and mean ms per step of each timer; ``real``: the whole real steps
         (warmup, full, correct) together, the unit a plain DeepSpeed step is compared with."""

@@ -285,6 +285,21 @@ def test_reuse_needs_the_same_config_and_arguments(tmp_path):
     assert not runner.reusable(run)
 
 
+def test_one_suite_runs_on_one_kind_of_gpu(tmp_path):
+    """A --reuse'd run from a session on another card is refused by name, not mixed into the times."""
+    runner = bench.Runner(bench.SUITES["cpu-small"], tmp_path, None, None, live=False, reuse=True)
+    runs = []
+    for k, gpu in enumerate(("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "NVIDIA H200")):
+        run = bench.Run(f"r{k}", "predict", 1, 2e-3, 1.0, {}, tmp_path / f"r{k}", 10, False)
+        run.out.mkdir()
+        (run.out / "summary.json").write_text(json.dumps({"host": {"accelerator": "cuda", "gpu": gpu}}))
+        runs.append(run)
+    runner._one_gpu(runs[0])
+    runner._one_gpu(runs[1])
+    with pytest.raises(RuntimeError, match="different GPUs.*H200 in .*r2"):
+        runner._one_gpu(runs[2])
+
+
 def test_launcher_commands_and_a_missing_numactl_named(monkeypatch):
     from ds_hybrid import bench_launch
     assert bench_launch.command("python", "ds_hybrid.train", ["--steps", "3"])[1:] == ["-m", "ds_hybrid.train",

@@ -2,6 +2,7 @@
 import csv
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,8 +205,35 @@ def test_memory_bench_compares_variants(tmp_path):
         assert runs[name]["steps_per_phase"]["predict"] > 0
     # int8: one byte per value and a scale per 256, against four bytes.
     assert runs["drift-int8"]["velocity_bytes"] < 0.3 * runs["drift-fp32"]["velocity_bytes"]
-    assert {("drift-int8", "predict"), ("full", "full")} <= {(r["run"], r["phase"]) for r in result["rows"]}
+    steps = {(r["run"], r["phase"]): r["steps"] for r in result["rows"]}
+    assert steps[("drift-int8", "predict")] > 0
+    # plain DeepSpeed's first steps are left out of its Full figures, as the hybrid's Warmup is
+    assert steps[("full", "warmup")] == steps[("drift-int8", "warmup")] == 2 and steps[("full", "full")] == 8
     assert json.loads((tmp_path / "m.json").read_text())["table_markdown"] == result["table_markdown"]
+
+
+def test_memory_bench_kills_a_run_past_its_timeout_and_goes_on(tmp_path, monkeypatch):
+    """--run-timeout: a run still going is killed (subprocess.run's timeout) and listed as failed,
+    and the next variant runs (a hang on a lent GPU must not take the rest of the call). The
+    children are not really started: a child killed while it loads DeepSpeed's ops would leave
+    their build lock behind for every later test."""
+    import subprocess
+    from ds_hybrid.memory import bench as mbench
+    calls = []
+
+    def run(cmd, timeout=None, **kw):
+        calls.append((Path(cmd[cmd.index("--out") + 1]).name, timeout))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    monkeypatch.setattr(mbench.subprocess, "run", run)
+    with pytest.raises(SystemExit, match="2 run\\(s\\) failed: gpt2-test/full, gpt2-test/drift-int8"):
+        mbench.main(["--models", "gpt2-test", "--variants", "full", "drift-int8", "--steps", "8", "--run-timeout",
+                     "3", "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "m.json")])
+    assert calls == [("gpt2-test-full", 3.0), ("gpt2-test-drift-int8", 3.0)]
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert [f["run"] for f in result["failed"]] == ["full", "drift-int8"]
+    assert "--run-timeout 3 s" in result["failed"][0]["error"]
+    with pytest.raises(SystemExit, match="--run-timeout: must be more than 0"):
+        mbench.main(["--run-timeout", "0"])
 
 
 def test_memory_bench_reports_the_predictor_and_replaces_the_precision(tmp_path):
@@ -230,7 +258,7 @@ def test_memory_bench_gpu_tables_and_retable(tmp_path):
     phase = {"steps": 4, "rss_peak_mb": 1300.0, "rss_peak_mean_mb": 1290.0, "rss_mean_mb": 1280.0,
              "step_time_mean_s": 0.1}
     full = dict(phase, gpu_peak_allocated_max_mb=10000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=11000.0,
-                gpu_device_used_max_mb=12800.0)
+                gpu_device_used_max_mb=12800.0, pinned_host_peak_mb=300.0)
     pred = dict(phase, gpu_peak_allocated_max_mb=2000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=2400.0,
                 gpu_device_used_max_mb=4200.0)
     summaries = {"full": {"full": full}, "drift-int8-park": {"full": full, "predict": pred}}
@@ -244,7 +272,8 @@ def test_memory_bench_gpu_tables_and_retable(tmp_path):
                      "final_val_loss": 3.0, "per_phase": phases})
     table = mbench.format_table(rows, runs)
     assert "| m | drift-int8-park | predict | 4 | 500.0 |" in table
-    assert "| 2000 | 0.20 | 1500 | 2400 |" in table          # Predict peak / plain DeepSpeed's Full peak
+    assert "| 2000 | 0.20 | 1500 | 2400 | - |" in table          # Predict peak / plain DeepSpeed's Full peak
+    assert "| 10000 | 1.00 | 1500 | 11000 | 300 |" in table     # ... and the pinned allocator's peak
     assert "| - | 10000 | - | 14080 | - | 100,000 | 3.000 |" in table   # device use not derived yet
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": rows, "runs": runs, "table_markdown": table}))
@@ -292,11 +321,13 @@ def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_p
     assert cfg["wall_clock_breakdown"] is True
     runs = {r["run"]: r for r in result["runs"]}
     full = runs["full"]["wall_clock_ms"]["full"]
-    assert full["steps"] == 10 and all(full["mean_ms"][k] > 0 for k in ("fwd", "bwd", "bwd_inner", "step"))
+    # (plain DeepSpeed's first steps booked as the hybrid's Warmup is: max(2, 10 // 8) of them)
+    assert full["steps"] == 8 and runs["full"]["wall_clock_ms"]["warmup"]["steps"] == 2
+    assert all(full["mean_ms"][k] > 0 for k in ("fwd", "bwd", "bwd_inner", "step"))
     assert {"warmup", "predict"} <= set(runs["drift-int8"]["wall_clock_ms"])
     table = result["table_markdown"]
     assert "| (forward + backward's own) / whole |" in table
-    line = next(x for x in table.splitlines() if x.startswith("| gpt2-test | full | full | 10 |") and "(" in x)
+    line = next(x for x in table.splitlines() if x.startswith("| gpt2-test | full | full | 8 |") and "(" in x)
     assert 0 < float(line.rstrip(" |").rsplit("|", 1)[1]) < 1.5
     plain = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4",
                          "--out", str(tmp_path / "plain"), "--json", str(tmp_path / "p.json")])

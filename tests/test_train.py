@@ -64,6 +64,7 @@ def test_set_overrides_hybrid_keys(corpus, tmp_path, capsys):
     (["--gpu-mem-cap", "lots"], "--gpu-mem-cap: cannot read 'lots'"),
     (["--gpu-mem-cap", "0"], "--gpu-mem-cap: must be more than 0"),
     (["--pinned-round-mb", "-1"], "--pinned-round-mb: must be 0"),
+    (["--profile-warmup", "-1"], "--profile-warmup: must be 0 or more"),
     pytest.param(["--gpu-mem-cap", "16GB"], "--gpu-mem-cap: needs a CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])

@@ -150,8 +150,9 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
 
 def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset: str = "tiny-cpu",
             grad_accum: int = 1, gpu_mem_cap: str | None = None, precision: str = "preset",
-            wall_clock: bool = False) -> dict:
-    """One training subprocess for variant ``kind``; returns its summary.json."""
+            wall_clock: bool = False, timeout_s: float | None = None) -> dict:
+    """One training subprocess for variant ``kind``; returns its summary.json. ``timeout_s``: the
+    run is killed after that long and counts as failed (the next variants still run)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
     cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum,
@@ -162,9 +163,15 @@ def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset:
     if gpu_mem_cap:
         cmd += ["--gpu-mem-cap", gpu_mem_cap]
     if VARIANTS[kind] is None:
-        cmd.append("--baseline")
+        # (its first steps booked as the hybrid runs' Warmup is, so that no Full mean has the slow first ones)
+        cmd += ["--baseline", "--profile-warmup", str(json.loads(cfg_path.read_text())["hybrid_predict"]["warmup_steps"])]
     with open(out / "train.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=_child_env())
+        try:
+            proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=_child_env(),
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"memory-bench run {model.name}/{kind} did not finish in --run-timeout "
+                               f"{timeout_s:g} s; see {out / 'train.log'}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"memory-bench run {model.name}/{kind} failed (exit {proc.returncode}); "
                            f"see {out / 'train.log'}")
@@ -185,7 +192,9 @@ def rows_from_summary(model: str, kind: str, summary: dict) -> list[dict]:
                      # the CUDA allocator's per-step peak and what it holds at the step's end (None on CPU)
                      "gpu_peak_mb": r.get("gpu_peak_allocated_max_mb"),
                      "gpu_end_of_step_mb": r.get("gpu_allocated_max_mb"),
-                     "gpu_reserved_mb": r.get("gpu_reserved_max_mb")})
+                     "gpu_reserved_mb": r.get("gpu_reserved_max_mb"),
+                     # torch's pinned host allocator at its peak (None where torch gave no figure)
+                     "pinned_host_peak_mb": r.get("pinned_host_peak_mb") if mem.get("pinned_read", True) else None})
     return rows
 
 
@@ -198,7 +207,7 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
     head = ("| model | run | phase | steps | peak RSS above baseline MB | mean per-step peak MB | "
             "mean end-of-step MB | ms/step |")
     if gpu:
-        head += " GPU peak MB | GPU peak / full's Full | GPU end-of-step MB | GPU reserved MB |"
+        head += " GPU peak MB | GPU peak / full's Full | GPU end-of-step MB | GPU reserved MB | pinned host peak MB |"
     lines = [head, "|" + "---|" * head.count(" |")]
     full_peak = {r["model"]: r["gpu_peak_mb"] for r in rows
                  if r["run"] == "full" and r["phase"] == "full" and r.get("gpu_peak_mb")}
@@ -210,7 +219,7 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
             ref = full_peak.get(r["model"])
             ratio = "-" if not ref or r.get("gpu_peak_mb") is None else f"{r['gpu_peak_mb'] / ref:.2f}"
             line += (f" {_mb(r.get('gpu_peak_mb'))} | {ratio} | {_mb(r.get('gpu_end_of_step_mb'))} | "
-                     f"{_mb(r.get('gpu_reserved_mb'))} |")
+                     f"{_mb(r.get('gpu_reserved_mb'))} | {_mb(r.get('pinned_host_peak_mb'))} |")
         lines.append(line)
     lines += ["", "| model | run | parameters | baseline RSS MB | set-up peak above baseline MB | snapshot MB | "
               "velocity MB | profiler cost |", "|---|---|---|---|---|---|---|---|"]
@@ -336,9 +345,10 @@ def _bookkeeping_ms(st: dict) -> dict:
     return {k: 1e3 * v / max(per.get(k, n.get("predict", 0)), 1) for k, v in (st.get("bookkeeping_seconds") or {}).items()}
 
 
-def _gpu_name() -> str | None:
-    import torch
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+def _gpu_name(runs: list[dict]) -> str | None:
+    """The GPU the runs trained on, as they say it. (Not asked here: torch would create a CUDA
+    context in this process, and every later run's NVML device figure would include it.)"""
+    return next((r["gpu"] for r in runs if r.get("gpu")), None)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -365,6 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--wall-clock", action="store_true",
                    help="time DeepSpeed's forward, backward and optimizer step per phase (wall_clock_breakdown; "
                         "its timers synchronise the device, in every run alike)")
+    p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill a run still going after this long and go on with the next (it is listed as failed)")
     p.add_argument("--live", action="store_true", help="show the runs' output")
     p.add_argument("--retable", type=Path, default=None, metavar="JSON",
                    help="run nothing: re-derive a saved result's per-run figures and rewrite its tables")
@@ -375,6 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
         return retable(args.retable)
     if args.steps is not None and args.steps < 4:
         raise SystemExit(f"--steps: must be at least 4, for a warmup and a Predict run (got {args.steps})")
+    if args.run_timeout is not None and args.run_timeout <= 0:
+        raise SystemExit(f"--run-timeout: must be more than 0 seconds (got {args.run_timeout:g})")
     for flag in ("micro_batch", "seq_len", "grad_accum"):
         v = getattr(args, flag)
         if v is not None and v < 1:
@@ -393,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{spec.seq_len})", flush=True)
             try:
                 summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
-                                  args.gpu_mem_cap, args.precision, args.wall_clock)
+                                  args.gpu_mem_cap, args.precision, args.wall_clock, args.run_timeout)
             except RuntimeError as e:
                 # One run's failure (an out-of-memory under a cap, say) must not cost the others' figures:
                 # it is recorded with its log's tail and the next variant runs.
@@ -416,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "full_tokens_per_second": tokens / full["step_time_mean_s"]
                        if full.get("step_time_mean_s") else None,
                        "final_val_loss": summary["final_val_loss"]}
-            runs.append({"model": name, "run": kind, "parameters": summary["parameters"], "steps": spec.steps,
+            runs.append({"model": name, "run": kind, "gpu": (summary.get("host") or {}).get("gpu"),
+                         "parameters": summary["parameters"], "steps": spec.steps,
                          "micro_batch": spec.micro_batch, "seq_len": spec.seq_len,
                          "baseline_rss_mb": mem["baseline_rss_mb"],
                          "setup_peak_above_baseline_mb": mem["setup_peak_rss_mb"] - mem["baseline_rss_mb"],
@@ -452,7 +467,7 @@ def _write_result(jp: Path, argv: list[str] | None, args: argparse.Namespace, st
               "preset": args.preset, "precision": args.precision, "grad_accum": args.grad_accum,
               "gpu_mem_cap": args.gpu_mem_cap,
               "date": time.strftime("%Y-%m-%d %H:%M"),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "gpu": _gpu_name()},
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "gpu": _gpu_name(runs)},
               "seconds": round(time.time() - start, 1),
               "measure": "per-step peak RSS (VmHWM reset every step) minus the RSS before the model was built; "
                          "on a GPU also torch.cuda.max_memory_allocated, reset every step",

@@ -175,6 +175,8 @@ class MemoryProfiler:
         self.peak_resettable = _reset_host_peak()
         self.setup_peak_rss_mb: float | None = None
         self.overhead_parts_s = {"host": 0.0, "cuda": 0.0, "nvml": 0.0}
+        self.pinned_read = False            # torch's pinned allocator gave a figure at least once
+        self.pinned_error: str | None = None   # why it could not (its first error)
         self.nvml_init_s: float | None = None
 
     # ------------------------------------------------------------ recording
@@ -252,9 +254,12 @@ class MemoryProfiler:
             sample.gpu_peak_allocated_mb = peak_gpu / MB
             torch.cuda.reset_peak_memory_stats(idx)
             try:
-                sample.pinned_host_mb = float(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) / MB
-            except Exception:
-                sample.pinned_host_mb = 0.0
+                pinned = torch.cuda.host_memory_stats()
+                if "allocated_bytes.current" in pinned:
+                    sample.pinned_host_mb = float(pinned["allocated_bytes.current"]) / MB
+                    self.pinned_read = True
+            except Exception as e:   # (a torch that cannot say: the summary says so, no 0 posing as a reading)
+                self.pinned_error = self.pinned_error or f"torch.cuda.host_memory_stats: {e!r}"
             if self.use_nvml:
                 t0_nvml = time.perf_counter()
                 used = self._nvml.used_bytes() if self._nvml is not None else None
@@ -347,6 +352,10 @@ class MemoryProfiler:
             "overhead_parts_s": dict(self.overhead_parts_s),
             "nvml_init_s": self.nvml_init_s,
             "nvml_error": None if self._nvml is None else self._nvml.error,
+            # the pinned figures were read from torch's pinned allocator at least once (False: they are 0
+            # because torch gave none; pinned_error: why)
+            "pinned_read": self.pinned_read,
+            "pinned_error": self.pinned_error,
         }
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
