@@ -353,3 +353,19 @@ def test_the_gpu_runs_tests_stage_runs_every_file_with_gpu_tests():
     stage = (root / "benchmarks" / "gpu_run.sh").read_text().split("    tests)", 1)[1].split(";;", 1)[0]
     marked = {p.name for p in (root / "tests").glob("test_*.py") if "pytest.mark.gpu" in p.read_text()}
     assert marked and {name for name in marked if f"tests/{name}" not in stage} == set()
+
+
+def test_wall_clock_table_gives_a_gradient_predict_steps_own_forward_and_backward():
+    """A gradient Predict step's forward and backward go around DeepSpeed's timers (zero there): the
+    table's share is then its bookkeeping `gradient` time over the whole step, and says so."""
+    from ds_hybrid.memory import bench as mbench
+    zero = {k: 0.0 for k in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")}
+    real = {"fwd": 10.0, "bwd": 25.0, "bwd_inner": 20.0, "bwd_allreduce": 5.0, "step": 40.0}
+    runs = [{"model": "m", "run": "grad-device", "bookkeeping_ms": {"gradient": 30.0, "predicted_update": 2.0},
+             "wall_clock_ms": {"full": {"steps": 4, "mean_ms": real}, "predict": {"steps": 9, "mean_ms": zero}}}]
+    rows = [{"model": "m", "run": "grad-device", "phase": "full", "mean_step_ms": 80.0},
+            {"model": "m", "run": "grad-device", "phase": "predict", "mean_step_ms": 40.0}]
+    lines = mbench.wall_clock_table(rows, runs)
+    assert any(x.startswith("| m | grad-device | full | 4 |") and x.endswith("| 80.0 | 0.38 |") for x in lines)
+    assert any(x.startswith("| m | grad-device | predict | 9 |")
+               and "| 0.75 (its own forward and backward: 30.0 ms, not DeepSpeed's timers) |" in x for x in lines)

@@ -271,6 +271,11 @@ def wall_clock_table(rows: list[dict], runs: list[dict]) -> list[str]:
                 continue
             t, step_ms = wc["mean_ms"], whole.get((r["model"], r["run"], phase))
             share = "-" if not step_ms else f"{(t['fwd'] + t['bwd_inner']) / step_ms:.2f}"
+            # A gradient Predict step's forward and backward go around DeepSpeed's timers (through
+            # engine.module): the bookkeeping's `gradient` timer has them instead.
+            own = (r.get("bookkeeping_ms") or {}).get("gradient") if phase == "predict" else None
+            if own is not None and step_ms:
+                share = f"{own / step_ms:.2f} (its own forward and backward: {own:.1f} ms, not DeepSpeed's timers)"
             lines.append(f"| {r['model']} | {r['run']} | {phase} | {wc['steps']} | {t['fwd']:.1f} | {t['bwd']:.1f} "
                          f"({t['bwd_inner']:.1f} + {t['bwd_allreduce']:.1f}) | {t['step']:.1f} | "
                          f"{'-' if step_ms is None else f'{step_ms:.1f}'} | {share} |")
