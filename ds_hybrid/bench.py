@@ -199,7 +199,7 @@ class Runner:
     def __init__(self, suite: Suite, out: Path, data: str | None, init: str | None, live: bool, reuse: bool):
         self.suite, self.out, self.data, self.init, self.live, self.reuse = suite, out, data, init, live, reuse
         self.done, self.total, self.t_start, self.reused = 0, 0, time.time(), 0
-        self.gpus: dict[str, Path] = {}   # the GPU each run trained on (summary.json's host), a run that did
+        self.gpus: dict[str, Path] = {}   # each GPU the runs trained on (summary.json's host): a run timed on it
 
     def args_for(self, run: Run) -> list[str]:
         s = self.suite
@@ -253,7 +253,6 @@ class Runner:
         print(f"      val loss {row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
               f"{row['predicted_pct']:.0f}% predicted, {time.time() - self.t_start:.0f} s elapsed", flush=True)
         return row
-
 
     def _one_gpu(self, run: Run) -> None:
         """Every run of a suite on one kind of GPU: a --reuse'd run timed on another card would mix

@@ -155,8 +155,8 @@ def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset:
     run is killed after that long and counts as failed (the next variants still run)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
-    cfg_path.write_text(json.dumps(run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum,
-                                              precision, wall_clock), indent=2))
+    cfg = run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum, precision, wall_clock)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
     cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", model.name,
            "--steps", str(model.steps), "--seq-len", str(model.seq_len), "--eval-every", str(model.steps),
            "--val-batches", "1", "--out", str(out), "--no-progress"]
@@ -164,7 +164,7 @@ def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset:
         cmd += ["--gpu-mem-cap", gpu_mem_cap]
     if VARIANTS[kind] is None:
         # (its first steps booked as the hybrid runs' Warmup is, so that no Full mean has the slow first ones)
-        cmd += ["--baseline", "--profile-warmup", str(json.loads(cfg_path.read_text())["hybrid_predict"]["warmup_steps"])]
+        cmd += ["--baseline", "--profile-warmup", str(cfg["hybrid_predict"]["warmup_steps"])]
     with open(out / "train.log", "w") as log:
         try:
             proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=_child_env(),
