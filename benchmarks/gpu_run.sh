@@ -40,11 +40,14 @@
 #            (predictor.direction: gradient, 1 real : 3 Predict) on the device path (the run's Adam moments in
 #            bf16 beside the GPU's 16-bit weights, copied there behind the run's first forward and backward, the
 #            masters caught up once per kept run), and the drift step's device path checked by the next real step
-#            (drift-int8-device-next: no forward of its own; -behind: the real step before a run waits for its
-#            fold, memory.fold_during_run false) and verified each step (drift-int8-device): step time
+#            (no forward of its own): -behind, each real step's fold on a host thread behind the next one's
+#            forward and backward (beside a GPU the default; the real step before a run waits for its own),
+#            against -fused, the fold and a kept run's commit inside DeepSpeed's CPU Adam step, one pass
+#            (memory.fold_in_step, whose auto waits for this measurement): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
-#            2026-11-26), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
+#            2026-11-26; drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
+#            step: 2026-11-26 17:50), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
 #            forwards and backwards beside its CPU Adam step)
 #                                                            -> OUT/offload-gpu-1b-grad.json
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
@@ -129,6 +132,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       timeout -k 20 "$(smaller "${TESTS_SECONDS:-240}" "$(left 20)")" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
         tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
         tests/test_fold_during_run.py tests/test_host_kernels.py tests/test_pinned.py tests/test_free_velocity_copy.py \
+        tests/test_step_fusion.py \
         -rfEs > "$OUT/tests.log" 2>&1
       rc=$?; tail -25 "$OUT/tests.log"   # (the whole log, failures first in its summary, is in OUT)
       stage_rc tests $rc "$t0" ;;
@@ -179,7 +183,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       stage_rc off1b $rc "$t0" ;;
     grad1b)
       $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
-        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full grad-device drift-int8-device-next drift-int8-device-next-behind drift-int8-device} --wall-clock \
+        --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full drift-int8-device-next-behind drift-int8-device-next-fused grad-device} --wall-clock \
         --run-timeout "${RUN_SECONDS:-150}" \
         --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \
         --json "$OUT/offload-gpu-1b-grad.json"

@@ -22,18 +22,13 @@ C++ pass (``host_kernels.held_adam``), fp32 moments.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_path import _best, cpu_adam_step  # noqa: E402  (the same timer and reference step)
+from host_path import _best, cpu_adam_step, write_result  # noqa: E402  (the same timer, step and record)
 
 from ds_hybrid import host_kernels, kernels  # noqa: E402
 from ds_hybrid.grad_predict import _catch_up  # noqa: E402
@@ -79,16 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
                       [f"| {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} | {r['over_cpu_adam']:.2f}x |"
                        for r in rows])
     print(table)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    result = {"command": "python benchmarks/grad_commit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "values": args.values, "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit,
-              "cpu_adam_ms": adam * 1e3, "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+    return write_result("grad_commit.py", argv if argv is not None else sys.argv[1:], args, rows, table,
+                        cpu_adam_ms=adam * 1e3)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,21 @@ from ds_hybrid import host_kernels
 from ds_hybrid.device_predict import DevicePredict
 
 
+def write_result(script: str, argv: list[str] | None, args, rows: list[dict], table: str, **extra) -> dict:
+    """The result these host benchmarks record: the command, the run's size, the machine, the
+    commit and the rows with their table; written to ``args.json`` when given."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    result = {"command": f"python benchmarks/{script} " + " ".join(argv or []), "values": args.values,
+              "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit, **extra,
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
 def _best(fn, repeat: int, setup=None) -> float:
     times = []
     for _ in range(repeat):
@@ -141,17 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"| {r['velocity_dtype']} | {r['part']} | {r['ms']:.1f} | {r['ns_per_value']:.2f} | "
         f"{r['over_cpu_adam']:.2f}x |" for r in rows])
     print(table)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    result = {"command": "python benchmarks/host_path.py " + " ".join(argv or []), "values": args.values,
-              "cpu_adam_ms": adam * 1e3,
-              "repeat": args.repeat, "threads": torch.get_num_threads(), "commit": commit,
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "table_markdown": table}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+    return write_result("host_path.py", argv, args, rows, table, cpu_adam_ms=adam * 1e3)
 
 
 if __name__ == "__main__":

@@ -310,10 +310,34 @@ class MemoryConfig(_Section):
     checkpoint in the middle of a run saves the held copy too. The velocity each run moves along
     misses the last real step's update (one fold of ``drift_beta``'s average): what that costs in
     loss is ``benchmarks/fold_overlap_ab.py --arms behind during``. ``true`` refuses, naming the
-    key, setups without ``fold_overlap`` or the device-side drift path. ``auto``: on where
-    ``fold_overlap`` is and the 16-bit shards are on a GPU (the held copy is then the velocity's
-    copy beside them, no new memory; beside shards in host memory, ZeRO 3's ``offload_param:
-    cpu``, it would add 1 byte a parameter of host memory)."""
+    key, setups without ``fold_overlap`` or the device-side drift path. ``auto``: off. Measured on
+    an H100 with llama-1b (2026-11-26) it made the real steps slower than the fold behind the step
+    (803 against 746 ms, Predict steps 20.4 against 18.1 ms): a run of a few 20 ms steps is too
+    short for the fold, which then lands in the next real step's forward and backward."""
+
+    fold_in_step: bool | Literal["auto"] = "auto"
+    """Under ``offload_optimizer: cpu`` with DeepSpeed's CPU Adam and the drift velocity folded from
+    the optimizer state by the C++ kernel (``fold_source: optimizer_state``, ``host_kernels``): a
+    real step's fold, and a kept device-side run's commit into the masters, run inside
+    DeepSpeed's CPU Adam step, in one pass over each master partition (each block of 256 values
+    takes the commit, DeepSpeed's update, then the fold, while it is in L1;
+    ``ds_hybrid/step_fusion.py``). The fold then reads no second copy of the masters and moments
+    from memory, and no host thread runs beside the next forward and backward, whose gradient
+    copies and fp32 accumulation are host work under ZeRO-Offload (the fold behind the step took
+    the hybrid's real steps to 1.24x plain's on an H100 with llama-1b, 2026-11-26). Masters,
+    moments, velocity and direction statistics are those of DeepSpeed's step followed by the
+    inline fold, bit for bit; the predictor sees the statistics at the step. Whole-model steps
+    only (a layer-group step folds as before). ``statistics()``: ``fold_in_step`` and
+    ``bookkeeping_seconds.fold_in_step`` (the passes' time inside the step; in one pass it
+    holds DeepSpeed's update of those values too) and ``commit_in_step`` (the commit's, where it
+    ran apart). ``true`` refuses, naming the key, setups
+    without DeepSpeed's CPU Adam (or with NVMe optimizer offload), the drift velocity, the
+    optimizer-state fold source or the C++ kernels, and with ``fold_overlap``,
+    ``fold_during_run`` or ``commit_overlap`` set true. ``auto``: on where it can be and none of
+    those is set true, on DeepSpeed's CPU accelerator (there the one pass takes 2.59x DeepSpeed's
+    step alone where the step and the fold after it take 2.90x, 2^26 values, ``benchmarks/fold_in_step.py``);
+    beside a GPU off until a GPU has timed it against the fold behind the step (``gpu_run.sh``
+    ``grad1b``)."""
 
     free_velocity_copy: bool = False
     """With the device-side drift path (``offload_predict``) and the 16-bit shards on a GPU: free

@@ -268,6 +268,22 @@ class DevicePredict(WorkerOwner):
                 first()
             self._add_to_masters(parts, bufs, steps, after)
 
+    def take_commit(self, vel: VelocityBuffers) -> tuple[list[list[float]], list] | None:
+        """``commit`` handed to the caller (``memory.fold_in_step``: DeepSpeed's CPU Adam step adds
+        it a chunk at a time, before each chunk's update, ``step_fusion.py``): the run's steps'
+        coefficients per param group, in order, and the velocity they moved along (one buffer per
+        partition). None where nothing is pending, or where the run moved along a held copy on the
+        device or the C++ kernel is off: then the commit is made here, inline."""
+        self.wait()
+        if not self.pending or self._held or not self.host_kernel:
+            self.commit(vel)
+            return None
+        self.verified = 0
+        steps, self.pending = self.pending, []
+        bufs = list(vel.buffers)
+        self._release()
+        return steps, bufs
+
     def wait(self) -> None:
         """Join a commit running in the background, re-raising its error."""
         self._worker.wait()

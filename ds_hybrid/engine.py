@@ -27,6 +27,7 @@ state to DeepSpeed's and write atomically (``ds_hybrid/checkpoint.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import checkpoint as ckpt
 from . import host_kernels, kernels
+from . import step_fusion
 from . import zero_access as za
 from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
 from .device_predict import DevicePredict
@@ -225,6 +227,10 @@ class PredictiveEngine(DeepSpeedEngine):
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
         self._fold_during_run = False   # memory.fold_during_run resolved: a run holds the velocity before the fold
+        self._fusion: step_fusion.FusedCpuAdam | None = None   # memory.fold_in_step: DeepSpeed's CPU Adam, wrapped
+        self._step_commit: tuple | None = None   # ... a kept run's commit, for the coming optimizer step
+        self._fold_in_step = False               # ... this step's fold goes into the optimizer step
+        self._step_jobs: list | None = None      # ... the jobs the last optimizer step was armed with
         self._free_velocity_copy = False   # memory.free_velocity_copy: the velocity's GPU copy only during a run
         self._gradient: GradientPredict | None = None   # predictor.direction: gradient
         if not self.hybrid_config.enabled:
@@ -262,8 +268,9 @@ class PredictiveEngine(DeepSpeedEngine):
                 if any(p.master.device.type == "cpu" for p in self._masters.partitions()):
                     self._gradient.host_kernel = host_kernels.resolve(mem.host_kernels)   # (the commit's catch-up)
                 self._gradient.prefetch_host = self._host_masters_beside_an_accelerator()
+        self._fusion = self._resolve_fold_in_step()
         overlap = mem.commit_overlap
-        self._commit_overlap = self._device_path() and (
+        self._commit_overlap = self._device_path() and self._fusion is None and (
             overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
         if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and not self._device_path():
             # Measured (README, "GPU memory per phase"): with the masters in host memory every
@@ -367,6 +374,7 @@ class PredictiveEngine(DeepSpeedEngine):
                     self._wait_fold()
             finally:
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
+                self._commit_taken_inline()   # (memory.fold_in_step: the same, for a step that never came)
             if self.controller.phase is Phase.PREDICT and self._gradient is not None:
                 # a run begins next: its moments cross to the GPU behind its first forward and backward
                 self._gradient.prefetch()
@@ -420,6 +428,9 @@ class PredictiveEngine(DeepSpeedEngine):
             out["fold_overlap"] = self._folds is not None
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
             out["fold_during_run"] = self._fold_during_run
+            out["fold_in_step"] = self._fusion is not None
+            if self._fusion is not None:   # partitions stepped in one pass, and through DeepSpeed's op in chunks
+                out["fold_in_step_passes"] = dict(self._fusion.passes)
             out["free_velocity_copy"] = self._free_velocity_copy
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
@@ -525,7 +536,7 @@ class PredictiveEngine(DeepSpeedEngine):
             if self._gradient is not None and self._gradient.pending:
                 self._gradient.commit()   # (a run kept without a check: the optimizer takes its first moment)
             if self._device_predict is not None and self._device_predict.pending:
-                self._commit_run()   # (a run kept without a check: its masters catch up here)
+                self._commit_run(into_step=True)   # (a run kept without a check: its masters catch up here)
             capture = predicted or (drift and not self._fold_from_state)
             stash = not capture and probe and not drift
             if capture or stash:
@@ -544,14 +555,20 @@ class PredictiveEngine(DeepSpeedEngine):
             return redo
 
         self._step_groups = predicted
+        self._fold_in_step = self._fusion is not None and drift and not predicted
         try:
             self._real_step(batches, loss_fn, before_backward, self._layout.cut[k] if k else None)
         finally:
             self._step_groups = frozenset()
+            self._fold_in_step = False
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         applied = self.was_step_applied()
         fold_behind = drift and applied and self._folds is not None and not predicted
-        if fold_behind:
+        in_step, self._step_jobs = self._step_jobs, None
+        if in_step is not None and drift and applied:
+            # memory.fold_in_step: folded inside the optimizer step
+            groups = self._fused_fold_sums(in_step, lrs)
+        elif fold_behind:
             # memory.fold_overlap: this step's fold runs behind the next step's forward and
             # backward (started at the end of this step, once the next phase is known); the
             # predictor gets the last one's sums (joined before this optimizer step).
@@ -684,7 +701,7 @@ class PredictiveEngine(DeepSpeedEngine):
         gradient = self._gradient if run else None
         if accepted:
             if device is not None:
-                self._commit_run()   # before this step's optimizer reads the masters
+                self._commit_run(into_step=True)   # before this step's optimizer reads the masters
             if gradient is not None:   # the run's first moment (and on the device path its weights)
                 with self._timed("commit"):   # (memory.commit_overlap: behind this step's forward and backward)
                     gradient.commit(background=self._commit_overlap)
@@ -949,9 +966,16 @@ class PredictiveEngine(DeepSpeedEngine):
                 return
         za.restore_weights(self._masters, self._snapshot, groups=groups)
 
-    def _commit_run(self) -> None:
+    def _commit_run(self, into_step: bool = False) -> None:
         """A kept device-side Predict run's displacement into the masters (``memory.commit_overlap``:
-        on a host thread behind the forward and backward, joined by ``_wait_commit``)."""
+        on a host thread behind the forward and backward, joined by ``_wait_commit``).
+        ``into_step`` (a real step's check, with ``memory.fold_in_step``): handed to the coming
+        optimizer step where it is a whole-model one, which adds it block by block before each
+        block's update (a layer-group step takes it whole before its step)."""
+        if into_step and self._fusion is not None and not self._step_groups:
+            self._wait_fold()
+            self._step_commit = self._device_predict.take_commit(self._velocity)
+            return
         if self._commit_overlap and self._folds is not None and self._folds.running:
             # The fold reads the masters: the commit's thread waits for it, not this one
             # (fold_during_run: it started at the last real step and may still run).
@@ -1088,11 +1112,15 @@ class PredictiveEngine(DeepSpeedEngine):
             if self._parking is not None:
                 self._parking.wait()  # moments copied back during the forward/backward: the optimizer reads them
             if self._nonfinite_on_any_rank():
+                self._commit_taken_inline()   # (no update reads the masters: they catch up all the same)
                 with self._optimizer_reports_overflow():
                     return super()._take_model_step(lr_kwargs)
             groups = self._step_groups
             if not groups:
+                if self._fusion is not None:
+                    return self._fused_model_step(lr_kwargs)
                 return super()._take_model_step(lr_kwargs)
+            self._commit_taken_inline()
             # A partial step: the predicted groups take the predicted update before the
             # optimizer runs, and the optimizer leaves them out; the wrapper's own copy of the
             # masters into the 16-bit weights (and ZeRO's all-gather) then carries both.
@@ -1119,6 +1147,84 @@ class PredictiveEngine(DeepSpeedEngine):
         finally:
             del opt.step
             del self.gradient_clipping
+
+    def _fused_model_step(self, lr_kwargs):
+        """DeepSpeed's step with this step's commit and fold inside its CPU Adam step, one pass
+        over each partition (``memory.fold_in_step``, ``step_fusion.py``). A partition the step
+        does not reach takes its commit after the step; its fold is left to ``_full_step``."""
+        vel, jobs = self._velocity, []
+        taken, self._step_commit = self._step_commit, None
+        steps, bufs = taken if taken is not None else ([], [])
+        fold = self._fold_in_step
+        if fold:
+            copied = self._velocity_copied()
+            if copied is not None:
+                copied.synchronize()   # (the last upload has read the host velocity the fold writes)
+        beta, moments = self.hybrid_config.predictor.drift_beta, self._learns_from_every_step()
+        step = int(self.global_steps) + 1   # (what DeepSpeed's step makes it: the inline fold's noise seed)
+        for i, part in enumerate(self._masters.partitions()):
+            if part.master.numel() == 0:
+                continue
+            job = step_fusion.PartitionJob(i, part.group_index, za._flat(part.master))
+            if i < len(bufs) and bufs[i] is not None and steps:
+                job.commit = (bufs[i], [c[part.group_index] for c in steps])
+            if fold:
+                job.fold = step_fusion.FoldJob(functools.partial(vel.buffer, i, part.master), part.master.numel(),
+                                               vel.dtype, vel.generator(part.master.device, step, i), beta,
+                                               vel.updates == 0, moments, self._masters.decoupled_decay)
+            if job.commit is not None or job.fold is not None:
+                jobs.append(job)
+        self._step_jobs = jobs if fold else None
+        self._fusion.arm(jobs)
+        try:
+            return super()._take_model_step(lr_kwargs)
+        finally:
+            left = self._fusion.disarm()
+            for job in left:
+                job.commit_rest()
+            b = self._stats.bookkeeping_seconds
+            for job in jobs:
+                for part, sec in job.seconds.items():
+                    if sec:
+                        b[f"{part}_in_step"] = b.get(f"{part}_in_step", 0.0) + sec
+            if left and self._fusion.unmatched:
+                raise RuntimeError("ds_hybrid: hybrid_predict.memory.fold_in_step: DeepSpeed's CPU Adam stepped "
+                                   "tensors that are not the hybrid's master partitions; set memory.fold_in_step "
+                                   "to false and report it")
+            if fold and int(self.global_steps) != step:
+                raise RuntimeError(f"ds_hybrid: memory.fold_in_step folded step {step}, but DeepSpeed's step "
+                                   f"count is {int(self.global_steps)}")
+
+    def _commit_taken_inline(self) -> None:
+        """A kept run's commit taken for the optimizer step (``memory.fold_in_step``) that no
+        fused step will add: added now, whole."""
+        taken, self._step_commit = self._step_commit, None
+        if taken is None:
+            return
+        steps, bufs = taken
+        with self._timed("commit"):
+            for i, part in enumerate(self._masters.partitions()):
+                if i < len(bufs) and bufs[i] is not None and part.master.numel():
+                    job = step_fusion.PartitionJob(i, part.group_index, za._flat(part.master))
+                    job.commit = (bufs[i], [c[part.group_index] for c in steps])
+                    job.commit_rest()
+
+    def _fused_fold_sums(self, jobs: list, lrs: list[float]) -> torch.Tensor:
+        """This step's direction statistics from the fold inside its optimizer step (and the
+        inline fold of any partition the step did not reach), as the inline fold returns them."""
+        out = torch.zeros(self._masters.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
+        folded = False
+        for job in jobs:
+            if job.reached:
+                folded |= job.fold.add_to(out[job.group_index], job.master.numel())
+        rest = {job.index for job in jobs if not job.reached}
+        if rest:
+            out += za.fold_real_update(self._masters, None, self._velocity, lrs, self.hybrid_config.predictor.drift_beta,
+                                       int(self.global_steps), moments=self._learns_from_every_step(),
+                                       host_kernel=self._host_kernel, only=rest, count=False)
+            folded |= bool(out[:, 6].sum() > 0)
+        self._velocity.updates += int(folded)
+        return out
 
     @torch.no_grad()
     def _apply_group_update(self, groups: frozenset) -> None:
@@ -1420,6 +1526,8 @@ class PredictiveEngine(DeepSpeedEngine):
     def _resolve_fold_overlap(self) -> bool:
         """``memory.fold_overlap``: whether real steps fold on a host thread behind the next step."""
         setting = self.hybrid_config.memory.fold_overlap
+        if self._fusion is not None:
+            return False   # (memory.fold_in_step: the fold runs inside the optimizer step; true refused there)
         if setting is False or self._velocity is None:
             if setting is True:
                 raise ValueError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
@@ -1442,12 +1550,51 @@ class PredictiveEngine(DeepSpeedEngine):
             raise ValueError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
         return True
 
+    def _resolve_fold_in_step(self) -> "step_fusion.FusedCpuAdam | None":
+        """``memory.fold_in_step``: DeepSpeed's CPU Adam op wrapped so that real steps fold (and
+        kept runs commit) inside its step, or None."""
+        mem = self.hybrid_config.memory
+        setting = mem.fold_in_step
+        if setting is False:
+            return None
+        base = self._masters.base
+        zo = self._config._param_dict.get("zero_optimization") or {}
+        behind = [k for k in ("fold_overlap", "fold_during_run", "commit_overlap") if getattr(mem, k) is True]
+        why = None
+        if behind:
+            why = (f"memory.{behind[0]} is true (that work runs behind the step on a host thread; "
+                   f"set one of the two to false)")
+        elif self._velocity is None:
+            why = "predictor.direction is not drift (there is no velocity to fold)"
+        elif type(base).__name__ != "DeepSpeedCPUAdam":
+            why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
+                   "(zero_optimization.offload_optimizer.device: cpu)")
+        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
+            why = "zero_optimization.offload_optimizer.device is nvme (DeepSpeed swaps the partitions in for its step)"
+        elif not self._fold_from_state:
+            why = "memory.fold_source is snapshot (the fold reads a copy of the masters from before the step)"
+        elif not self._host_kernel:
+            why = "memory.host_kernels is torch (the fold by ranges is the C++ kernel's)"
+        elif not getattr(base, "fp32_optimizer_states", True):
+            why = "DeepSpeed's CPU Adam keeps its moments in 16 bits here (the fold reads fp32 moments)"
+        if why is not None:
+            if setting is True:
+                raise ValueError(f"hybrid_predict.memory.fold_in_step: true, but {why}")
+            return None
+        if setting == "auto" and self._host_masters_beside_an_accelerator():
+            # Beside a GPU the fold behind the step (memory.fold_overlap) stays until a GPU has timed
+            # this against it (gpu_run.sh grad1b: drift-int8-device-next-fused, -next-behind).
+            return None
+        return step_fusion.install(base)
+
     def _resolve_fold_during_run(self) -> bool:
         """``memory.fold_during_run``: whether a drift run holds a copy of the velocity from before
         the last real step's fold, which then runs during the run."""
         setting = self.hybrid_config.memory.fold_during_run
         why = None
-        if self._folds is None:
+        if self._fusion is not None:
+            why = "memory.fold_in_step is on (the fold runs inside the optimizer step, before the run)"
+        elif self._folds is None:
             why = "memory.fold_overlap is off here (the fold runs inline)"
         elif self._device_predict is None:
             why = "the Predict steps are not on the device-side drift path (memory.offload_predict)"
@@ -1455,12 +1602,13 @@ class PredictiveEngine(DeepSpeedEngine):
             why = "memory.free_velocity_copy is on (the commit would read the run's held copy after it is freed)"
         if setting is True and why is not None:
             raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
-        if setting == "auto" and why is None:
-            # The held copy replaces the velocity's copy beside GPU shards (no new memory); beside
-            # shards in host memory (ZeRO 3's offload_param: cpu) it would be 1 byte a parameter
-            # more of host memory, which the 7b-24gb preset does not have to spare.
-            return all(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
-        return setting is not False and why is None
+        if setting == "auto":
+            # Off: measured on an H100 (llama-1b, 2026-11-26) the fold during the run made the real
+            # steps slower than the fold behind the step (803 against 746 ms; Predict steps 20.4
+            # against 18.1): a run of a few 20 ms steps is too short for the fold, which then lands
+            # in the next real step's forward and backward.
+            return False
+        return setting is True and why is None
 
     def _resolve_free_velocity_copy(self) -> bool:
         """``memory.free_velocity_copy``: where there is a velocity copy to free, the device-side

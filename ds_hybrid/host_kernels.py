@@ -90,19 +90,57 @@ def resolve(setting: str) -> bool:
         return False
 
 
+FOLD_GROUP = 64 * 256   # values per partial sum of the fold (host_fold.cpp's kGroup blocks)
+
+
 def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, before: torch.Tensor | None,
          vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float, bc1: float, bc2: float,
-         eps: float, first: bool, moments: bool) -> list[float]:
+         eps: float, first: bool, moments: bool, values: tuple[int, int] | None = None,
+         acc: torch.Tensor | None = None) -> list[float]:
     """One partition's fold (see ``kernels/host_fold.cpp``): the velocity ``vel`` (a
     ``quant.CompactBuffer`` in host memory) updated in place; returns the sums
-    ``[d.v_old, v_old.v_old, d.d, w.w, sum |m|, sum sqrt(v2)]`` with ``d`` = lr x the update."""
+    ``[d.v_old, v_old.v_old, d.d, w.w, sum |m|, sum sqrt(v2)]`` with ``d`` = lr x the update.
+
+    ``values``: fold only the values ``[start, end)`` of the partition (``start`` a multiple of
+    ``FOLD_GROUP``, ``end`` too or the partition's end), adding their sums to ``acc`` (6 fp64
+    values, updated in place; the return is its new values): folding a partition range by range
+    in order gives the one call's velocity and sums bit for bit (``step_fusion.py``)."""
     empty = torch.empty(0, dtype=torch.float32)
     from_state = before is None
+    start, end = values if values is not None else (0, w.numel())
+    if start % FOLD_GROUP or (end % FOLD_GROUP and end != w.numel()):
+        raise ValueError(f"host_kernels.fold: values [{start}, {end}) must start and end on a multiple of "
+                         f"{FOLD_GROUP} (or the partition's end, {w.numel()})")
+    if acc is None:
+        acc = torch.zeros(6, dtype=torch.float64)
+    b1 = -(-end // 256) if end == w.numel() else end // 256
     return load().fold(w, m if m is not None else empty, v2 if v2 is not None else empty,
                        before if before is not None else empty, vel.data,
                        vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
                        float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), from_state,
-                       bool(first), bool(moments))
+                       bool(first), bool(moments), start // 256, b1, acc)
+
+
+def adam_fold(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, adam: list[float], commit,
+              coefs: list[float], vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float,
+              bc1: float, bc2: float, eps: float, first: bool, moments: bool, end: int, acc: torch.Tensor) -> list[float]:
+    """DeepSpeed's CPU Adam step on the values ``[0, end)`` of a flat fp32 partition (``end`` a
+    multiple of ``FOLD_GROUP``) with ``adam``, DeepSpeed's nine scalars for the step
+    (``step_fusion.AdamScalars``), each block first taking ``commit`` (a ``quant.CompactBuffer``,
+    or None) times ``coefs`` in order and then folded into ``vel`` as ``fold`` folds it from the
+    optimizer state, in one pass (see ``kernels/host_fold.cpp``); the fold's sums added to ``acc``."""
+    if end % FOLD_GROUP or not 0 <= end <= p.numel():
+        raise ValueError(f"host_kernels.adam_fold: end {end} must be a multiple of {FOLD_GROUP} within the partition")
+    empty = torch.empty(0, dtype=torch.float32)
+    cdata, cscale, cdtype = empty, empty, 0
+    if commit is not None and coefs:
+        cdata, cdtype = commit.data, VDTYPES[commit.dtype]
+        cscale = commit.scale if commit.dtype == "int8" else empty
+    return load().adam_fold(p, g, m, v, [float(x) for x in adam], cdata, cscale, cdtype,
+                            [float(c) for c in coefs] if commit is not None else [], vel.data,
+                            vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
+                            float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), bool(first),
+                            bool(moments), end // 256, acc)
 
 
 def shift(x: torch.Tensor, vel, coefs, sumsq: bool = False) -> float:

@@ -113,6 +113,17 @@ class CompactBuffer:
             buf.scale = scale
         return buf
 
+    def window(self, start: int, end: int) -> "CompactBuffer":
+        """Values ``[start, end)`` as a buffer over this one's storage (no copy; ``start`` on a
+        block boundary): a chunk of a partition's velocity (``step_fusion.py``)."""
+        if start % BLOCK or not 0 <= start <= end <= self.numel:
+            raise ValueError(f"CompactBuffer.window: [{start}, {end}) must start on a multiple of {BLOCK} "
+                             f"and lie in the {self.numel} values")
+        if self.dtype != "int8":
+            return CompactBuffer.wrap(self.data[start:end], None, self.dtype, end - start)
+        b0, b1 = start // BLOCK, -(-end // BLOCK)
+        return CompactBuffer.wrap(self.data[start:b1 * BLOCK], self.scale[b0:b1], self.dtype, end - start)
+
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
         if self.dtype == "int8":

@@ -757,7 +757,8 @@ def _chunked_sum(t: torch.Tensor, fn) -> float:
 def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel: VelocityBuffers,
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
                      keep: bool = False, moments: bool = True, host_kernel: bool = False,
-                     parts: "list[MasterPartition] | None" = None) -> torch.Tensor:
+                     parts: "list[MasterPartition] | None" = None, only: "set[int] | None" = None,
+                     count: bool = True) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -782,7 +783,9 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     int8 noise (``tests/test_host_kernels.py``).
 
     ``parts``: ``access.partitions()`` listed beforehand (a fold on a host thread reads
-    DeepSpeed's optimizer structures on the main thread, ``fold_overlap.py``)."""
+    DeepSpeed's optimizer structures on the main thread, ``fold_overlap.py``). ``only``: fold
+    only these partitions (by index); ``count=False``: leave ``vel.updates`` to the caller (both
+    for ``memory.fold_in_step``, which folds the others inside the optimizer step)."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     from_state = before is None
     if not from_state and before.holds != "weights":
@@ -796,6 +799,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         if from_state and "exp_avg" not in part.state:
             continue
         if groups is not None and part.group_index not in groups:
+            continue
+        if only is not None and i not in only:
             continue
         folded = True
         buf = vel.buffer(i, part.master)
@@ -850,7 +855,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
             row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
             row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
         row[6] += float(part.master.numel())
-    vel.updates += int(folded)  # an LR of 0 (the first warmup step) moves nothing to learn from
+    vel.updates += int(folded and count)  # an LR of 0 (the first warmup step) moves nothing to learn from
     if not keep and not from_state:
         before.holds = None
     return out

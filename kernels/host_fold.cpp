@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -25,6 +26,7 @@ namespace {
 
 constexpr int64_t kBlock = 256;  // quant.BLOCK: values per int8 scale
 constexpr int kLanes = 16;       // independent fp32 partial sums per block: vectorisable without -ffast-math
+constexpr int64_t kGroup = 64;   // blocks per partial sum of the fold (16384 values): see fold()
 
 struct Sums {
   double dv = 0, vv = 0, dd = 0, ww = 0, m_abs = 0, v_sqrt = 0;
@@ -210,10 +212,21 @@ BlocksFn pick(bool from_state, bool decay, bool first) {
 
 // Returns {d.v_old, v_old.v_old, d.d, w.w, sum|m|, sum sqrt(v2)} with d = lr x the step's update
 // (the caller scales, as the torch path does). velocity dtype: 0 fp32, 1 bf16, 2 int8.
-std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
-                         torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
-                         int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
-                         double bc2, double eps, bool from_state, bool first, bool moments) {
+//
+// ``b0``, ``b1``: the range of blocks to fold (all: 0 and -1), indices into the whole partition (the
+// noise of chunk c covers its blocks wherever the range starts); a range starts and ends on a
+// kGroup boundary or at the partition's end. The sums add up kGroup blocks at a time, each group
+// from zero, and the groups in order into ``acc`` (fp64, 6 values, read and written; the returned
+// values are its new ones): a partition folded in one call or range by range in order (inside
+// DeepSpeed's CPU Adam step, step_fusion.py) gives the same sums bit for bit, on any thread count.
+// ``pre`` (adam_fold below): each block's own work, run just before the block is folded.
+using PreBlock = std::function<void(int64_t)>;
+
+std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
+                              torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
+                              int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
+                              double bc2, double eps, bool from_state, bool first, bool moments, int64_t b0,
+                              int64_t b1, torch::Tensor acc, const PreBlock* pre) {
   const int64_t n = w.numel();
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32, "host_fold: masters must be contiguous fp32");
   TORCH_CHECK(chunk % kBlock == 0, "host_fold: the chunk must be a multiple of the block");
@@ -265,18 +278,41 @@ std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, tor
   const bool decay = from_state && wd != 0.0;
   const BlocksFn run = vdtype == 0 ? pick<0>(from_state, decay, first)
                        : vdtype == 1 ? pick<1>(from_state, decay, first) : pick<2>(from_state, decay, first);
-  // A fixed split into one range of blocks per thread: the sums add up in the same order on
-  // every call with the same thread count.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  std::vector<Sums> partial(parts);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) run(A, blocks * p / parts, blocks * (p + 1) / parts, partial[p]);
+  if (b1 < 0) b1 = blocks;
+  TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= blocks && b0 % kGroup == 0 && (b1 % kGroup == 0 || b1 == blocks),
+              "host_fold: the block range must lie in the partition and start and end on a group boundary");
+  TORCH_CHECK(acc.is_contiguous() && acc.scalar_type() == torch::kFloat64 && acc.numel() == 6,
+              "host_fold: acc must be 6 contiguous fp64 sums");
+  // Fixed groups of kGroup blocks, summed each from zero (in parallel), then in order.
+  const int64_t groups = (b1 - b0 + kGroup - 1) / kGroup;
+  std::vector<Sums> partial(groups);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t e = std::min(b1, b0 + (g + 1) * kGroup);
+      if (pre == nullptr) {
+        run(A, b0 + g * kGroup, e, partial[g]);
+        continue;
+      }
+      for (int64_t b = b0 + g * kGroup; b < e; ++b) {   // each block's own work first, then its fold
+        (*pre)(b);
+        run(A, b, b + 1, partial[g]);
+      }
+    }
   });
-  Sums t;
+  double* t = acc.data_ptr<double>();
   for (const auto& s : partial) {
-    t.dv += s.dv; t.vv += s.vv; t.dd += s.dd; t.ww += s.ww; t.m_abs += s.m_abs; t.v_sqrt += s.v_sqrt;
+    t[0] += s.dv; t[1] += s.vv; t[2] += s.dd; t[3] += s.ww; t[4] += s.m_abs; t[5] += s.v_sqrt;
   }
-  return {t.dv, t.vv, t.dd, t.ww, t.m_abs, t.v_sqrt};
+  return {t[0], t[1], t[2], t[3], t[4], t[5]};
+}
+
+std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
+                         torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
+                         int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
+                         double bc2, double eps, bool from_state, bool first, bool moments, int64_t b0,
+                         int64_t b1, torch::Tensor acc) {
+  return fold_core(w, m, v2, before, vdata, vscale, noise, vdtype, chunk, lr, wd, beta, bc1, bc2, eps, from_state,
+                   first, moments, b0, b1, acc, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,6 +511,96 @@ void held_adam(torch::Tensor x, torch::Tensor m, torch::Tensor v, double lr, dou
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// DeepSpeed's CPU Adam step with a kept run's commit before it and the fold after it, one pass
+// (memory.fold_in_step, ds_hybrid/step_fusion.py). Under ZeRO-Offload DeepSpeed's step is bound by
+// memory (28 bytes a value); the fold's arithmetic, as a pass of its own, reads the masters and
+// moments again. Here each block of 256 values takes the commit's additions, then Adam's update,
+// then the fold, while it is in L1: the fold adds its arithmetic and the velocity's bytes, not a
+// second read of the partition.
+//
+// Adam's update is DeepSpeed's Step_AVX, value by value (csrc/includes/cpu_adam.h, 0.19.8): the same
+// IEEE operations in the same order, its fused multiply-adds as std::fma (this file is built with
+// -ffp-contract=off, so nothing else is fused), so every value is what DeepSpeed's SIMD lanes
+// compute. The scalars (``adam``: beta1, beta2, 1 - beta1, 1 - beta2, the bias correction of the
+// second moment, eps, the step size, the decoupled decay, the L2 decay) are DeepSpeed's own for
+// the step, as step_fusion.AdamScalars mirrors them. The range covers whole groups only, a multiple
+// of every SIMD width: DeepSpeed's scalar tail, at a partition's end, stays with DeepSpeed.
+// The commit: ``cdata`` / ``cscale`` (dtype code ``cdtype``) with ``coefs`` in order, as shift().
+// ---------------------------------------------------------------------------------------------
+
+struct AdamScalars {
+  float b1, b2, omb1, omb2, bias2, eps, step_size, w_decay, l2;
+};
+
+// One block of DeepSpeed's Step_AVX, value by value (see above).
+template <bool L2, bool DECAY>
+void adam_block(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                const AdamScalars& S) {
+  const float b1 = S.b1, b2 = S.b2, omb1 = S.omb1, omb2 = S.omb2, bias2 = S.bias2, eps = S.eps,
+              step_size = S.step_size, w_decay = S.w_decay, l2 = S.l2;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    float grad = g[j];
+    float param = p[j];
+    if (L2) grad = std::fma(param, l2, grad);
+    float mom = m[j] * b1;
+    mom = std::fma(grad, omb1, mom);
+    float var = v[j] * b2;
+    const float g2 = grad * grad;
+    var = std::fma(g2, omb2, var);
+    float upd = std::sqrt(var);
+    upd = std::fma(upd, bias2, eps);
+    upd = mom / upd;
+    if (DECAY) param = std::fma(param, w_decay, param);
+    p[j] = std::fma(upd, step_size, param);
+    m[j] = mom;
+    v[j] = var;
+  }
+}
+
+std::vector<double> adam_fold(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v,
+                              std::vector<double> adam, torch::Tensor cdata, torch::Tensor cscale, int64_t cdtype,
+                              std::vector<double> coefs, torch::Tensor vdata, torch::Tensor vscale,
+                              std::vector<torch::Tensor> noise, int64_t vdtype, int64_t chunk, double lr, double wd,
+                              double beta, double bc1, double bc2, double eps, bool first, bool moments,
+                              int64_t b1, torch::Tensor acc) {
+  const int64_t n = p.numel();
+  for (const auto* t : {&p, &g, &m, &v}) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == torch::kFloat32 &&
+                t->numel() == n, "host_adam_fold: weights, gradient and moments must be contiguous fp32 in host "
+                "memory, of one length");
+  }
+  TORCH_CHECK(adam.size() == 9, "host_adam_fold: nine Adam scalars");
+  TORCH_CHECK(b1 % kGroup == 0 && b1 * kBlock <= n, "host_adam_fold: whole groups only");
+  TORCH_CHECK(coefs.empty() || (cdtype >= 0 && cdtype <= 2 && cdata.is_contiguous() && cdata.numel() >= b1 * kBlock &&
+                                (cdtype != 2 || cscale.numel() >= b1)),
+              "host_adam_fold: the commit's velocity does not cover the range");
+  const AdamScalars S{static_cast<float>(adam[0]), static_cast<float>(adam[1]), static_cast<float>(adam[2]),
+                      static_cast<float>(adam[3]), static_cast<float>(adam[4]), static_cast<float>(adam[5]),
+                      static_cast<float>(adam[6]), static_cast<float>(adam[7]), static_cast<float>(adam[8])};
+  const float w_decay = S.w_decay, l2 = S.l2;
+  float* P = p.data_ptr<float>();
+  const float* G = g.data_ptr<float>();
+  float* M = m.data_ptr<float>();
+  float* V = v.data_ptr<float>();
+  std::vector<float> cf(coefs.begin(), coefs.end());
+  const void* cp = coefs.empty() ? nullptr : cdata.data_ptr();
+  const float* cs = cdtype == 2 && !coefs.empty() ? cscale.data_ptr<float>() : nullptr;
+  const PreBlock pre = [&](int64_t b) {
+    const int64_t i0 = b * kBlock;
+    if (!cf.empty()) {
+      if (cdtype == 0) shift_blocks<float, 0>(P, cp, cs, cf, n, b, b + 1, nullptr);
+      else if (cdtype == 1) shift_blocks<float, 1>(P, cp, cs, cf, n, b, b + 1, nullptr);
+      else shift_blocks<float, 2>(P, cp, cs, cf, n, b, b + 1, nullptr);
+    }
+    if (l2 != 0.0f) adam_block<true, false>(P + i0, G + i0, M + i0, V + i0, S);
+    else if (w_decay != 0.0f) adam_block<false, true>(P + i0, G + i0, M + i0, V + i0, S);
+    else adam_block<false, false>(P + i0, G + i0, M + i0, V + i0, S);
+  };
+  return fold_core(p, m, v, torch::empty({0}, p.options()), vdata, vscale, noise, vdtype, chunk, lr, wd, beta, bc1,
+                   bc2, eps, true, first, moments, 0, b1, acc, &pre);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is released for the pass: with memory.fold_overlap it runs on a host thread while the
   // main thread launches the next step's forward and backward (the arguments are converted first).
@@ -485,6 +611,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>());
   // Released too: the gradient run's commit runs on a host thread (memory.commit_overlap).
   mod.def("catch_up", &catch_up, "master = (master - round16(master)) + w, one pass (see host_fold.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  // Released too, as DeepSpeed's own step releases it.
+  mod.def("adam_fold", &adam_fold, "DeepSpeed's CPU Adam step with the commit and the fold, one pass",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   // Released too: the main thread's gradient Predict step, but the GIL is not needed for it.
   mod.def("held_adam", &held_adam, "Adam's step with the second moment held, bf16 x rounded stochastically, one pass",

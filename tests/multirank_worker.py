@@ -55,6 +55,8 @@ parser.add_argument("--fold-overlap", action="store_true",
                     help="with --offload-predict: memory.fold_overlap true (the fold behind the next real step)")
 parser.add_argument("--fold-during-run", default="auto", choices=["auto", "true", "false"],
                     help="with --fold-overlap: memory.fold_during_run")
+parser.add_argument("--fold-in-step", default="auto", choices=["auto", "true", "false"],
+                    help="with --offload-predict: memory.fold_in_step (the fold and commit inside the CPU Adam step)")
 parser.add_argument("--direction", default="drift", choices=["drift", "gradient"],
                     help="with --offload-predict: predictor.direction")
 parser.add_argument("--gradient-batch-fraction", type=float, default=1.0,
@@ -87,7 +89,8 @@ if args.offload_predict:
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto",
-                         "fold_during_run": {"auto": "auto", "true": True, "false": False}[args.fold_during_run]}}
+                         "fold_during_run": {"auto": "auto", "true": True, "false": False}[args.fold_during_run],
+                         "fold_in_step": {"auto": "auto", "true": True, "false": False}[args.fold_in_step]}}
     offload = {"offload_opt": "cpu"}
 cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
 if args.stage == 3 and args.direction == "gradient":

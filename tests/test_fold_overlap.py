@@ -22,9 +22,10 @@ def _velocity(engine) -> torch.Tensor:
 
 def _cfg(stage: str, overlap, velocity: str = "int8", kernels: str = "auto", during=False, **changes) -> dict:
     """``during``: memory.fold_during_run (off here unless asked: these tests pin the fold behind
-    the next real step; tests/test_fold_during_run.py covers the fold during a run)."""
+    the next real step; tests/test_fold_during_run.py covers the fold during a run). The inline
+    fold is the pass after the step (memory.fold_in_step off: tests/test_step_fusion.py)."""
     mem = {"velocity_dtype": velocity, "host_kernels": kernels, "fold_overlap": overlap,
-           "fold_during_run": during}
+           "fold_during_run": during, "fold_in_step": False}
     return ds_config(offload_opt="cpu", hybrid=_hybrid("device", fold="auto", memory=mem, **changes), **STAGES[stage])
 
 

@@ -131,6 +131,32 @@ def test_fold_behind_the_next_step_keeps_the_ranks_together(during, tmp_path):
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
 
 
+def _made(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.slow
+def test_fold_in_step_keeps_the_ranks_together_and_equals_the_inline_fold(tmp_path):
+    """memory.fold_in_step, 2 ranks, ZeRO 2 under offload with the device path: each rank folds its
+    partition, and commits kept runs into it, inside its CPU Adam step; through the skipped NaN
+    steps (a taken commit added without a step) and rank 1's rejected run, both ranks take the
+    same steps, and the same as the inline fold and commit, bit for bit."""
+    runs = {}
+    for in_step in ("true", "false"):
+        runs[in_step] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults",
+                                                          "--offload-predict", "device", "--fold-source", "auto",
+                                                          "--fold-in-step", in_step], 2, _made(tmp_path / in_step))
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
+    records = {tuple(tuple(s[c] for c in cols) for s in rep["record"]) for ranks in runs.values() for rep in ranks}
+    assert len(records) == 1
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
+    st = runs["true"][0]["statistics"]
+    assert st["fold_in_step"] is True and runs["false"][0]["statistics"]["fold_in_step"] is False
+    assert st["bookkeeping_seconds"].get("fold_in_step", 0) > 0 and st["bookkeeping_seconds"].get("commit_in_step", 0) > 0
+    assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(stage, tmp_path):

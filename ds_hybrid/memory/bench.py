@@ -76,16 +76,25 @@ VARIANTS: dict[str, dict | None] = {
                                      "fold_source": "optimizer_state"}},
     # ... its runs checked by the next real step's forward instead of a verification forward per
     # Predict step (check: next_step): a Predict step is then the velocity's step into the shards alone.
+    # (with the fold during the run, memory.fold_during_run: the run takes the velocity from before
+    # the last real step's fold, which runs meanwhile)
     "drift-int8-device-next": {"predictor": {"direction": "drift"},
                                "memory": {"velocity_dtype": "int8", "offload_predict": "device",
-                                          "fold_source": "optimizer_state"},
+                                          "fold_source": "optimizer_state", "fold_overlap": True,
+                                          "fold_during_run": True},
                                "check": "next_step", "correction_steps": 0},
-    # ... with the real step before a run waiting for its own fold (memory.fold_during_run false:
-    # beside a GPU auto moves it behind the run, which takes the velocity from before that fold).
+    # ... with the real step before a run waiting for its own fold, which otherwise runs behind the
+    # next real step (beside a GPU, auto).
     "drift-int8-device-next-behind": {"predictor": {"direction": "drift"},
                                       "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                                  "fold_source": "optimizer_state", "fold_during_run": False},
                                       "check": "next_step", "correction_steps": 0},
+    # ... with the fold, and a kept run's commit, inside DeepSpeed's CPU Adam step, one pass
+    # (memory.fold_in_step): no host thread beside the next forward and backward.
+    "drift-int8-device-next-fused": {"predictor": {"direction": "drift"},
+                                     "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                                "fold_source": "optimizer_state", "fold_in_step": True},
+                                     "check": "next_step", "correction_steps": 0},
     # ... with its host passes inline instead of on host threads behind the next forward and
     # backward (beside a GPU, auto is the threads): a kept run's commit into the masters, and
     # each real step's fold into the velocity.
