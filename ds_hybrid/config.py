@@ -294,8 +294,10 @@ class MemoryConfig(_Section):
     ``true`` refuses, naming the key, setups whose every-step statistics are read at that step
     (``group_predict``, ``predictor.type: rssm``, ``dynamics.trajectory_path``), the ``snapshot``
     fold source, and NVMe optimizer offload (the fold would swap on its thread beside
-    DeepSpeed's swapper). ``auto``: on where it can be and the masters are in host memory
-    beside a GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores)."""
+    DeepSpeed's swapper). ``auto``: on where it can be, the masters are in host memory beside a
+    GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores) and
+    ``fold_in_step`` is off (its one pass inside the step is cheaper there: 1044 against 1172 ms
+    a real step with llama-1b on an H200)."""
 
     fold_during_run: bool | Literal["auto"] = "auto"
     """With ``fold_overlap`` and the device-side drift path (``offload_predict``): a Predict run
@@ -334,10 +336,11 @@ class MemoryConfig(_Section):
     without DeepSpeed's CPU Adam (or with NVMe optimizer offload), the drift velocity, the
     optimizer-state fold source or the C++ kernels, and with ``fold_overlap``,
     ``fold_during_run`` or ``commit_overlap`` set true. ``auto``: on where it can be and none of
-    those is set true, on DeepSpeed's CPU accelerator (there the one pass takes 2.59x DeepSpeed's
-    step alone where the step and the fold after it take 2.90x, 2^26 values, ``benchmarks/fold_in_step.py``);
-    beside a GPU off until a GPU has timed it against the fold behind the step (``gpu_run.sh``
-    ``grad1b``)."""
+    those is set true (then ``fold_overlap``'s ``auto`` is off). Measured: on DeepSpeed's CPU
+    accelerator the one pass takes 2.59x DeepSpeed's step alone where the step and the fold after
+    it take 2.90x (2^26 values, ``benchmarks/fold_in_step.py``); beside an H200 with llama-1b
+    (2026-11-27, ``gpu_run.sh grad1b``) the hybrid's real steps took 1044 ms against 1172 ms with
+    the fold behind the step (plain ZeRO-Offload 847 ms)."""
 
     free_velocity_copy: bool = False
     """With the device-side drift path (``offload_predict``) and the 16-bit shards on a GPU: free

@@ -238,29 +238,44 @@ def test_fold_in_step_refuses_what_it_cannot_do():
         "fold_overlap": True}))).statistics()["fold_in_step"] is False
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_gpu_the_fold_in_step_is_the_fold_behind_the_step_bit_for_bit():
-    """Beside a GPU (bf16 weights on it, masters in pinned host memory, the device-side drift path
-    checked by the next real step): with the fold and commit inside DeepSpeed's CPU Adam step the
-    weights, masters and velocity equal the fold behind the step's and the inline commit's after
-    every real step, once that fold is joined, and no host thread runs."""
-    mem = {"velocity_dtype": "int8", "fold_during_run": False, "commit_overlap": False}
-    cfgs = [ds_config(offload_opt="cpu", bf16=True, stage=2, hybrid=_hybrid("auto", fold="auto", memory={
-        **mem, "fold_in_step": s, "fold_overlap": not s})) for s in (False, True)]
-    behind, fused = (make_engine(c, seed=0) for c in cfgs)
-    assert fused.statistics()["fold_in_step"] is True and behind.statistics()["fold_overlap"] is True
-    bb, bf = Batches(seed=3, device=behind.device), Batches(seed=3, device=fused.device)
+def _fused_against_inline(copy_velocity: bool) -> None:
+    """bf16 weights, ZeRO 2, the device-side drift path checked by the next real step, its memory
+    settings left to auto: the fold and commit run inside DeepSpeed's CPU Adam step, no host
+    thread runs, and the losses, weights, masters and velocity are those of the inline fold and
+    commit after every real step. (Against the inline fold, not the fold behind the step: that
+    one gives the predictor its statistics a real step later, so its runs take other step sizes.)
+    ``copy_velocity``: a velocity copy beside the shards where they share its device, as beside a GPU."""
+    apart = {"fold_in_step": False, "fold_during_run": False, "commit_overlap": False, "fold_overlap": False}
+    inline, fused = (make_engine(ds_config(offload_opt="cpu", bf16=True, stage=2, hybrid=_hybrid(
+        "device", fold="auto", memory={"velocity_dtype": "int8", **m})), seed=0) for m in (apart, {}))
+    st = fused.statistics()
+    assert st["fold_in_step"] is True and st["fold_overlap"] is False and st["commit_overlap"] is False
+    assert inline.statistics()["fold_in_step"] is False
+    for e in (inline, fused):
+        e._device_predict.copy_always = copy_velocity
+    bi, bf = Batches(seed=3, device=inline.device), Batches(seed=3, device=fused.device)
     for _ in range(14):
-        rb, rf = behind.train_step(bb.step()), fused.train_step(bf.step())
-        assert (rb.phase, rb.loss) == (rf.phase, rf.loss)
+        ri, rf = inline.train_step(bi.step()), fused.train_step(bf.step())
+        assert (ri.phase, ri.loss) == (rf.phase, rf.loss)
         if rf.phase != "predict":
-            behind._wait_fold()
-            _same(behind, fused)
-            assert torch.equal(_velocity(behind), _velocity(fused))
+            _same(inline, fused)
+            assert torch.equal(_velocity(inline), _velocity(fused))
     st = fused.statistics()
     assert st["predict_accepted"] >= 4 and st["fold_background_seconds"] == 0
+    assert st["device_velocity_bytes"] > 0   # the runs moved along a copy of the velocity
     assert fused._fusion.passes["one_pass"] > 0
+
+
+def test_fold_in_step_with_the_velocity_copied_is_the_inline_fold_bit_for_bit():
+    """The GPU test's sequence on DeepSpeed's CPU accelerator, the velocity copied for each run."""
+    _fused_against_inline(copy_velocity=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_the_fold_in_step_is_the_inline_fold_bit_for_bit():
+    """Beside a GPU (bf16 weights on it, masters in pinned host memory)."""
+    _fused_against_inline(copy_velocity=False)
 
 
 def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):

@@ -84,24 +84,25 @@ VARIANTS: dict[str, dict | None] = {
                                           "fold_during_run": True},
                                "check": "next_step", "correction_steps": 0},
     # ... with the real step before a run waiting for its own fold, which otherwise runs behind the
-    # next real step (beside a GPU, auto).
+    # next real step (memory.fold_overlap; auto takes fold_in_step below instead).
     "drift-int8-device-next-behind": {"predictor": {"direction": "drift"},
                                       "memory": {"velocity_dtype": "int8", "offload_predict": "device",
-                                                 "fold_source": "optimizer_state", "fold_during_run": False},
+                                                 "fold_source": "optimizer_state", "fold_during_run": False,
+                                                 "fold_in_step": False, "fold_overlap": True},
                                       "check": "next_step", "correction_steps": 0},
     # ... with the fold, and a kept run's commit, inside DeepSpeed's CPU Adam step, one pass
-    # (memory.fold_in_step): no host thread beside the next forward and backward.
+    # (memory.fold_in_step, what auto takes): no host thread beside the next forward and backward.
     "drift-int8-device-next-fused": {"predictor": {"direction": "drift"},
                                      "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                                 "fold_source": "optimizer_state", "fold_in_step": True},
                                      "check": "next_step", "correction_steps": 0},
     # ... with its host passes inline instead of on host threads behind the next forward and
-    # backward (beside a GPU, auto is the threads): a kept run's commit into the masters, and
-    # each real step's fold into the velocity.
+    # backward, and apart from DeepSpeed's step (auto is the step's one pass): a kept run's commit
+    # into the masters, and each real step's fold into the velocity.
     "drift-int8-device-inline": {"predictor": {"direction": "drift"},
                                  "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                             "fold_source": "optimizer_state", "commit_overlap": False,
-                                            "fold_overlap": False}},
+                                            "fold_overlap": False, "fold_in_step": False}},
     # ... with the torch ops instead of kernels/host_fold.cpp for its passes over host memory: the
     # fold, the update of a 16-bit partition kept in host memory (ZeRO 3 offload_param: cpu), the commit.
     "drift-int8-device-torch": {"predictor": {"direction": "drift"},
