@@ -32,7 +32,7 @@
 #                                                            -> OUT/memory-gpu-1b.json
 #   off1b    the same, the hybrid's host path (masters moved every Predict step, snapshots) against
 #            the device path (memory.offload_predict: device, fold_source: optimizer_state), its commit
-#            on a host thread behind the backward (commit_overlap, the default) and inline: step time
+#            and fold as auto places them (inside DeepSpeed's CPU Adam step since 2026-11-27) and inline: step time
 #            per phase, the bookkeeping timers and DeepSpeed's forward / backward / step timers per phase
 #            (--wall-clock: what a Predict step that takes its gradient on the GPU would cost)
 #                                                            -> OUT/offload-gpu-1b.json
@@ -41,9 +41,9 @@
 #            bf16 beside the GPU's 16-bit weights, copied there behind the run's first forward and backward, the
 #            masters caught up once per kept run), and the drift step's device path checked by the next real step
 #            (no forward of its own): -behind, each real step's fold on a host thread behind the next one's
-#            forward and backward (beside a GPU the default; the real step before a run waits for its own),
-#            against -fused, the fold and a kept run's commit inside DeepSpeed's CPU Adam step, one pass
-#            (memory.fold_in_step, whose auto waits for this measurement): step time
+#            forward and backward (the real step before a run waits for its own), against -fused, the fold
+#            and a kept run's commit inside DeepSpeed's CPU Adam step, one pass (memory.fold_in_step, auto
+#            since this stage measured it the cheaper real step on 2026-11-27): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
 #            2026-11-26; drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
