@@ -10,12 +10,16 @@ chunk's Adam update, while its values are in cache, or in one pass with DeepSpee
 values, best of ``--repeat`` with the arms interleaved: DeepSpeed's CPU Adam step alone, the step
 with the fold (and the commit of a 3-step run) as passes after (before) it, and the same inside
 the step in one pass and at each ``--chunks`` size through DeepSpeed's op, each over the step
-alone.
+alone. The velocity is int8 (the 1b-16gb and 7b presets'); each other dtype of ``--velocity``
+adds its fold after the step and inside it, in one pass. ``--no-moments``: the fold without the
+moment sums only the RSSM predictor reads (the default ``adam_direction`` predictor's fold).
 
 (What the GPU adds, the backward's host work beside a pass on a thread, needs a GPU: stage
 ``grad1b``, ``drift-int8-device-next-behind`` against ``drift-int8-device-fused``.)
 
     python benchmarks/fold_in_step.py --values 67108864 --repeat 5 --json docs/results/fold-in-step.json
+    python benchmarks/fold_in_step.py --values 67108864 --repeat 5 --chunks 20 --velocity int8 bf16 fp32 \
+        --no-moments --json docs/results/fold-in-step-velocity.json
 """
 from __future__ import annotations
 
@@ -35,8 +39,8 @@ from ds_hybrid.quant import CompactBuffer  # noqa: E402
 COEFS = [-1e-4, -1e-4, -1e-4]   # a kept run of three drift steps
 
 
-def _arms(n: int, chunks: list[int]):
-    """(name, setup for one timed call) for every arm, over one shared optimizer and velocity."""
+def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moments: bool = True):
+    """(name, setup for one timed call) for every arm, over one shared optimizer and a velocity per dtype."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n, generator=g) * 0.02)
@@ -44,37 +48,40 @@ def _arms(n: int, chunks: list[int]):
     fused = step_fusion.install(opt)
     p.grad = torch.randn(n, generator=g) * 1e-3
     opt.step()   # the moments exist
-    vel = CompactBuffer(n, "int8", "cpu")
-    vel.store(torch.randn(n, generator=g) * 1e-3, generator=g)
+    vels = {}
+    for d in dtypes:
+        vels[d] = CompactBuffer(n, d, "cpu")
+        vels[d].store(torch.randn(n, generator=g) * 1e-3, generator=g)
+    vel = vels[dtypes[0]]
     group = opt.param_groups[0]
 
     def hyper() -> dict:
         return dict(step=opt.state[p]["step"], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                     eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"])
 
-    def fold_job() -> step_fusion.FoldJob:
-        return step_fusion.FoldJob(lambda: vel, n, "int8", torch.Generator().manual_seed(1), 0.9, False, False, True)
+    def fold_job(d: str) -> step_fusion.FoldJob:
+        return step_fusion.FoldJob(lambda: vels[d], n, d, torch.Generator().manual_seed(1), 0.9, False, moments, True)
 
-    def job(commit: bool) -> step_fusion.PartitionJob:
+    def job(commit: bool, d: str) -> step_fusion.PartitionJob:
         j = step_fusion.PartitionJob(0, 0, p.data)
-        j.fold = fold_job()
+        j.fold = fold_job(d)
         j.commit = (vel, COEFS) if commit else None
         return j
 
-    def inline(commit: bool):
+    def inline(commit: bool, d: str = dtypes[0]):
         def run():
             if commit:
                 host_kernels.shift(p.data, vel, COEFS)
             opt.step()
             st = opt.state[p]
-            fold_job().run(p.data, st["exp_avg"], st["exp_avg_sq"], 0, n, hyper())
+            fold_job(d).run(p.data, st["exp_avg"], st["exp_avg_sq"], 0, n, hyper())
         return run
 
-    def in_step(commit: bool, chunk: int | None):
+    def in_step(commit: bool, chunk: int | None, d: str = dtypes[0]):
         def run():
             fused.one_pass = chunk is None
             fused.chunk = chunk or step_fusion.CHUNK
-            fused.arm([job(commit)])
+            fused.arm([job(commit, d)])
             opt.step()
             assert not fused.disarm()
         return run
@@ -86,11 +93,15 @@ def _arms(n: int, chunks: list[int]):
     for c in chunks:
         arms += [(f"+ fold inside the step, chunks of 2^{c.bit_length() - 1}", in_step(False, c)),
                  (f"+ commit and fold inside the step, chunks of 2^{c.bit_length() - 1}", in_step(True, c))]
+    for d in dtypes[1:]:
+        arms += [(f"+ fold, a pass after the step, {d} velocity", inline(False, d)),
+                 (f"+ fold inside the step, one pass, {d} velocity", in_step(False, None, d))]
     return arms
 
 
-def measure(n: int, repeat: int, chunks: list[int]) -> dict[str, float]:
-    arms = _arms(n, chunks)
+def measure(n: int, repeat: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",),
+            moments: bool = True) -> dict[str, float]:
+    arms = _arms(n, chunks, dtypes, moments)
     for _, fn in arms:
         fn()   # warm: pages touched, kernels built
     best = {name: float("inf") for name, _ in arms}
@@ -107,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--values", type=int, default=1 << 26, help="values in the partition (default 2^26)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--chunks", default="18,20,22", help="log2 of the chunk sizes tried (default 18,20,22)")
+    ap.add_argument("--velocity", nargs="+", default=["int8"], choices=["int8", "bf16", "fp32"],
+                    help="velocity dtypes: the first for every arm, each other for its fold after and inside the step")
+    ap.add_argument("--no-moments", dest="moments", action="store_false",
+                    help="the fold without the moment sums (what the default adam_direction predictor folds)")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     try:
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.values < 1 or args.repeat < 1 or any(c % host_kernels.FOLD_GROUP for c in chunks):
         raise SystemExit(f"--values, --repeat: at least 1; --chunks: at least {host_kernels.FOLD_GROUP.bit_length() - 1}")
     host_kernels.load()
-    best = measure(args.values, args.repeat, chunks)
+    best = measure(args.values, args.repeat, chunks, tuple(dict.fromkeys(args.velocity)), args.moments)
     adam = best["DeepSpeed CPU Adam step"]
     rows = [{"arm": k, "ms": v * 1e3, "over_cpu_adam": v / adam} for k, v in best.items()]
     table = "\n".join(["| arm | ms | over the step alone |", "|---|---|---|"] +

@@ -46,13 +46,23 @@
 #            since this stage measured it the cheaper real step on 2026-11-27): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
-#            2026-11-26; drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
+#            2026-11-26; drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with
+#            a velocity that needs no int8 rounding;
+#            drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
 #            step: 2026-11-26 17:50), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
 #            forwards and backwards beside its CPU Adam step)
 #                                                            -> OUT/offload-gpu-1b-grad.json
+#   prof1b   the same layout, 16 steps, plain against the drift device path's fused real step (PROF1B_VARIANTS picks
+#            others) with torch.profiler over steps 9-16 (ds-hybrid train --op-profile): per phase, each operator's
+#            calls and self CPU / CUDA time a step, and per run the operators whose time differs most from plain's
+#            Full steps (what a hybrid real step runs that plain's does not: the 86 ms of forward and backward the
+#            timers do not explain); the profiled steps' times include the profiler's cost
+#                                                            -> OUT/prof-1b.json, OUT/prof-1b.md
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
 #            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
-#            the gradient is laid on this rank's share a parameter at a time and, with offload_param, the
+#            the gradient is laid on this rank's share a parameter at a time (with offload_param, each share
+#            queued into host memory and added on a host thread behind the backward since 2026-11-27 10:30:
+#            gradient_share_wait_ms in the JSON) and, with offload_param, the
 #            run's state and the moved 16-bit partition are in host memory (GRADZ3_VARIANTS picks fewer,
 #            GRADZ3_STEPS fewer steps: on 2026-11-26 its gradient run did not finish 24 in 4 minutes)
 #                                                            -> OUT/offload-gpu-1b-grad-z3.json
@@ -189,6 +199,14 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
         --json "$OUT/offload-gpu-1b-grad.json"
       rc=$?
       stage_rc grad1b $rc "$t0" ;;
+    prof1b)
+      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 16 \
+        --gpu-mem-cap 16GB --variants ${PROF1B_VARIANTS:-full drift-int8-device-next-fused} --grad-accum 1 \
+        --op-profile 9:16 --run-timeout "${RUN_SECONDS:-150}" --out /tmp/prof1b --json "$OUT/prof-1b.json"
+      rc=$?
+      $PY -m ds_hybrid.step_profile "$OUT/prof-1b.json" --against full --top 25 > "$OUT/prof-1b.md" 2>&1
+      tail -40 "$OUT/prof-1b.md"
+      stage_rc prof1b $rc "$t0" ;;
     gradz3)
       $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps "${GRADZ3_STEPS:-24}" \
         --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
@@ -242,7 +260,7 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b gradz3 offbench train7b stale124 grad124)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b prof1b gradz3 offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

@@ -443,6 +443,9 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["gradient_nonfinite_steps"] = self._gradient.nonfinite
                 # runs whose moments were copied behind the step before them (prefetch), and such copies dropped as stale
                 out["gradient_prefetched_runs"], out["gradient_prefetch_stale"] = self._gradient.prefetched
+                # ZeRO 3 shares queued into host memory: seconds the backward waited for a free buffer, and
+                # for the last adds after it (inside bookkeeping_seconds.gradient)
+                out["gradient_share_wait_seconds"] = dict(self._gradient.share_wait_seconds)
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type

@@ -45,7 +45,7 @@ import torch
 from . import host_kernels, kernels
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
-from .staging import Stager
+from .staging import QueuedDownloads, Stager
 from .zero_access import MasterAccess, _flat
 
 Timer = Callable[[str], ContextManager]
@@ -156,9 +156,10 @@ class GradientPredict(WorkerOwner):
         # The moments' copies between host memory and a GPU: cast on the host, through pinned chunks
         self._stager = Stager()
         # ZeRO 3 with offload_param: cpu: each parameter's gradient share from a GPU into the sums
-        # in host memory, on autograd's thread (its own buffers: a prefetch may use the other's then)
-        self._share_stager = Stager()
-        self.stage_shares = False   # tests: that staged copy also where the share and the sums share a device
+        # in host memory, queued from autograd's thread and added on a host thread of its own (its own
+        # buffers: a prefetch may use the stager's then)
+        self._shares = QueuedDownloads()
+        self.stage_shares = False   # tests: that queued copy also where the share and the sums share a device
         # memory.host_kernels resolved (the engine sets it where the masters are in host memory):
         # the commit's catch-up in one C++ pass (host_kernels.catch_up), bit for bit the torch ops
         self.host_kernel = False
@@ -170,6 +171,12 @@ class GradientPredict(WorkerOwner):
         self._next: tuple | None = None
         self.prefetched = [0, 0]   # runs that began from a prefetch's copies; prefetches dropped as stale
         self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
+
+    @property
+    def share_wait_seconds(self) -> dict[str, float]:
+        """ZeRO 3's queued shares (``_partition_gradient``): the seconds autograd's thread waited
+        for a free buffer (``slot``) and for the last adds after the backward (``drain``)."""
+        return self._shares.wait_seconds
 
     @property
     def pending(self) -> bool:
@@ -304,8 +311,8 @@ class GradientPredict(WorkerOwner):
                     share = flat[ps:ps + n]
                     if share.device == sums[i].device and not self.stage_shares:
                         sums[i][ms:ms + n].add_(share)
-                    else:   # (a GPU's share into host memory: pinned chunks, not a pageable copy per parameter)
-                        self._share_stager.download(None, share, take=_add_into(sums[i], ms))
+                    else:   # (a GPU's share into host memory: pinned chunks, added behind the backward)
+                        self._shares.put(share, _add_into(sums[i], ms))
                 return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
             return take_share
 
@@ -321,6 +328,7 @@ class GradientPredict(WorkerOwner):
         finally:
             for h in handles:
                 h.remove()
+            self._shares.drain()   # the queued shares added (also after an error: nothing writes the sums later)
         share = len(batches) * self._world
         loss_sum = torch.cat(losses).sum().reshape(1)
         self._all_reduce(loss_sum)

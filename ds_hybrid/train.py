@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-warmup", type=int, default=0, metavar="N",
                    help="book the first N steps as 'warmup' in the memory profile and its step times (a plain run "
                         "compared with a hybrid one leaves out the same first steps: first use, state allocation)")
+    p.add_argument("--op-profile", default=None, metavar="FIRST:LAST",
+                   help="torch.profiler over steps FIRST to LAST, each operator's calls and self CPU / device time "
+                        "summed per phase, into op_profile.json (ds_hybrid/step_profile.py; those steps are slower)")
     p.add_argument("--gpu-mem-cap", default=None, metavar="SIZE",
                    help="cap this process's CUDA allocator at SIZE (16GB, 16GiB, ...) with "
                         "torch.cuda.set_per_process_memory_fraction: train as if the GPU were that small; "
@@ -406,6 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be at least 1 (got {getattr(args, flag)})")
     if args.profile_warmup < 0:
         raise SystemExit(f"--profile-warmup: must be 0 or more (got {args.profile_warmup})")
+    from .step_profile import StepProfiler, parse_range
+    op_range = parse_range(args.op_profile, args.steps) if args.op_profile else None
 
     # Everything that can be wrong with the input fails here, before a model is built.
     check_checkpoint_flags(args)
@@ -549,12 +554,17 @@ def main(argv: list[str] | None = None) -> dict:
         elif is_main:
             print(f"saved checkpoint {checkpoint}", flush=True)
 
+    ops = StepProfiler(*op_range, engine.device) if op_range else None
     if profiler is not None:
         profiler.begin()  # set-up peak: model, deepspeed.initialize, step-0 validation
     with StopSignals() as stop:
         for step in range(start + 1, args.steps + 1):
             batches = [to_device(next(stream)) for _ in range(gas)]
+            if ops is not None and ops.wants(step):
+                ops.start()
             result = engine.train_step(batches)
+            if ops is not None and ops.wants(step):
+                ops.stop(result.phase)
             done = step
             train_seconds += result.step_time_s
             records.append(result.as_dict())
@@ -622,6 +632,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu_peak_allocated_mb": ((profiler.process_peak_gpu_allocated_mb if profiler else None)
                                   or ((torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None)),
         "memory": profiler.summary() if profiler else None,
+        "op_profile": ops.summary() if ops is not None else None,   # (also op_profile.json)
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -633,6 +644,8 @@ def main(argv: list[str] | None = None) -> dict:
     if is_main:
         (out / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if ops is not None:
+            (out / "op_profile.json").write_text(json.dumps(summary["op_profile"], indent=2))
         if not args.no_plot:
             plot_loss_with_phases([{"step": r["step"], "phase": r["phase"], "loss": r["loss"],
                                     "rolled_back": r["rolled_back_steps"] > 0} for r in records],

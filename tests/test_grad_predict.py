@@ -648,18 +648,24 @@ def test_zero_3_with_state_on_nvme_is_refused_naming_the_key(offload, tmp_path):
         make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), **offload, **aio))
 
 
-def test_zero3_shares_from_a_gpu_go_through_pinned_chunks_bit_for_bit():
+def test_zero3_shares_from_a_gpu_are_queued_and_added_on_a_host_thread_bit_for_bit():
     """ZeRO 3 with offload_param: cpu beside a GPU: each parameter's gradient share reaches the
-    sums in host memory through the share stager's chunks (not a pageable copy per parameter, on
-    autograd's thread). Made to stage on the CPU too, in chunks of 100 values so that shares span
-    several: the same weights, masters and first moments as the direct add, at every step."""
-    from ds_hybrid.staging import Stager
+    sums in host memory through queued chunks (not a copy per parameter waited for on autograd's
+    thread), added in order on a host thread of their own. Made to queue on the CPU too, in chunks
+    of 100 values so that shares span several and 2 buffers so that the hooks wait for free ones:
+    the same weights, masters and first moments as the direct add, at every step."""
+    import threading
+    from ds_hybrid.staging import QueuedDownloads
     direct, staged = (_engine(SETUPS["z3-offload"]) for _ in range(2))
     staged._gradient.stage_shares = True
-    staged._gradient._share_stager = Stager(chunk=100)
-    calls = []
-    download = staged._gradient._share_stager.download
-    staged._gradient._share_stager.download = lambda *a, **k: (calls.append(a[1].numel()), download(*a, **k))[1]
+    staged._gradient._shares = queue = QueuedDownloads(chunk=100, slots=2)
+    calls, threads = [], set()
+    put = queue.put
+
+    def counting_put(src, take):
+        calls.append(src.numel())
+        put(src, lambda *a: (threads.add(threading.get_ident()), take(*a)))
+    queue.put = counting_put
     bd, bs = Batches(seed=3), Batches(seed=3)
     phases = []
     for _ in range(12):
@@ -670,4 +676,7 @@ def test_zero3_shares_from_a_gpu_go_through_pinned_chunks_bit_for_bit():
         assert _equal(master_copies(direct), master_copies(staged))
         assert _equal(_moments(direct, "exp_avg"), _moments(staged, "exp_avg"))
     assert phases.count(Phase.PREDICT.value) >= 3
-    assert calls and max(calls) > 100
+    assert calls and max(calls) > 100 and queue.chunks > len(calls)
+    assert threads and threading.get_ident() not in threads   # added off the thread that ran the backward
+    waits = staged.statistics()["gradient_share_wait_seconds"]
+    assert set(waits) == {"slot", "drain"} and waits["slot"] > 0

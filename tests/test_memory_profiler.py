@@ -329,9 +329,17 @@ def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_p
     assert "| (forward + backward's own) / whole |" in table
     line = next(x for x in table.splitlines() if x.startswith("| gpt2-test | full | full | 8 |") and "(" in x)
     assert 0 < float(line.rstrip(" |").rsplit("|", 1)[1]) < 1.5
-    plain = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4",
+    plain = mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4", "--op-profile", "3:4",
                          "--out", str(tmp_path / "plain"), "--json", str(tmp_path / "p.json")])
     assert plain["runs"][0]["wall_clock_ms"] is None and "backward's own" not in plain["table_markdown"]
+    # --op-profile: the runs' operators over those steps in their records (gpu_run.sh prof1b); none without it
+    assert "op_profile" not in runs["full"]
+    prof = plain["runs"][0]
+    assert prof["op_profile_steps"] == [3, 4] and prof["op_profile"]["per_phase"]["full"]["steps"] == 2
+    with pytest.raises(SystemExit, match="--op-profile: steps 3 to 5 must lie within 1..4"):
+        mbench.main(["--models", "gpt2-test", "--variants", "full", "--steps", "4", "--op-profile", "3:5",
+                     "--out", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("preset", ["tiny-cpu", "1b-16gb", "7b-24gb", "7b-24gb-z2"])

@@ -1,11 +1,12 @@
-"""ds_hybrid.staging: the chunked, host-cast copies of the gradient Predict step's device path.
+"""ds_hybrid.staging: the chunked, host-cast copies of the gradient Predict step's device path, and
+the queued downloads of its ZeRO 3 gradient shares.
 
 On this CPU both ends are host memory, so the loop runs with plain buffers and no stream; the
 GPU test (marked) runs the pinned buffers and the side stream."""
 import pytest
 import torch
 
-from ds_hybrid.staging import Stager
+from ds_hybrid.staging import QueuedDownloads, Stager
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000])
@@ -36,6 +37,45 @@ def test_the_stager_refuses_tensors_of_other_sizes():
         Stager(chunk=8).download(torch.zeros(5), torch.zeros(4))
 
 
+def test_queued_downloads_take_every_chunk_once_in_order_off_the_calling_thread():
+    """Three tensors (one short of a chunk, one of several, one empty) queued through 2 buffers of
+    8 values: every chunk handed to its take once, in the order queued, on the queue's thread; the
+    sums added into one target in that order are the direct adds' bit for bit."""
+    import threading
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (5, 29, 0)]
+    q = QueuedDownloads(chunk=8, slots=2)
+    seen, total, expect = [], torch.zeros(29), torch.zeros(29)
+
+    def take_for(k):
+        def take(staged, a, b):
+            seen.append((k, a, b, threading.get_ident()))
+            total[a:b].add_(staged)
+        return take
+    for k, src in enumerate(srcs):
+        q.put(src, take_for(k))
+        expect[:src.numel()].add_(src)
+    q.drain()
+    assert [(k, a, b) for k, a, b, _ in seen] == [(0, 0, 5)] + [(1, a, min(a + 8, 29)) for a in range(0, 29, 8)]
+    assert threading.get_ident() not in {t for *_, t in seen}
+    assert torch.equal(total, expect) and q.chunks == 5
+    assert all(not b.is_pinned() for b in q._bufs[(torch.bfloat16, False)])   # (no GPU end: plain buffers)
+
+
+def test_queued_downloads_re_raise_a_take_error_at_drain_and_free_its_buffer():
+    q = QueuedDownloads(chunk=4, slots=1)
+
+    def bad(staged, a, b):
+        raise ValueError("boom")
+    q.put(torch.zeros(3), bad)
+    with pytest.raises(ValueError, match="boom"):
+        q.drain()
+    got = []
+    q.put(torch.ones(3), lambda staged, a, b: got.append(staged.clone()))   # the one buffer is free again
+    q.drain()
+    assert torch.equal(got[0], torch.ones(3))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_copies_go_through_pinned_buffers_on_a_side_stream_and_match_the_direct_copy():
@@ -55,3 +95,23 @@ def test_on_a_gpu_the_copies_go_through_pinned_buffers_on_a_side_stream_and_matc
         stager.upload(gpu, host * 3)
         stager.join()
         assert torch.equal(gpu, (host * 3).to("cuda").to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_queued_downloads_wait_for_the_producer_and_keep_the_source_alive():
+    """Chunks from tensors made by kernels still queued on the current stream, dropped by the
+    caller at once (the queue keeps them until their copies end), through pinned buffers: the
+    values added on the host thread are the direct copies'."""
+    n = (1 << 20) + 3
+    q = QueuedDownloads(chunk=1 << 16, slots=3)
+    base = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    total, expect = torch.zeros(n), torch.zeros(n)
+    for k in range(4):
+        src = (base * (k + 1)).to(torch.bfloat16)   # queued; the put must wait for it
+        expect.add_(src.cpu())
+        q.put(src, lambda staged, a, b: total[a:b].add_(staged))
+        del src
+    q.drain()
+    assert torch.equal(total, expect)
+    assert all(b.is_pinned() for b in q._bufs[(torch.bfloat16, True)])

@@ -294,3 +294,9 @@ def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):
     assert all(r["ms"] > 0 for r in result["rows"]) and result["rows"][0]["over_cpu_adam"] == 1.0
     with pytest.raises(SystemExit, match="--chunks"):
         bench.main(["--values", "70000", "--chunks", "10"])
+    # other velocity dtypes: their fold after the step and inside it, in one pass (without the moment sums)
+    result = bench.main(["--values", "70000", "--repeat", "1", "--chunks", "14", "--velocity", "int8", "bf16",
+                         "--no-moments"])
+    arms = [r["arm"] for r in result["rows"]]
+    assert len(arms) == 9 and arms[-2:] == ["+ fold, a pass after the step, bf16 velocity",
+                                             "+ fold inside the step, one pass, bf16 velocity"]

@@ -96,6 +96,14 @@ VARIANTS: dict[str, dict | None] = {
                                      "memory": {"velocity_dtype": "int8", "offload_predict": "device",
                                                 "fold_source": "optimizer_state", "fold_in_step": True},
                                      "check": "next_step", "correction_steps": 0},
+    # ... with the velocity in bf16 or fp32: no int8 quantisation (nor its noise) in the fold inside the step,
+    # which on DeepSpeed's CPU accelerator made that pass 2.58x DeepSpeed's step alone against 1.54x (bf16)
+    # and 1.37x (fp32) (benchmarks/fold_in_step.py --velocity, docs/results/fold-in-step-velocity.json);
+    # 2 or 4 bytes a parameter beside the GPU's weights, not 1.
+    **{f"drift-{d}-device-next-fused": {"predictor": {"direction": "drift"},
+                                        "memory": {"velocity_dtype": d, "offload_predict": "device",
+                                                   "fold_source": "optimizer_state", "fold_in_step": True},
+                                        "check": "next_step", "correction_steps": 0} for d in ("bf16", "fp32")},
     # ... with its host passes inline instead of on host threads behind the next forward and
     # backward, and apart from DeepSpeed's step (auto is the step's one pass): a kept run's commit
     # into the masters, and each real step's fold into the velocity.
@@ -160,9 +168,10 @@ def run_config(micro_batch: int, steps: int, variant: dict | None = None, preset
 
 def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset: str = "tiny-cpu",
             grad_accum: int = 1, gpu_mem_cap: str | None = None, precision: str = "preset",
-            wall_clock: bool = False, timeout_s: float | None = None) -> dict:
+            wall_clock: bool = False, timeout_s: float | None = None, op_profile: str | None = None) -> dict:
     """One training subprocess for variant ``kind``; returns its summary.json. ``timeout_s``: the
-    run is killed after that long and counts as failed (the next variants still run)."""
+    run is killed after that long and counts as failed (the next variants still run).
+    ``op_profile``: ``ds-hybrid train --op-profile`` for the run."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
     cfg = run_config(model.micro_batch, model.steps, VARIANTS[kind], preset, grad_accum, precision, wall_clock)
@@ -172,6 +181,8 @@ def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset:
            "--val-batches", "1", "--out", str(out), "--no-progress"]
     if gpu_mem_cap:
         cmd += ["--gpu-mem-cap", gpu_mem_cap]
+    if op_profile:
+        cmd += ["--op-profile", op_profile]
     if VARIANTS[kind] is None:
         # (its first steps booked as the hybrid runs' Warmup is, so that no Full mean has the slow first ones)
         cmd += ["--baseline", "--profile-warmup", str(cfg["hybrid_predict"]["warmup_steps"])]
@@ -341,6 +352,10 @@ def predictor_figures(summary: dict) -> dict:
             # gradient runs whose moments were copied behind the step before them, and copies dropped as stale
             "gradient_prefetch": [st["gradient_prefetched_runs"], st["gradient_prefetch_stale"]]
             if "gradient_prefetched_runs" in st else None,
+            # ZeRO 3's gradient shares queued into host memory: ms per Predict step waited for a buffer / the last adds
+            "gradient_share_wait_ms": {k: 1e3 * v / max(st["steps_per_phase"].get("predict", 0), 1)
+                                       for k, v in st["gradient_share_wait_seconds"].items()}
+            if "gradient_share_wait_seconds" in st else None,
             "profiler_ms_per_record": {k: 1e3 * v / records for k, v in parts.items()},
             # the hybrid's work on the masters, ms per step of the phase it runs in
             "bookkeeping_ms": _bookkeeping_ms(st)}
@@ -390,6 +405,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--wall-clock", action="store_true",
                    help="time DeepSpeed's forward, backward and optimizer step per phase (wall_clock_breakdown; "
                         "its timers synchronise the device, in every run alike)")
+    p.add_argument("--op-profile", default=None, metavar="FIRST:LAST",
+                   help="each run's operators over steps FIRST to LAST (ds-hybrid train --op-profile), into its "
+                        "record; the step times then include the profiler's cost; tabulate with "
+                        "python -m ds_hybrid.step_profile JSON --against full")
     p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a run still going after this long and go on with the next (it is listed as failed)")
     p.add_argument("--live", action="store_true", help="show the runs' output")
@@ -417,12 +436,16 @@ def main(argv: list[str] | None = None) -> dict:
         spec = DEFAULT_MODELS.get(name, BenchModel(name, steps=20, micro_batch=4))
         spec = BenchModel(spec.name, args.steps or spec.steps, args.micro_batch or spec.micro_batch,
                           args.seq_len or spec.seq_len)
+        if args.op_profile:   # (refused before any run starts)
+            from ..step_profile import parse_range
+            parse_range(args.op_profile, spec.steps)
         for kind in args.variants:
             print(f"memory-bench: {name} {kind} ({spec.steps} steps, micro batch {spec.micro_batch} x "
                   f"{spec.seq_len})", flush=True)
             try:
                 summary = run_one(spec, kind, out / f"{name}-{kind}", args.live, args.preset, args.grad_accum,
-                                  args.gpu_mem_cap, args.precision, args.wall_clock, args.run_timeout)
+                                  args.gpu_mem_cap, args.precision, args.wall_clock, args.run_timeout,
+                                  args.op_profile)
             except RuntimeError as e:
                 # One run's failure (an out-of-memory under a cap, say) must not cost the others' figures:
                 # it is recorded with its log's tail and the next variant runs.
@@ -459,7 +482,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "wall_clock_ms": summary["statistics"].get("wall_clock_breakdown"),
                          **predictor_figures(summary),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
-                         "accelerator": summary["host"]["accelerator"], **gpu})
+                         "accelerator": summary["host"]["accelerator"], **gpu,
+                         # (--op-profile: those steps ran under torch.profiler, their step times with its cost)
+                         **({"op_profile_steps": summary["op_profile"]["steps"], "op_profile": summary["op_profile"]}
+                            if summary.get("op_profile") else {})})
             _write_result(jp, argv, args, start, rows, runs, failed, complete=False)   # kept if a later run is cut off
     result = _write_result(jp, argv, args, start, rows, runs, failed, complete=True)
     print(result["table_markdown"])
