@@ -10,7 +10,8 @@ chunk's Adam update, while its values are in cache, or in one pass with DeepSpee
 values, best of ``--repeat`` with the arms interleaved: DeepSpeed's CPU Adam step alone, the step
 with the fold (and the commit of a 3-step run) as passes after (before) it, and the same inside
 the step in one pass and at each ``--chunks`` size through DeepSpeed's op, each over the step
-alone. The velocity is int8 (the 1b-16gb and 7b presets'); each other dtype of ``--velocity``
+alone, and the one pass reading the int8 noise from its table (4 bytes a value) instead of computing
+it. The velocity is int8 (the 1b-16gb and 7b presets'); each other dtype of ``--velocity``
 adds its fold after the step and inside it, in one pass. ``--no-moments``: the fold without the
 moment sums only the RSSM predictor reads (the default ``adam_direction`` predictor's fold).
 
@@ -59,12 +60,14 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
         return dict(step=opt.state[p]["step"], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                     eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"])
 
-    def fold_job(d: str) -> step_fusion.FoldJob:
-        return step_fusion.FoldJob(lambda: vels[d], n, d, torch.Generator().manual_seed(1), 0.9, False, moments, True)
+    def fold_job(d: str, read_noise: bool = False) -> step_fusion.FoldJob:
+        job = step_fusion.FoldJob(lambda: vels[d], n, d, torch.Generator().manual_seed(1), 0.9, False, moments, True)
+        job.read_noise = read_noise
+        return job
 
-    def job(commit: bool, d: str) -> step_fusion.PartitionJob:
+    def job(commit: bool, d: str, read_noise: bool = False) -> step_fusion.PartitionJob:
         j = step_fusion.PartitionJob(0, 0, p.data)
-        j.fold = fold_job(d)
+        j.fold = fold_job(d, read_noise)
         j.commit = (vel, COEFS) if commit else None
         return j
 
@@ -77,11 +80,11 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
             fold_job(d).run(p.data, st["exp_avg"], st["exp_avg_sq"], 0, n, hyper())
         return run
 
-    def in_step(commit: bool, chunk: int | None, d: str = dtypes[0]):
+    def in_step(commit: bool, chunk: int | None, d: str = dtypes[0], read_noise: bool = False):
         def run():
             fused.one_pass = chunk is None
             fused.chunk = chunk or step_fusion.CHUNK
-            fused.arm([job(commit, d)])
+            fused.arm([job(commit, d, read_noise)])
             opt.step()
             assert not fused.disarm()
         return run
@@ -90,6 +93,8 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
             ("+ commit and fold, passes around the step", inline(True))]
     arms += [("+ fold inside the step, one pass", in_step(False, None)),
              ("+ commit and fold inside the step, one pass", in_step(True, None))]
+    if dtypes[0] == "int8":   # the int8 noise's table values read (4 bytes a value) where the one pass computes them
+        arms += [("+ fold inside the step, one pass, int8 noise read", in_step(False, None, read_noise=True))]
     for c in chunks:
         arms += [(f"+ fold inside the step, chunks of 2^{c.bit_length() - 1}", in_step(False, c)),
                  (f"+ commit and fold inside the step, chunks of 2^{c.bit_length() - 1}", in_step(True, c))]

@@ -58,6 +58,14 @@
 #            Full steps (what a hybrid real step runs that plain's does not: the 86 ms of forward and backward the
 #            timers do not explain); the profiled steps' times include the profiler's cost
 #                                                            -> OUT/prof-1b.json, OUT/prof-1b.md
+#   foldhost the real step's host pass on the lent machine's 16 cores, no GPU work (benchmarks/fold_in_step.py,
+#            2^27 values, the arms interleaved): DeepSpeed's CPU Adam step alone and with the drift fold after
+#            it and inside it, with an int8 velocity whose stochastic rounding's noise is computed from its
+#            table's hash (the default since 2026-11-27 13:20) or read from the table (4 bytes a value: on the
+#            2-core CPU the two were within its noise, computing 6% cheaper to 14% dearer over four runs), and
+#            bf16 and fp32 velocities: which is the cheaper pass where DeepSpeed's step is bound by memory
+#            (about a minute)
+#                                                            -> OUT/fold-in-step-host.json
 #   gradz3   llama-1b on the 7b-24gb preset's layout (ZeRO 3, optimizer and parameters in pinned CPU memory)
 #            under a 24 GB cap, gradient Predict steps on the host and the device path against plain: on ZeRO 3
 #            the gradient is laid on this rank's share a parameter at a time (with offload_param, each share
@@ -207,6 +215,10 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       $PY -m ds_hybrid.step_profile "$OUT/prof-1b.json" --against full --top 25 > "$OUT/prof-1b.md" 2>&1
       tail -40 "$OUT/prof-1b.md"
       stage_rc prof1b $rc "$t0" ;;
+    foldhost)
+      timeout -k 10 "$(smaller 240 "$(left 10)")" $PY benchmarks/fold_in_step.py --values 134217728 --repeat 5 \
+        --chunks 20 --velocity int8 bf16 fp32 --no-moments --json "$OUT/fold-in-step-host.json"
+      stage_rc foldhost $? "$t0" ;;
     gradz3)
       $DSH memory-bench --preset 7b-24gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps "${GRADZ3_STEPS:-24}" \
         --gpu-mem-cap 24GB --variants ${GRADZ3_VARIANTS:-full grad-device grad-host} --wall-clock --out /tmp/gradz3 \
@@ -260,7 +272,7 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b prof1b gradz3 offbench train7b stale124 grad124)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b prof1b foldhost gradz3 offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

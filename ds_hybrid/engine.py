@@ -379,11 +379,11 @@ class PredictiveEngine(DeepSpeedEngine):
                 # a run begins next: its moments cross to the GPU behind its first forward and backward
                 self._gradient.prefetch()
         self._sync()
+        result.step_time_s = time.perf_counter() - t0
         if self._wall_clock is not None:
-            self._wall_clock.after_step(result.phase)
+            self._wall_clock.after_step(result.phase, result.checked, result.step_time_s)
         if self.hybrid_config.enabled:
             self._max_lr = max(self._max_lr, result.lr)
-        result.step_time_s = time.perf_counter() - t0
         if self._planner is not None and result.phase in (Phase.FULL.value, Phase.PARTIAL.value) \
                 and not result.skipped:
             self._planner.observe_time(result.predicted_groups, result.step_time_s)

@@ -42,6 +42,7 @@ NAME = "ds_hybrid_host_fold"
 # torch's OpenMP threads only when this file is built with OpenMP too.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 VDTYPES = {"fp32": 0, "bf16": 1, "int8": 2}
+NOISE_PERIOD, NOISE_KEY = 1 << 22, 0x5EED   # host_fold.cpp's kNoisePeriod and kNoiseKey: quant's noise table
 
 _lock = threading.Lock()
 _module = None
@@ -64,6 +65,10 @@ def load():
                     raise FileNotFoundError(f"kernel source {src} not found (set DS_HYBRID_KERNEL_DIR to the "
                                             "repository's kernels/ folder)")
                 from torch.utils.cpp_extension import load as build
+                from . import quant
+                if (quant.CHUNK, quant.NOISE_TABLE_SEED) != (NOISE_PERIOD, NOISE_KEY):   # (host_fold.cpp's own)
+                    raise ValueError(f"quant.CHUNK and NOISE_TABLE_SEED must be {NOISE_PERIOD} and {NOISE_KEY:#x}, "
+                                     "the noise table host_fold.cpp computes")
                 _module = build(name=NAME, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                 verbose=False)
             except Exception as e:   # a missing compiler or ninja, a compile error: said once, by name
@@ -93,6 +98,13 @@ def resolve(setting: str) -> bool:
 FOLD_GROUP = 64 * 256   # values per partial sum of the fold (host_fold.cpp's kGroup blocks)
 
 
+def _offsets(noise: list[torch.Tensor], read: bool = False) -> list[int]:
+    """Per chunk's noise, its offset in quant's noise table (the kernel computes those values
+    instead of reading them) or -1 (drawn directly, or ``read``: read)."""
+    from .quant import noise_offset
+    return [-1 if read else noise_offset(t) for t in noise]
+
+
 def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, before: torch.Tensor | None,
          vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float, bc1: float, bc2: float,
          eps: float, first: bool, moments: bool, values: tuple[int, int] | None = None,
@@ -116,19 +128,22 @@ def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, befor
     b1 = -(-end // 256) if end == w.numel() else end // 256
     return load().fold(w, m if m is not None else empty, v2 if v2 is not None else empty,
                        before if before is not None else empty, vel.data,
-                       vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
-                       float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), from_state,
+                       vel.scale if vel.dtype == "int8" else empty, noise, _offsets(noise), VDTYPES[vel.dtype],
+                       int(chunk), float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), from_state,
                        bool(first), bool(moments), start // 256, b1, acc)
 
 
 def adam_fold(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, adam: list[float], commit,
               coefs: list[float], vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float,
-              bc1: float, bc2: float, eps: float, first: bool, moments: bool, end: int, acc: torch.Tensor) -> list[float]:
+              bc1: float, bc2: float, eps: float, first: bool, moments: bool, end: int, acc: torch.Tensor,
+              read_noise: bool = False) -> list[float]:
     """DeepSpeed's CPU Adam step on the values ``[0, end)`` of a flat fp32 partition (``end`` a
     multiple of ``FOLD_GROUP``) with ``adam``, DeepSpeed's nine scalars for the step
     (``step_fusion.AdamScalars``), each block first taking ``commit`` (a ``quant.CompactBuffer``,
     or None) times ``coefs`` in order and then folded into ``vel`` as ``fold`` folds it from the
-    optimizer state, in one pass (see ``kernels/host_fold.cpp``); the fold's sums added to ``acc``."""
+    optimizer state, in one pass (see ``kernels/host_fold.cpp``); the fold's sums added to ``acc``.
+    ``read_noise``: read a noise-table window's values instead of computing them (the same values:
+    ``benchmarks/fold_in_step.py`` times the two)."""
     if end % FOLD_GROUP or not 0 <= end <= p.numel():
         raise ValueError(f"host_kernels.adam_fold: end {end} must be a multiple of {FOLD_GROUP} within the partition")
     empty = torch.empty(0, dtype=torch.float32)
@@ -138,9 +153,9 @@ def adam_fold(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
         cscale = commit.scale if commit.dtype == "int8" else empty
     return load().adam_fold(p, g, m, v, [float(x) for x in adam], cdata, cscale, cdtype,
                             [float(c) for c in coefs] if commit is not None else [], vel.data,
-                            vel.scale if vel.dtype == "int8" else empty, noise, VDTYPES[vel.dtype], int(chunk),
-                            float(lr), float(wd), float(beta), float(bc1), float(bc2), float(eps), bool(first),
-                            bool(moments), end // 256, acc)
+                            vel.scale if vel.dtype == "int8" else empty, noise, _offsets(noise, read_noise),
+                            VDTYPES[vel.dtype], int(chunk), float(lr), float(wd), float(beta), float(bc1),
+                            float(bc2), float(eps), bool(first), bool(moments), end // 256, acc)
 
 
 def shift(x: torch.Tensor, vel, coefs, sumsq: bool = False) -> float:

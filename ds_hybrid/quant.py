@@ -19,7 +19,9 @@ masters themselves. ``CompactBuffer`` stores it as
   part of a store (torch's CPU generator is serial: ~4 ns a value, seconds per step at 1B
   parameters), so there the noise is a window of a fixed table of uniform numbers at an
   offset drawn from that generator: each value's noise is still uniform on [0, 1), which
-  is all unbiasedness needs (stores of up to ``SMALL_STORE`` values draw directly).
+  is all unbiasedness needs (stores of up to ``SMALL_STORE`` values draw directly). The
+  table is a hash of the index (``noise_table_values``), so the C++ fold computes a
+  window's values from its offset instead of reading them.
 
 Values are read and written in chunks (``load`` / ``store`` take a range), so the
 fp32 transient is one chunk, not one partition. Callers on the hot path pass a reusable
@@ -72,18 +74,37 @@ def worker_scratch(name: str):
         _owner.name = before
 
 
+def noise_table_values(index: torch.Tensor) -> torch.Tensor:
+    """The noise table's values at ``index`` (int64, in [0, CHUNK)): 24 bits of a hash of the
+    index, ``(mix32(index ^ NOISE_TABLE_SEED) >> 8) / 2**24``, uniform on [0, 1) in torch.rand's
+    24-bit steps. A hash, not a generator's draws, so that ``kernels/host_fold.cpp`` computes a
+    table value where it would read it: the int8 fold inside DeepSpeed's step is bound by memory
+    beside a GPU, and the table's 4 bytes a value were 4 of its 34."""
+    return (_mix32(index ^ NOISE_TABLE_SEED) >> 8).to(torch.float32) * 2.0 ** -24
+
+
 def _cpu_noise(n: int, generator: torch.Generator | None) -> torch.Tensor:
     """``n`` <= CHUNK uniform [0, 1) values for a CPU store: a window of a fixed table
-    (2 x CHUNK, built once) at a random offset, without copying. Small stores draw directly:
-    they are cheap, and a small model then never builds the 32 MiB table."""
+    (2 x CHUNK, built once) at a random offset, without copying (``noise_offset`` finds the offset
+    again). Small stores draw directly: they are cheap, and a small model then never builds the
+    32 MiB table."""
     global _noise_table
     if n <= SMALL_STORE:
         return torch.rand(n, generator=generator)
     if _noise_table is None:
-        t = torch.rand(CHUNK, generator=torch.Generator().manual_seed(NOISE_TABLE_SEED))
+        t = noise_table_values(torch.arange(CHUNK, dtype=torch.int64))
         _noise_table = torch.cat([t, t])
     off = int(torch.randint(0, CHUNK, (1,), generator=generator))
     return _noise_table[off:off + n]
+
+
+def noise_offset(noise: torch.Tensor) -> int:
+    """Where ``noise`` (from ``_cpu_noise``) starts in the noise table, or -1 where it was drawn
+    directly: element k of a window at offset ``off`` is ``noise_table_values((off + k) % CHUNK)``."""
+    table = _noise_table
+    if table is None or noise.numel() == 0 or noise.untyped_storage().data_ptr() != table.untyped_storage().data_ptr():
+        return -1
+    return int(noise.storage_offset())
 
 
 class CompactBuffer:

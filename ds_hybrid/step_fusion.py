@@ -108,6 +108,7 @@ class FoldJob:
                        for s in range(0, numel, NOISE_CHUNK)] if dtype == "int8" else [])
         self.acc = torch.zeros(6, dtype=torch.float64)
         self.lr: float | None = None   # set by the first range folded (an LR of 0 folds nothing)
+        self.read_noise = False        # (benchmarks/fold_in_step.py: the int8 noise read, not computed)
 
     def run(self, w: torch.Tensor, m: torch.Tensor, v2: torch.Tensor, a: int, b: int, hyper: dict) -> None:
         from .kernels import _bias_corrections
@@ -133,7 +134,8 @@ class FoldJob:
         bc1, bc2 = _bias_corrections(hyper["beta1"], hyper["beta2"], hyper["step"], hyper["bias_correction"])
         wd = float(hyper["weight_decay"] or 0.0) if self.decoupled else 0.0
         host_kernels.adam_fold(p, g, m, v, adam, commit, coefs, self.buf, self.noise, NOISE_CHUNK, hyper["lr"], wd,
-                               self.beta, bc1, bc2, hyper["eps"], self.first, self.moments, end, self.acc)
+                               self.beta, bc1, bc2, hyper["eps"], self.first, self.moments, end, self.acc,
+                               read_noise=self.read_noise)
         self.lr = hyper["lr"]
 
     def add_to(self, row: torch.Tensor, numel: int) -> bool:

@@ -9,7 +9,8 @@
 // add with ``alpha`` is a fused multiply-add, as torch's vectorised CPU kernels compute it
 // (vec::fmadd), and nothing else is contracted (built with -ffp-contract=off); the dot products
 // accumulate in fp64 (the torch path: fp32 per chunk, then fp64). The int8 noise is the
-// torch path's own: the caller passes, per chunk, the uniform values quant._cpu_noise drew.
+// torch path's own: the caller passes, per chunk, the uniform values quant._cpu_noise drew and,
+// where those are a window of its table, the window's offset, and the values are computed from it.
 //
 // Loaded by ds_hybrid/host_kernels.py (torch.utils.cpp_extension, built on first use).
 #include <torch/extension.h>
@@ -43,15 +44,16 @@ struct Args {
   int8_t* v8;
   float* scale;
   const std::vector<const float*>* noise;
+  const std::vector<int64_t>* noise_off;   // per chunk: its offset in the noise table, or -1 (read ``noise``)
   int64_t n, chunk;
   float lr, bc1, bc2, eps, beta, decay, neg_lr, inv_lr, mix;
   bool moments;
 };
 
-// kLanes fp32 lanes as one vector (GCC's vector extension): the lane sums below and the running
-// max and min of the int8 quantisation. Lane l holds what a scalar loop over the values l, l +
-// kLanes, l + 2 kLanes, ... would, in that order; with -ffp-contract=off a += b * c is a multiply
-// then an add, as in that loop.
+// kLanes fp32 lanes as one vector (GCC's vector extension): the lane sums below (the running max
+// and min of the int8 quantisation keep the same lanes in two halves, see quantize()). Lane l holds
+// what a scalar loop over the values l, l + kLanes, l + 2 kLanes, ... would, in that order; with
+// -ffp-contract=off a += b * c is a multiply then an add, as in that loop.
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Lanes lanes_at(const float* p) {
@@ -124,20 +126,54 @@ void fold_values(const Args& A, const float* w, const float* m, const float* v2,
   }
 }
 
+inline uint32_t mix32(uint32_t x) {   // quant._mix32 / fused_update.cu's dsh_mix32 ("lowbias32")
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The noise table of quant._cpu_noise (quant.noise_table_values): value j of its kNoisePeriod is
+// 24 bits of mix32(j ^ kNoiseKey), scaled to [0, 1) exactly. Computed here where a store's noise
+// is a window of that table: beside a GPU the fold inside DeepSpeed's step is bound by memory,
+// and reading the window was 4 of the pass's 34 bytes a value. (host_kernels.load checks these
+// against quant.CHUNK and quant.NOISE_TABLE_SEED.)
+constexpr int64_t kNoisePeriod = int64_t{1} << 22;
+constexpr uint32_t kNoiseKey = 0x5EED;
+
+inline void table_noise(int64_t first, float* u) {   // the table's values first, first + 1, ... (a block's)
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const uint32_t idx = static_cast<uint32_t>((first + j) & (kNoisePeriod - 1));
+    u[j] = static_cast<float>(mix32(idx ^ kNoiseKey) >> 8) * 0x1p-24f;
+  }
+}
+
 // int8: absmax per block as max(max x, -min x), then x / scale + the noise, floored and clamped
 // (quant.CompactBuffer.store's arithmetic)
-// (The running max and min in Lanes: a loop over kLanes scalars with its compare-and-select was
-// not vectorised. Each lane keeps the scalar rule's value: hi < x ? x : hi, lo > x ? x : lo.)
+// (The running max and min in kLanes lanes, each keeping the scalar rule's value: hi < x ? x : hi,
+// lo > x ? x : lo. A loop over kLanes scalars with its compare-and-select was not vectorised, and
+// neither was the select on a kLanes-wide Lanes without AVX-512: GCC 12 lowered it to scalar
+// compares and moves, about eight instructions a value, the bulk of the int8 fold's time on an
+// AVX2 host. In halves of 8 lanes (one AVX2 register) it is one max and one min per 8 values.)
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
 inline float quantize(const float* x, const float* u, int8_t* out) {
-  Lanes hi_v = lanes_at(x), lo_v = hi_v;
+  HalfLanes hi_v[2], lo_v[2];
+  std::memcpy(hi_v, x, sizeof hi_v);
+  std::memcpy(lo_v, x, sizeof lo_v);
   for (int64_t j0 = kLanes; j0 < kBlock; j0 += kLanes) {
-    const Lanes xv = lanes_at(x + j0);
-    hi_v = hi_v < xv ? xv : hi_v;
-    lo_v = lo_v > xv ? xv : lo_v;
+    for (int h = 0; h < 2; ++h) {   // lanes 0-7, then 8-15: lane l still sees x[l], x[l + kLanes], ...
+      HalfLanes xv;
+      std::memcpy(&xv, x + j0 + h * (kLanes / 2), sizeof xv);
+      hi_v[h] = hi_v[h] < xv ? xv : hi_v[h];
+      lo_v[h] = lo_v[h] > xv ? xv : lo_v[h];
+    }
   }
   float hi[kLanes], lo[kLanes];
-  std::memcpy(hi, &hi_v, sizeof(Lanes));
-  std::memcpy(lo, &lo_v, sizeof(Lanes));
+  std::memcpy(hi, hi_v, sizeof hi);
+  std::memcpy(lo, lo_v, sizeof lo);
   float top = hi[0], bottom = lo[0];
   for (int l = 1; l < kLanes; ++l) {
     top = std::max(top, hi[l]);
@@ -187,8 +223,14 @@ void fold_block(const Args& A, int64_t b, Sums& s) {
   } else if (VD == 1) {
     for (int64_t j = 0; j < len; ++j) A.v16[i0 + j] = at::BFloat16(x[j]);   // round to nearest even, as copy_
   } else {
-    const int64_t c = i0 / A.chunk;
-    A.scale[b] = quantize(x, (*A.noise)[c] + (i0 - c * A.chunk), A.v8 + i0);
+    const int64_t c = i0 / A.chunk, k = i0 - c * A.chunk, off = (*A.noise_off)[c];
+    if (off >= 0) {   // a window of the noise table: its values computed, not read
+      alignas(64) float u[kBlock];
+      table_noise(off + k, u);
+      A.scale[b] = quantize(x, u, A.v8 + i0);
+    } else {
+      A.scale[b] = quantize(x, (*A.noise)[c] + k, A.v8 + i0);
+    }
   }
 }
 
@@ -224,7 +266,7 @@ using PreBlock = std::function<void(int64_t)>;
 
 std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
                               torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
-                              int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
+                              std::vector<int64_t> noise_off, int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
                               double bc2, double eps, bool from_state, bool first, bool moments, int64_t b0,
                               int64_t b1, torch::Tensor acc, const PreBlock* pre) {
   const int64_t n = w.numel();
@@ -241,6 +283,9 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
   if (vdtype == 2) {
     TORCH_CHECK(vscale.numel() >= blocks && vdata.numel() >= blocks * kBlock, "host_fold: int8 buffer too small");
     TORCH_CHECK(static_cast<int64_t>(noise.size()) == (n + chunk - 1) / chunk, "host_fold: one noise tensor per chunk");
+    TORCH_CHECK(noise_off.size() == noise.size(), "host_fold: one noise offset per chunk (-1: read the tensor)");
+    for (const int64_t off : noise_off)
+      TORCH_CHECK(off >= -1 && off < kNoisePeriod, "host_fold: a noise offset lies in the table's period or is -1");
   } else {
     TORCH_CHECK(vdata.numel() >= n, "host_fold: velocity buffer too small");
   }
@@ -262,6 +307,7 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
   A.v8 = vdtype == 2 ? vdata.data_ptr<int8_t>() : nullptr;
   A.scale = vdtype == 2 ? vscale.data_ptr<float>() : nullptr;
   A.noise = &noise_ptr;
+  A.noise_off = &noise_off;
   A.n = n;
   A.chunk = chunk;
   // Scalars as the torch path's fp32 kernels see them (a Python float becomes the op's float).
@@ -308,11 +354,11 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
 
 std::vector<double> fold(torch::Tensor w, torch::Tensor m, torch::Tensor v2, torch::Tensor before,
                          torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
-                         int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
-                         double bc2, double eps, bool from_state, bool first, bool moments, int64_t b0,
-                         int64_t b1, torch::Tensor acc) {
-  return fold_core(w, m, v2, before, vdata, vscale, noise, vdtype, chunk, lr, wd, beta, bc1, bc2, eps, from_state,
-                   first, moments, b0, b1, acc, nullptr);
+                         std::vector<int64_t> noise_off, int64_t vdtype, int64_t chunk, double lr, double wd,
+                         double beta, double bc1, double bc2, double eps, bool from_state, bool first, bool moments,
+                         int64_t b0, int64_t b1, torch::Tensor acc) {
+  return fold_core(w, m, v2, before, vdata, vscale, noise, noise_off, vdtype, chunk, lr, wd, beta, bc1, bc2, eps,
+                   from_state, first, moments, b0, b1, acc, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -453,14 +499,6 @@ void catch_up(torch::Tensor master, torch::Tensor w) {
 //   random bits of (key, index) added to w's bits, the low 16 cleared, narrowed exactly.
 // One pass: x read and written, m and v read (the torch ops: about twenty passes per chunk, most
 // of them the random bits' int64 hash).
-inline uint32_t mix32(uint32_t x) {   // quant._mix32 / fused_update.cu's dsh_mix32 ("lowbias32")
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
 
 inline uint32_t sr_bits(uint32_t key, int64_t i) {   // quant.sr_bits: 16 random bits of value i
   const uint64_t u = static_cast<uint64_t>(i);
@@ -561,7 +599,8 @@ void adam_block(float* __restrict__ p, const float* __restrict__ g, float* __res
 std::vector<double> adam_fold(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v,
                               std::vector<double> adam, torch::Tensor cdata, torch::Tensor cscale, int64_t cdtype,
                               std::vector<double> coefs, torch::Tensor vdata, torch::Tensor vscale,
-                              std::vector<torch::Tensor> noise, int64_t vdtype, int64_t chunk, double lr, double wd,
+                              std::vector<torch::Tensor> noise, std::vector<int64_t> noise_off, int64_t vdtype,
+                              int64_t chunk, double lr, double wd,
                               double beta, double bc1, double bc2, double eps, bool first, bool moments,
                               int64_t b1, torch::Tensor acc) {
   const int64_t n = p.numel();
@@ -597,8 +636,8 @@ std::vector<double> adam_fold(torch::Tensor p, torch::Tensor g, torch::Tensor m,
     else if (w_decay != 0.0f) adam_block<false, true>(P + i0, G + i0, M + i0, V + i0, S);
     else adam_block<false, false>(P + i0, G + i0, M + i0, V + i0, S);
   };
-  return fold_core(p, m, v, torch::empty({0}, p.options()), vdata, vscale, noise, vdtype, chunk, lr, wd, beta, bc1,
-                   bc2, eps, true, first, moments, 0, b1, acc, &pre);
+  return fold_core(p, m, v, torch::empty({0}, p.options()), vdata, vscale, noise, noise_off, vdtype, chunk, lr, wd,
+                   beta, bc1, bc2, eps, true, first, moments, 0, b1, acc, &pre);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

@@ -46,6 +46,40 @@ def _fold_three_steps(n: int, dtype: str, wd: float, from_state: bool, cpp: bool
 SIZES = [1000, 70_000, CHUNK + 300]
 
 
+def test_the_kernel_computes_the_noise_tables_windows_and_reads_drawn_noise():
+    """A CPU store's int8 noise is a window of quant's table at a random offset (wrapping around its
+    period) or, for a small store, drawn: the kernel computes a window's values from its offset
+    (4 bytes a value it does not read) and reads drawn ones. Bit for bit the store of the same values
+    with the same noise (quant.CompactBuffer.store), either way; a wrong offset would change the codes."""
+    from ds_hybrid.quant import BLOCK, SMALL_STORE, CompactBuffer, _cpu_noise, noise_offset, noise_table_values
+    n = 2 * BLOCK * 64   # one fold group
+    for draw in ("table", "drawn"):
+        gen = torch.Generator().manual_seed(11)
+        noise = _cpu_noise(n if draw == "drawn" else SMALL_STORE + n, gen)[:n]
+        off = noise_offset(noise)
+        assert (off >= 0) == (draw == "table") and noise_offset(noise.clone()) == -1
+        if draw == "table":
+            assert torch.equal(noise, noise_table_values((off + torch.arange(n)) % CHUNK))
+            # an offset near the period's end: the window wraps around the table
+            late = _cpu_noise(SMALL_STORE + 1, gen)
+            while noise_offset(late) + SMALL_STORE + 1 <= CHUNK:
+                late = _cpu_noise(SMALL_STORE + 1, gen)
+        w = torch.zeros(n)
+        d = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-3   # the update: w moves by d
+        before = w - d
+        vel = CompactBuffer(n, "int8", "cpu")
+        host_kernels.fold(w, None, None, before, vel, [noise], CHUNK, 1e-3, 0.0, 0.9, 1.0, 1.0, 1e-8, True, False)
+        ref = CompactBuffer(n, "int8", "cpu")
+        x = d * (1.0 / 1e-3)   # the first fold: the velocity is the update per unit LR (times 1 / lr, as the kernel)
+        scale = torch.maximum(x.view(-1, BLOCK).amax(1), x.view(-1, BLOCK).amin(1).neg()) / 127.0
+        q = (x.view(-1, BLOCK) / scale.unsqueeze(1) + noise.view(-1, BLOCK)).floor().clamp(-127, 127)
+        ref.data.copy_(q.flatten().to(torch.int8))
+        assert torch.equal(vel.data, ref.data) and torch.equal(vel.scale, scale), draw
+    window = late[:BLOCK * 64]
+    wrapped = noise_table_values((noise_offset(late) + torch.arange(window.numel())) % CHUNK)
+    assert torch.equal(window, wrapped)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("from_state, wd", [(False, 0.1), (True, 0.0), (True, 0.1)])

@@ -94,6 +94,29 @@ def test_gpu_figures_are_the_allocators_own():
     s2 = prof.record(2, "predict")                               # ... and not in the next one's
     assert s2.gpu_peak_allocated_mb == s2.gpu_allocated_mb == s.gpu_allocated_mb
     assert s.gpu_allocated_mb >= keep.numel() / 2**20
+    # The allocator's calls to the driver, per step: the new 64 MB segment, then none, then the cache emptied.
+    assert s.gpu_device_allocs >= 1 and s.gpu_alloc_retries == 0
+    assert (s2.gpu_device_allocs, s2.gpu_device_frees, s2.gpu_alloc_retries) == (0, 0, 0)
+    torch.cuda.empty_cache()
+    assert prof.record(3, "full").gpu_device_frees >= 1
+    assert prof.phase_summary()["full"]["gpu_device_allocs"] == s.gpu_device_allocs
+
+
+def test_allocator_call_counts_come_from_either_torchs_counters():
+    """cudaMalloc / cudaFree calls from torch's event counters, or, where a torch has none, from the
+    segments it took and gave back; None where it has neither (the figures are then left out)."""
+    from ds_hybrid.memory.profiler import _alloc_counts
+    seg = {"segment": {"all": {"allocated": 7, "freed": 3}}, "num_alloc_retries": 1}
+    assert _alloc_counts(dict(seg, num_device_alloc=9, num_device_free=4)) == (9, 4, 1)
+    assert _alloc_counts(seg) == (7, 3, 1)
+    assert _alloc_counts({"segment": {"all": {}}}) is None
+    prof = synthetic([300, 310, 320], ["full", "full", "predict"])
+    prof.samples[0].gpu_device_allocs, prof.samples[0].gpu_device_frees, prof.samples[0].gpu_alloc_retries = 5, 2, 1
+    prof.samples[1].gpu_device_allocs, prof.samples[1].gpu_device_frees, prof.samples[1].gpu_alloc_retries = 1, 0, 0
+    summ = prof.phase_summary()
+    assert (summ["full"]["gpu_device_allocs"], summ["full"]["gpu_device_frees"], summ["full"]["gpu_alloc_retries"]) \
+        == (6, 2, 1)
+    assert "gpu_device_allocs" not in summ["predict"]   # not measured: left out, not 0
 
 
 def test_record_costs_well_under_one_percent_of_a_step():
@@ -260,7 +283,7 @@ def test_memory_bench_gpu_tables_and_retable(tmp_path):
     full = dict(phase, gpu_peak_allocated_max_mb=10000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=11000.0,
                 gpu_device_used_max_mb=12800.0, pinned_host_peak_mb=300.0)
     pred = dict(phase, gpu_peak_allocated_max_mb=2000.0, gpu_allocated_max_mb=1500.0, gpu_reserved_max_mb=2400.0,
-                gpu_device_used_max_mb=4200.0)
+                gpu_device_used_max_mb=4200.0, gpu_device_allocs=8, gpu_device_frees=4, gpu_alloc_retries=2)
     summaries = {"full": {"full": full}, "drift-int8-park": {"full": full, "predict": pred}}
     rows, runs = [], []
     for kind, phases in summaries.items():
@@ -273,6 +296,8 @@ def test_memory_bench_gpu_tables_and_retable(tmp_path):
     table = mbench.format_table(rows, runs)
     assert "| m | drift-int8-park | predict | 4 | 500.0 |" in table
     assert "| 2000 | 0.20 | 1500 | 2400 | - |" in table          # Predict peak / plain DeepSpeed's Full peak
+    assert "| 2400 | - | 2.0 / 1.0 / 0.5 |" in table              # ... its cudaMalloc / cudaFree / retries per step
+    assert "| 11000 | 300 | - |" in table                          # (not counted: no figures)
     assert "| 10000 | 1.00 | 1500 | 11000 | 300 |" in table     # ... and the pinned allocator's peak
     assert "| - | 10000 | - | 14080 | - | 100,000 | 3.000 |" in table   # device use not derived yet
     path = tmp_path / "r.json"
@@ -325,6 +350,12 @@ def test_memory_bench_times_deepspeeds_forward_backward_and_step_per_phase(tmp_p
     assert full["steps"] == 8 and runs["full"]["wall_clock_ms"]["warmup"]["steps"] == 2
     assert all(full["mean_ms"][k] > 0 for k in ("fwd", "bwd", "bwd_inner", "step"))
     assert {"warmup", "predict"} <= set(runs["drift-int8"]["wall_clock_ms"])
+    # Each run's steps in its record: which real steps were the slow ones (no allocator figures on a CPU)
+    for r in runs.values():
+        log = r["step_log"]
+        assert [s[0] for s in log] == list(range(1, 11))
+        assert {p: sum(s[1] == p for s in log) for p in r["steps_per_phase"]} == r["steps_per_phase"]
+        assert all(s[2] > 0 for s in log) and all(s[4] is None and s[5] is None for s in log)
     table = result["table_markdown"]
     assert "| (forward + backward's own) / whole |" in table
     line = next(x for x in table.splitlines() if x.startswith("| gpt2-test | full | full | 8 |") and "(" in x)
@@ -370,10 +401,14 @@ def test_wall_clock_table_gives_a_gradient_predict_steps_own_forward_and_backwar
     zero = {k: 0.0 for k in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")}
     real = {"fwd": 10.0, "bwd": 25.0, "bwd_inner": 20.0, "bwd_allreduce": 5.0, "step": 40.0}
     runs = [{"model": "m", "run": "grad-device", "bookkeeping_ms": {"gradient": 30.0, "predicted_update": 2.0},
-             "wall_clock_ms": {"full": {"steps": 4, "mean_ms": real}, "predict": {"steps": 9, "mean_ms": zero}}}]
+             "wall_clock_ms": {"full": {"steps": 4, "mean_ms": real}, "predict": {"steps": 9, "mean_ms": zero},
+                               "checks": {"rolled_back": {"steps": 2, "mean_ms": dict(real, fwd=20.0, whole=100.0)}}}}]
     rows = [{"model": "m", "run": "grad-device", "phase": "full", "mean_step_ms": 80.0},
             {"model": "m", "run": "grad-device", "phase": "predict", "mean_step_ms": 40.0}]
     lines = mbench.wall_clock_table(rows, runs)
     assert any(x.startswith("| m | grad-device | full | 4 |") and x.endswith("| 80.0 | 0.38 |") for x in lines)
     assert any(x.startswith("| m | grad-device | predict | 9 |")
                and "| 0.75 (its own forward and backward: 30.0 ms, not DeepSpeed's timers) |" in x for x in lines)
+    # The real steps that checked a run, by outcome, after the phases, with their own whole step
+    assert lines[-1] == ("| m | grad-device | checked, rolled back | 2 | 20.0 | 25.0 (20.0 + 5.0) | 40.0 | 100.0 "
+                         "| 0.40 |")

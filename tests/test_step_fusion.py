@@ -290,7 +290,8 @@ def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):
     out = tmp_path / "f.json"
     result = bench.main(["--values", "70000", "--repeat", "1", "--chunks", "14", "--json", str(out)])
     arms = [r["arm"] for r in json.loads(out.read_text())["rows"]]
-    assert len(arms) == 7 and arms[0] == "DeepSpeed CPU Adam step" and "one pass" in arms[3]
+    assert len(arms) == 8 and arms[0] == "DeepSpeed CPU Adam step" and "one pass" in arms[3]
+    assert arms[5] == "+ fold inside the step, one pass, int8 noise read"
     assert all(r["ms"] > 0 for r in result["rows"]) and result["rows"][0]["over_cpu_adam"] == 1.0
     with pytest.raises(SystemExit, match="--chunks"):
         bench.main(["--values", "70000", "--chunks", "10"])
@@ -298,5 +299,5 @@ def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):
     result = bench.main(["--values", "70000", "--repeat", "1", "--chunks", "14", "--velocity", "int8", "bf16",
                          "--no-moments"])
     arms = [r["arm"] for r in result["rows"]]
-    assert len(arms) == 9 and arms[-2:] == ["+ fold, a pass after the step, bf16 velocity",
+    assert len(arms) == 10 and arms[-2:] == ["+ fold, a pass after the step, bf16 velocity",
                                              "+ fold inside the step, one pass, bf16 velocity"]

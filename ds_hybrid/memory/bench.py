@@ -21,6 +21,7 @@ On a GPU each run is also set beside the planner's GPU estimate for it.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -215,8 +216,14 @@ def rows_from_summary(model: str, kind: str, summary: dict) -> list[dict]:
                      "gpu_end_of_step_mb": r.get("gpu_allocated_max_mb"),
                      "gpu_reserved_mb": r.get("gpu_reserved_max_mb"),
                      # torch's pinned host allocator at its peak (None where torch gave no figure)
-                     "pinned_host_peak_mb": r.get("pinned_host_peak_mb") if mem.get("pinned_read", True) else None})
+                     "pinned_host_peak_mb": r.get("pinned_host_peak_mb") if mem.get("pinned_read", True) else None,
+                     # the CUDA allocator's cudaMalloc / cudaFree calls and retries, per step of the phase (None on CPU)
+                     "gpu_driver_calls_per_step": [r[k] / r["steps"] for k in ALLOC_COUNTS]
+                     if all(k in r for k in ALLOC_COUNTS) else None})
     return rows
+
+
+ALLOC_COUNTS = ("gpu_device_allocs", "gpu_device_frees", "gpu_alloc_retries")   # profiler.MemorySample's
 
 
 def _mb(v: float | None) -> str:
@@ -228,7 +235,8 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
     head = ("| model | run | phase | steps | peak RSS above baseline MB | mean per-step peak MB | "
             "mean end-of-step MB | ms/step |")
     if gpu:
-        head += " GPU peak MB | GPU peak / full's Full | GPU end-of-step MB | GPU reserved MB | pinned host peak MB |"
+        head += (" GPU peak MB | GPU peak / full's Full | GPU end-of-step MB | GPU reserved MB | pinned host peak MB |"
+                 " cudaMalloc / cudaFree / retries per step |")
     lines = [head, "|" + "---|" * head.count(" |")]
     full_peak = {r["model"]: r["gpu_peak_mb"] for r in rows
                  if r["run"] == "full" and r["phase"] == "full" and r.get("gpu_peak_mb")}
@@ -239,8 +247,10 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
         if gpu:
             ref = full_peak.get(r["model"])
             ratio = "-" if not ref or r.get("gpu_peak_mb") is None else f"{r['gpu_peak_mb'] / ref:.2f}"
+            calls = r.get("gpu_driver_calls_per_step")
             line += (f" {_mb(r.get('gpu_peak_mb'))} | {ratio} | {_mb(r.get('gpu_end_of_step_mb'))} | "
-                     f"{_mb(r.get('gpu_reserved_mb'))} | {_mb(r.get('pinned_host_peak_mb'))} |")
+                     f"{_mb(r.get('gpu_reserved_mb'))} | {_mb(r.get('pinned_host_peak_mb'))} | "
+                     f"{'-' if calls is None else ' / '.join(f'{c:.1f}' for c in calls)} |")
         lines.append(line)
     lines += ["", "| model | run | parameters | baseline RSS MB | set-up peak above baseline MB | snapshot MB | "
               "velocity MB | profiler cost |", "|---|---|---|---|---|---|---|---|"]
@@ -280,14 +290,21 @@ def wall_clock_table(rows: list[dict], runs: list[dict]) -> list[str]:
     """``--wall-clock``: DeepSpeed's forward, backward (its own part and the gradient reduction, which under
     ZeRO-Offload includes the copies to the host) and optimizer-step timers per phase, ms per step, beside the
     whole step. The forward and the backward's own part over the whole step is what a Predict step that took its
-    gradient on the device and skipped the rest would cost, before its own update and copies."""
+    gradient on the device and skipped the rest would cost, before its own update and copies. The real steps whose
+    first forward checked a predicted update come again after the phases, by the check's outcome ("checked, kept",
+    "checked, rolled back": its forward ran twice): the rest of their phase's mean is the steady real step."""
     if not any(r.get("wall_clock_ms") for r in runs):
         return []
     whole = {(r["model"], r["run"], r["phase"]): r["mean_step_ms"] for r in rows}
     lines = ["", "| model | run | phase | steps | forward ms | backward ms (own + reduction) | optimizer step ms | "
              "whole step ms | (forward + backward's own) / whole |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        for phase, wc in (r.get("wall_clock_ms") or {}).items():
+        clock = dict(r.get("wall_clock_ms") or {})
+        # The real steps that checked a predicted update, by outcome (WallClockBreakdown.summary), after the phases
+        for outcome, wc in (clock.pop("checks", None) or {}).items():
+            clock[f"checked, {outcome.replace('_', ' ')}"] = wc
+            whole[(r["model"], r["run"], f"checked, {outcome.replace('_', ' ')}")] = wc["mean_ms"].get("whole")
+        for phase, wc in clock.items():
             if phase == "real":   # the real phases together; each is listed on its own
                 continue
             t, step_ms = wc["mean_ms"], whole.get((r["model"], r["run"], phase))
@@ -373,6 +390,32 @@ def _bookkeeping_ms(st: dict) -> dict:
     real = sum(v for k, v in n.items() if k != "predict")
     per = dict.fromkeys(REAL_STEP_PARTS, real)
     return {k: 1e3 * v / max(per.get(k, n.get("predict", 0)), 1) for k, v in (st.get("bookkeeping_seconds") or {}).items()}
+
+
+def step_log(run_dir: Path) -> list[list] | None:
+    """A run's steps, one ``[step, phase, ms, checked, cudaMalloc calls, alloc retries]`` each
+    (``checked``: the step's first forward kept (true) or rolled back (false) a predicted update;
+    the allocator's calls None on CPU), from its steps.jsonl and memory.csv: which real steps were
+    the slow ones, where a phase's mean cannot say."""
+    steps = run_dir / "steps.jsonl"
+    if not steps.is_file():
+        return None
+    alloc: dict[int, tuple] = {}
+    mem = run_dir / "memory.csv"
+    if mem.is_file():
+        with open(mem, newline="") as f:
+            for row in csv.DictReader(f):
+                n = lambda k: int(float(row[k])) if row.get(k) not in (None, "") else None  # noqa: E731
+                alloc[int(row["step"])] = (n("gpu_device_allocs"), n("gpu_alloc_retries"))
+    out = []
+    for line in steps.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        ms = r.get("step_time_s")
+        out.append([r["step"], r["phase"], None if ms is None else round(ms * 1e3, 2), r.get("checked"),
+                    *alloc.get(r["step"], (None, None))])
+    return out
 
 
 def _gpu_name(runs: list[dict]) -> str | None:
@@ -482,6 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "wall_clock_ms": summary["statistics"].get("wall_clock_breakdown"),
                          **predictor_figures(summary),
                          "per_phase": mem["phases"], "spikes": mem["spikes"], "out": str(out / f"{name}-{kind}"),
+                         "step_log": step_log(out / f"{name}-{kind}"),
                          "accelerator": summary["host"]["accelerator"], **gpu,
                          # (--op-profile: those steps ran under torch.profiler, their step times with its cost)
                          **({"op_profile_steps": summary["op_profile"]["steps"], "op_profile": summary["op_profile"]}

@@ -11,7 +11,10 @@
 * pinned host memory held by torch's CUDA host allocator (``torch.cuda.host_memory_stats()``,
   where DeepSpeed's pinned offload and swap buffers come from); 0 without CUDA;
 * with CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated``
-  (its peak is reset after each read, like the host's) and, through NVML (``nvidia-ml-py``,
+  (its peak is reset after each read, like the host's), the allocator's calls to the driver in
+  the step (``num_device_alloc`` / ``num_device_free`` / ``num_alloc_retries``: a step that
+  frees and retakes GPU memory, as one after a Predict run under a memory cap may, pays for
+  it in device synchronisations) and, through NVML (``nvidia-ml-py``,
   imported on the first record of a CUDA run only), the used memory of the whole device,
   other processes and the CUDA context included.
 
@@ -63,6 +66,12 @@ class MemorySample:
     gpu_reserved_mb: float | None = None
     gpu_peak_allocated_mb: float | None = None   # allocator peak since the previous record
     gpu_device_used_mb: float | None = None      # NVML: the whole device, every process
+    # torch's CUDA allocator in this step: blocks it took from the driver (cudaMalloc) and gave back
+    # (cudaFree), and requests it retried after freeing its whole cache (a cap reached with the
+    # cache fragmented: each retry synchronises the device). A steady step takes none of them.
+    gpu_device_allocs: int | None = None
+    gpu_device_frees: int | None = None
+    gpu_alloc_retries: int | None = None
 
 
 def detect_spikes(values: Sequence[float | None], window: int = 20, rel: float = 0.10,
@@ -105,6 +114,20 @@ def _read_host() -> tuple[float, float]:
     import sys
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return float(peak), float(peak)
+
+
+def _alloc_counts(stats: dict) -> tuple[int, int, int] | None:
+    """(cudaMalloc calls, cudaFree calls, retries) so far, from torch's nested allocator
+    statistics (a torch without the call counters: the segments taken and given back, one
+    cudaMalloc or cudaFree each); None where it has neither."""
+    try:
+        retries = int(stats["num_alloc_retries"])
+        if "num_device_alloc" in stats:
+            return int(stats["num_device_alloc"]), int(stats["num_device_free"]), retries
+        seg = stats["segment"]["all"]
+        return int(seg["allocated"]), int(seg["freed"]), retries
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _reset_host_peak() -> bool:
@@ -172,6 +195,7 @@ class MemoryProfiler:
         self.baseline_rss_mb = rss / MB
         self._process_peak_rss = hwm          # before any reset: the process's peak so far
         self._process_peak_gpu = 0.0
+        self._alloc_counts: tuple[int, int, int] | None = None   # the CUDA allocator's at the last read
         self.peak_resettable = _reset_host_peak()
         self.setup_peak_rss_mb: float | None = None
         self.overhead_parts_s = {"host": 0.0, "cuda": 0.0, "nvml": 0.0}
@@ -210,6 +234,7 @@ class MemoryProfiler:
             idx = self._cuda_index()
             self._process_peak_gpu = max(self._process_peak_gpu, float(torch.cuda.max_memory_allocated(idx)))
             torch.cuda.reset_peak_memory_stats(idx)
+            self._alloc_counts = _alloc_counts(torch.cuda.memory_stats_as_nested_dict(idx))
         self.overhead_s += time.perf_counter() - t
 
     def begin(self) -> None:
@@ -252,6 +277,11 @@ class MemoryProfiler:
             sample.gpu_allocated_mb = st["allocated_bytes"]["all"]["current"] / MB
             sample.gpu_reserved_mb = st["reserved_bytes"]["all"]["current"] / MB
             sample.gpu_peak_allocated_mb = peak_gpu / MB
+            counts = _alloc_counts(st)
+            if counts is not None and self._alloc_counts is not None:
+                sample.gpu_device_allocs, sample.gpu_device_frees, sample.gpu_alloc_retries = (
+                    now - before for now, before in zip(counts, self._alloc_counts))
+            self._alloc_counts = counts
             torch.cuda.reset_peak_memory_stats(idx)
             try:
                 pinned = torch.cuda.host_memory_stats()
@@ -313,6 +343,10 @@ class MemoryProfiler:
                 if vals:
                     row[key.replace("_mb", "_max_mb")] = max(vals)
                     row[key.replace("_mb", "_mean_mb")] = statistics.fmean(vals)
+            for key in ("gpu_device_allocs", "gpu_device_frees", "gpu_alloc_retries"):
+                vals = [getattr(s, key) for s in ss if getattr(s, key) is not None]
+                if vals:   # totals over the phase's steps
+                    row[key] = sum(vals)
             times = [s.step_time_s for s in ss if s.step_time_s is not None]
             row["step_time_mean_s"] = statistics.fmean(times) if times else None
             out[phase] = row
