@@ -107,7 +107,7 @@ def test_steps_that_check_a_predicted_update_are_booked_again_by_outcome(timed, 
         mean = wc["checks"][outcome]["mean_ms"]
         for name in TIMERS:
             assert mean[name] * n == pytest.approx(truth[outcome][name], rel=1e-6, abs=1e-6), (outcome, name)
-        # the whole step as the engine timed it, booking included (a few microseconds after its clock stops)
+        # the whole step as the engine timed it and reported it (StepResult.step_time_s)
         assert mean["whole"] * n == pytest.approx(whole[outcome], rel=1e-6)
     # The phases still add up to the steps taken: the checks are booked again, not moved.
     st = engine.statistics()["steps_per_phase"]
