@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..arguments import HelpFormatter, resolve_config
 from .planner import _child_env
+from .profiler import ALLOC_COUNTS
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,6 @@ def rows_from_summary(model: str, kind: str, summary: dict) -> list[dict]:
                      "gpu_driver_calls_per_step": [r[k] / r["steps"] for k in ALLOC_COUNTS]
                      if all(k in r for k in ALLOC_COUNTS) else None})
     return rows
-
-
-ALLOC_COUNTS = ("gpu_device_allocs", "gpu_device_frees", "gpu_alloc_retries")   # profiler.MemorySample's
 
 
 def _mb(v: float | None) -> str:

@@ -49,6 +49,7 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _PHASE_ORDER = ("warmup", "full", "predict", "correct")
 SPIKE_METRICS = ("rss_peak_mb", "gpu_peak_allocated_mb")
+ALLOC_COUNTS = ("gpu_device_allocs", "gpu_device_frees", "gpu_alloc_retries")   # MemorySample's, summed per phase
 
 
 @dataclass
@@ -343,7 +344,7 @@ class MemoryProfiler:
                 if vals:
                     row[key.replace("_mb", "_max_mb")] = max(vals)
                     row[key.replace("_mb", "_mean_mb")] = statistics.fmean(vals)
-            for key in ("gpu_device_allocs", "gpu_device_frees", "gpu_alloc_retries"):
+            for key in ALLOC_COUNTS:
                 vals = [getattr(s, key) for s in ss if getattr(s, key) is not None]
                 if vals:   # totals over the phase's steps
                     row[key] = sum(vals)
