@@ -155,8 +155,9 @@ inline void table_noise(int64_t first, float* u) {   // the table's values first
 // (The running max and min in kLanes lanes, each keeping the scalar rule's value: hi < x ? x : hi,
 // lo > x ? x : lo. A loop over kLanes scalars with its compare-and-select was not vectorised, and
 // neither was the select on a kLanes-wide Lanes without AVX-512: GCC 12 lowered it to scalar
-// compares and moves, about eight instructions a value, the bulk of the int8 fold's time on an
-// AVX2 host. In halves of 8 lanes (one AVX2 register) it is one max and one min per 8 values.)
+// compares and moves, about eight instructions a value (a sixth to a fifth of the int8 one pass's
+// time at 2^26 values on a 2-core AVX2 host, docs/memory.md). In halves of 8 lanes (one AVX2
+// register) it is one max and one min per 8 values.)
 typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 
 inline float quantize(const float* x, const float* u, int8_t* out) {
