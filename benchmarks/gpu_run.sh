@@ -47,7 +47,10 @@
 #            per phase, bookkeeping and DeepSpeed's timers (the bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
 #            2026-11-26; drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with
-#            a velocity that needs no int8 rounding;
+#            a velocity that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
+#            Predict step's backward never or always recomputing the preset's checkpointed blocks, where
+#            grad-device's predictor.gradient_checkpointing auto keeps their activations only if they fit under the
+#            cap by its measured peak and the planner's count (its record's gradient_recompute says which);
 #            drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
 #            step: 2026-11-26 17:50), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
 #            forwards and backwards beside its CPU Adam step)

@@ -116,6 +116,22 @@ class PredictorConfig(_Section):
     a real step's forward and backward are dear too (gradient accumulation under
     ZeRO-Offload, or any run on a CPU)."""
 
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """``direction: gradient`` with a model under activation checkpointing (transformers'
+    ``gradient_checkpointing``): whether a Predict step's own backward recomputes each
+    checkpointed block's forward, as a real step's does. ``true``: it does. ``false``: the
+    step's forward keeps the blocks' activations and its backward recomputes nothing (about one
+    forward less a step, for the activations' memory while it runs); the gradient is the same
+    bit for bit. ``auto``: ``false`` where that memory fits, decided once per micro-batch size
+    (in tokens; the largest on any rank) and agreed by every rank: the first Predict step of a
+    size runs checkpointed and the activations the blocks would keep are counted as the planner
+    counts them (``ds-hybrid plan``). On a GPU they go on what the allocator held at the end of
+    that step's forward (the step's peak where higher), against the process's limit
+    (``torch.cuda.set_per_process_memory_fraction`` included) less 10% for fragmentation; on a
+    CPU against half the host's available memory, shared by the node's ranks. A model without a
+    transformers config to count from keeps recomputing. ``statistics()["gradient_recompute"]`` says what was decided and from what
+    (``ds_hybrid/grad_recompute.py``)."""
+
 
 class DynamicsConfig(_Section):
     """The dynamics model used by ``predictor.type: rssm`` (ds_hybrid/dynamics/)."""

@@ -51,6 +51,7 @@ from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
 from .fold_overlap import BackgroundFold
 from .grad_predict import GradientPredict
+from .grad_recompute import Recompute, checkpointing_off
 from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
@@ -263,6 +264,8 @@ class PredictiveEngine(DeepSpeedEngine):
                          if mem.park_optimizer_states else None)
         if self.hybrid_config.predictor.direction == "gradient":
             self._gradient = self._make_gradient_predict()
+            self._gradient.recompute = Recompute(self.hybrid_config.predictor.gradient_checkpointing, self.module,
+                                                 self._max_over_ranks)
             if self._gradient.on_device:   # its work is on the 16-bit shards: time it there
                 self._masters_on_cuda = any(self._gradient._shard(i).is_cuda for i in range(self._masters._count()))
                 if any(p.master.device.type == "cpu" for p in self._masters.partitions()):
@@ -446,6 +449,8 @@ class PredictiveEngine(DeepSpeedEngine):
                 # ZeRO 3 shares queued into host memory: seconds the backward waited for a free buffer, and
                 # for the last adds after it (inside bookkeeping_seconds.gradient)
                 out["gradient_share_wait_seconds"] = dict(self._gradient.share_wait_seconds)
+                # predictor.gradient_checkpointing: steps whose backward recomputed the checkpointed blocks, and why
+                out["gradient_recompute"] = self._gradient.recompute.statistics()
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type
@@ -867,9 +872,6 @@ class PredictiveEngine(DeepSpeedEngine):
         ``torch_autocast`` section is on (``autocast_if_enabled``), so for these forwards the
         engine reports that section as on, with the Predict dtype (found on the GPU: an outer
         autocast alone left the Predict forwards in fp32)."""
-        layers = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False) is True]
-        for m in layers:
-            m.gradient_checkpointing = False
         prec = self.hybrid_config.memory.predict_autocast
         dtype = torch.bfloat16 if prec == "bf16" else torch.float16
         autocast = (torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -878,11 +880,9 @@ class PredictiveEngine(DeepSpeedEngine):
             self.torch_autocast_enabled = lambda: True
             self.torch_autocast_dtype = lambda: dtype
         try:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast, checkpointing_off(self.module):
                 yield
         finally:
-            for m in layers:
-                m.gradient_checkpointing = True
             if prec != "none":
                 del self.torch_autocast_enabled, self.torch_autocast_dtype
 
@@ -941,6 +941,15 @@ class PredictiveEngine(DeepSpeedEngine):
         if self._total_steps and cfg.warmup_steps >= self._total_steps:
             logger.warning(f"hybrid_predict.warmup_steps ({cfg.warmup_steps}) is not shorter than the schedule's "
                            f"total_num_steps ({self._total_steps}): no Predict step will run")
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of ``values`` over the ranks (a collective)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return values
+        dev = torch.device(get_accelerator().current_device_name())
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.cpu().tolist()
 
     def _agreed(self, values: list[float]) -> list[float]:
         """Rank 0's values on every rank. Each rank's predictor sees the same all-reduced

@@ -171,6 +171,9 @@ class GradientPredict(WorkerOwner):
         self._next: tuple | None = None
         self.prefetched = [0, 0]   # runs that began from a prefetch's copies; prefetches dropped as stale
         self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
+        # predictor.gradient_checkpointing (the engine sets it): whether the private backward recomputes
+        # the model's checkpointed blocks (grad_recompute.Recompute)
+        self.recompute = None
 
     @property
     def share_wait_seconds(self) -> dict[str, float]:
@@ -194,7 +197,10 @@ class GradientPredict(WorkerOwner):
         if not self._prefetching:   # (a prefetch goes on behind this gradient; _begin joins it)
             self.wait()   # (a commit behind the last real step reads the state this run copies)
         batches = batch_share(batches, self.batch_fraction)
-        with timed("gradient"):
+        # (predictor.gradient_checkpointing; the run's moments allocated: a measured peak holds them)
+        ready = self.m is not None or self._prefetching or self._next is not None
+        recompute = self.recompute.scope(batches, ready) if self.recompute is not None else contextlib.nullcontext()
+        with timed("gradient"), recompute:
             laid = None   # ZeRO 3: the gradient already laid like the masters, one tensor per partition
             if self.access.params_partitioned:
                 laid, device = self._partition_gradient(engine, batches, loss_fn)

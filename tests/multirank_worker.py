@@ -61,6 +61,11 @@ parser.add_argument("--direction", default="drift", choices=["drift", "gradient"
                     help="with --offload-predict: predictor.direction")
 parser.add_argument("--gradient-batch-fraction", type=float, default=1.0,
                     help="with --direction gradient: predictor.gradient_batch_fraction")
+parser.add_argument("--checkpointing", default=None, choices=["auto", "true", "false"],
+                    help="with --direction gradient: the model under activation checkpointing, and "
+                         "predictor.gradient_checkpointing")
+parser.add_argument("--no-room-rank", type=int, default=None,
+                    help="with --checkpointing auto: this rank finds no room for the blocks' activations")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -85,7 +90,9 @@ if args.offload_predict:
     hybrid = {"warmup_steps": 3, "full_steps": 2, "confidence_threshold": 0.0, "min_predict_steps": 2,
               "max_predict_steps": 2, "correction_steps": 0, "check": "next_step",
               "predictor": {"direction": args.direction} if args.direction != "gradient" else
-              {"direction": "gradient", "gradient_batch_fraction": args.gradient_batch_fraction},
+              {"direction": "gradient", "gradient_batch_fraction": args.gradient_batch_fraction,
+               "gradient_checkpointing": {None: "auto", "auto": "auto", "true": True,
+                                          "false": False}[args.checkpointing]},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto",
@@ -98,6 +105,11 @@ if args.stage == 3 and args.direction == "gradient":
     # model's are all below DeepSpeed's default persistence threshold)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
 engine = make_engine(cfg, groups=4 if args.group_predict else 0)
+if args.checkpointing:
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+if args.no_room_rank == rank:
+    import ds_hybrid.grad_recompute as gr
+    gr.limit_bytes = lambda device, local_ranks: 0.0
 lp_written = {"propagations": 0}   # propagations that found the 16-bit shards written by the update
 if args.copy_lp:
     engine._masters._lp = lambda i: None

@@ -157,6 +157,15 @@ def test_fold_in_step_keeps_the_ranks_together_and_equals_the_inline_fold(tmp_pa
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
 
 
+def _runs_alike(runs: dict, ref: str) -> None:
+    """Every rank of every run took the steps of ``ref``'s rank 0: phases, losses and checks."""
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
+    want = [tuple(s[c] for c in cols) for s in runs[ref][0]["record"]]
+    for name, ranks in runs.items():
+        for rep in ranks:
+            assert [tuple(s[c] for c in cols) for s in rep["record"]] == want, f"{name} differs from {ref} rank 0"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(stage, tmp_path):
@@ -173,11 +182,9 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
         runs[where] = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
                                                         "--offload-predict", where, "--direction", "gradient"],
                                 2, tmp_path / where)
-    cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
-    want = [tuple(s[c] for c in cols) for s in runs["host"][0]["record"]]
+    _runs_alike(runs, "host")
     for where, ranks in runs.items():
         for rep in ranks:
-            assert [tuple(s[c] for c in cols) for s in rep["record"]] == want, f"{where} differs from host rank 0"
             st = rep["statistics"]
             assert st["offload_predict"] == where and st["gradient_nonfinite_steps"] == 1
             assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
@@ -199,3 +206,23 @@ def test_a_gradient_from_part_of_the_batch_keeps_the_ranks_together_on_zero_3(tm
     st = ranks[0]["statistics"]
     assert st["gradient_nonfinite_steps"] == 1 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
     assert len({rep["weights_sha256"] for rep in ranks}) == 1
+
+
+@pytest.mark.slow
+def test_gradient_predict_steps_recompute_or_not_alike_on_every_rank(tmp_path):
+    """predictor.gradient_checkpointing: auto, a checkpointed model, ZeRO 3 under offload, 2 ranks
+    (whose per-parameter all-reduces pair up only if both run the same backward): where rank 1
+    finds no room for the blocks' activations both ranks keep recomputing, else both stop after
+    their one measured step; the same steps and, the gradient being the same, the same weights."""
+    runs = {}
+    for name, extra in (("room", []), ("no-room", ["--no-room-rank", "1"])):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "12", "--offload-predict", "device",
+                                                       "--direction", "gradient", "--checkpointing", "auto", *extra],
+                               2, tmp_path / name)
+    _runs_alike(runs, "room")
+    for name, plain in (("room", True), ("no-room", False)):
+        stats = [rep["statistics"]["gradient_recompute"] for rep in runs[name]]
+        assert stats[0]["steps"] == stats[1]["steps"] and (stats[0]["steps"]["plain"] > 0) is plain
+        assert [d["plain"] for d in stats[0]["decisions"]] == [plain] == [d["plain"] for d in stats[1]["decisions"]]
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1

@@ -128,6 +128,12 @@ VARIANTS: dict[str, dict | None] = {
     "grad-device": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "device"},
                     "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
                     "check": "next_step"},
+    # ... with its backward recomputing the checkpointed blocks as a real step's does, or never
+    # (predictor.gradient_checkpointing true / false; grad-device's auto keeps their activations where they fit).
+    **{f"grad-device-{name}": {"predictor": {"direction": "gradient", "gradient_checkpointing": setting},
+                                "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
+                                "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
+       for name, setting in (("recompute", True), ("plain", False))},
     # ... each Predict step's gradient from half of its batch (predictor.gradient_batch_fraction):
     # half its forward and backward, where those are a real step's dear part too.
     "grad-device-half": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.5},
@@ -270,16 +276,19 @@ def format_table(rows: list[dict], runs: list[dict]) -> str:
                          f"{ratio} | {'-' if tps is None else f'{tps:,.0f}'} | {'-' if loss is None else f'{loss:.3f}'} |")
     if any(r.get("predictor_ms_per_step") is not None for r in runs):
         lines += ["", "| model | run | moment parking | predictor device | predictor ms per step | kernel launches | "
+                  "gradient Predict steps recomputing / not | "
                   "profiler ms per record (host / CUDA / NVML) | hybrid bookkeeping ms per step of its phase |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in runs:
             pm = r.get("predictor_ms_per_step")
             launches = ", ".join(f"{k} {v}" for k, v in sorted((r.get("kernel_launches") or {}).items())) or "-"
             parts = r.get("profiler_ms_per_record") or {}
             prof = " / ".join(f"{parts[k]:.2f}" for k in ("host", "cuda", "nvml") if k in parts) or "-"
+            rec = (r.get("gradient_recompute") or {}).get("steps")
+            rec = "-" if not rec else f"{rec['recomputed']} / {rec['plain']}"
             lines.append(f"| {r['model']} | {r['run']} | {r.get('moment_parking') or '-'} | "
                          f"{r.get('predictor_device') or '-'} | {'-' if pm is None else f'{pm:.2f}'} | {launches} | "
-                         f"{prof} | {', '.join(f'{k} {v:.1f}' for k, v in (r.get('bookkeeping_ms') or {}).items()) or '-'} |")
+                         f"{rec} | {prof} | {', '.join(f'{k} {v:.1f}' for k, v in (r.get('bookkeeping_ms') or {}).items()) or '-'} |")
     lines += wall_clock_table(rows, runs)
     return "\n".join(lines)
 
@@ -371,6 +380,8 @@ def predictor_figures(summary: dict) -> dict:
             "gradient_share_wait_ms": {k: 1e3 * v / max(st["steps_per_phase"].get("predict", 0), 1)
                                        for k, v in st["gradient_share_wait_seconds"].items()}
             if "gradient_share_wait_seconds" in st else None,
+            # predictor.gradient_checkpointing: Predict steps that recomputed the checkpointed blocks or not, and why
+            "gradient_recompute": st.get("gradient_recompute"),
             "profiler_ms_per_record": {k: 1e3 * v / records for k, v in parts.items()},
             # the hybrid's work on the masters, ms per step of the phase it runs in
             "bookkeeping_ms": _bookkeeping_ms(st)}

@@ -39,7 +39,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
@@ -111,7 +111,6 @@ class ModelShape:
 def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
     """Counts for a named model (``ds_hybrid.models``) or a transformers config JSON."""
     import torch
-    from torch import nn
     from transformers import AutoModelForCausalLM
 
     from ..models import MODEL_SPECS, model_config
@@ -121,6 +120,17 @@ def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
         raise PlanError(f"--model: {err}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else None
+    return shape_of(model, name, default_seq)
+
+
+def shape_of(model: Any, name: str, default_seq_len: int | None = None) -> ModelShape:
+    """Counts for a built transformers model (on the meta device or not) from its ``config``:
+    the planner's for a named model, the engine's for the module it trains
+    (``ds_hybrid/grad_recompute.py``). AttributeError where it has no such config."""
+    from torch import nn
+
+    config = model.config
     params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     layers = int(config.num_hidden_layers)
@@ -133,12 +143,11 @@ def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     act = str(getattr(config, "activation_function", None) or getattr(config, "hidden_act", "silu"))
     positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048)
-    default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else min(positions, 2048)
     return ModelShape(name=name, family=family, params=params, largest_module_params=largest,
                       block_params=block, layers=layers, hidden=hidden, heads=heads,
                       kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                       intermediate=int(inter), vocab=int(config.vocab_size), max_positions=positions,
-                      default_seq_len=default_seq, activation=act)
+                      default_seq_len=default_seq_len or min(positions, 2048), activation=act)
 
 
 # ============================================================== the preset
@@ -631,11 +640,12 @@ def make_plan(shape: ModelShape, presets: list[PresetSpec], gpu_mem: int, cpu_me
     return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked)
 
 
-def host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """The machine's memory (``MemTotal``), or None where the kernel does not say (not Linux)."""
+def host_memory_bytes(meminfo: str | Path = "/proc/meminfo", key: str = "MemTotal") -> int | None:
+    """The machine's memory (``MemTotal``; ``MemAvailable``: what can be had now without swapping),
+    or None where the kernel does not say (not Linux)."""
     try:
         for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
