@@ -129,8 +129,8 @@ class PredictorConfig(_Section):
     that step's forward (the step's peak where higher), against the process's limit
     (``torch.cuda.set_per_process_memory_fraction`` included) less 10% for fragmentation; on a
     CPU against half the host's available memory, shared by the node's ranks. A model without a
-    transformers config to count from keeps recomputing. ``statistics()["gradient_recompute"]`` says what was decided and from what
-    (``ds_hybrid/grad_recompute.py``)."""
+    transformers config to count from keeps recomputing. ``statistics()["gradient_recompute"]``
+    says what was decided and from what (``ds_hybrid/grad_recompute.py``)."""
 
 
 class DynamicsConfig(_Section):

@@ -12,9 +12,9 @@ bit: the recomputed forward is the same forward (``tests/test_grad_recompute.py`
 new size that runs with the run's moments already allocated runs checkpointed, what it holds at
 the end of its forward and at its peak is read, and the activations the blocks would keep are
 counted as the planner counts them (``memory.planner.activation_bytes``, checked against autograd's
-saved tensors in ``tests/test_plan.py``). Every rank takes the largest size any rank has and the answer of the rank
-with least room, so all run the same backward (ZeRO 3's per-parameter all-reduces pair up in the
-backward's order).
+saved tensors in ``tests/test_plan.py``). Every rank takes the largest size any rank has and the
+answer of the rank with least room, so all run the same backward (ZeRO 3's per-parameter
+all-reduces pair up in the backward's order).
 """
 from __future__ import annotations
 
@@ -79,11 +79,13 @@ def extra_activation_bytes(module: torch.nn.Module, tokens: int) -> float | None
 def limit_bytes(device: torch.device, local_ranks: int) -> float | None:
     """What this rank may hold: on a GPU ``MARGIN`` of the process's limit (the device's memory
     times ``torch.cuda.set_per_process_memory_fraction``'s fraction); on a CPU ``HOST_SHARE`` of
-    the host's available memory now, split between the node's ranks. None where unknown."""
+    the host's available memory now, split between the node's ranks. None where unknown (a torch
+    that cannot say the fraction: a cap set by ``--gpu-mem-cap`` would go unseen)."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        return total * (get_fraction(device) if get_fraction is not None else 1.0) * MARGIN
+        if get_fraction is None:
+            return None
+        return torch.cuda.get_device_properties(device).total_memory * get_fraction(device) * MARGIN
     from .memory.planner import host_memory_bytes
     available = host_memory_bytes(key="MemAvailable")
     return None if available is None else available * HOST_SHARE / max(1, local_ranks)

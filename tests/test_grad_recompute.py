@@ -207,3 +207,15 @@ def test_on_a_gpu_auto_reads_the_forwards_end_and_the_peak_and_runs_the_next_ste
     assert d["plain"] is True and d["device"] == "cuda"
     assert 0 < d["forward_end_bytes"] <= d["peak_bytes"] <= d["need_bytes"] < d["limit_bytes"]
     assert rec.steps == {"recomputed": 1, "plain": 1}
+
+
+def test_a_torch_that_cannot_say_the_gpu_cap_leaves_the_limit_unknown(monkeypatch):
+    """Without ``get_per_process_memory_fraction`` a ``--gpu-mem-cap`` would go unseen: no limit, so
+    ``auto`` keeps recomputing rather than count the whole device."""
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    assert gr.limit_bytes(torch.device("cuda"), 1) is None
+    net = _checkpointed_model()
+    rec = gr.Recompute("auto", net, lambda v: v)
+    monkeypatch.setattr(gr, "extra_activation_bytes", lambda module, tokens: 1.0)
+    rec._decide(2 * SEQ, torch.device("cuda"), 1.0, 1.0)
+    assert rec.decisions[0]["plain"] is False and rec.decisions[0]["limit_bytes"] is None
