@@ -11,7 +11,7 @@ bit: the recomputed forward is the same forward (``tests/test_grad_recompute.py`
 ``auto`` decides per micro-batch size (its tokens), once, from a measurement: a Predict step of a
 new size that runs with the run's moments already allocated runs checkpointed, what it holds at
 the end of its forward and at its peak is read, and the activations the blocks would keep are
-counted as the planner counts them (``memory.planner.activation_bytes``, checked against autograd's
+counted as the planner counts them (``memory.counts.activation_bytes``, checked against autograd's
 saved tensors in ``tests/test_plan.py``). Every rank takes the largest size any rank has and the
 answer of the rank with least room, so all run the same backward (ZeRO 3's per-parameter
 all-reduces pair up in the backward's order).
@@ -66,7 +66,7 @@ def extra_activation_bytes(module: torch.nn.Module, tokens: int) -> float | None
     plainly beyond what it holds checkpointed, by the planner's count: every block's activations
     less their inputs, plus the backward's first transient; None for a model without a
     transformers config to count from."""
-    from .memory.planner import activation_bytes, shape_of
+    from .memory.counts import activation_bytes, shape_of
     try:
         shape = shape_of(module, type(module).__name__)
     except (AttributeError, TypeError, ValueError):
@@ -86,7 +86,7 @@ def limit_bytes(device: torch.device, local_ranks: int) -> float | None:
         if get_fraction is None:
             return None
         return torch.cuda.get_device_properties(device).total_memory * get_fraction(device) * MARGIN
-    from .memory.planner import host_memory_bytes
+    from .memory.counts import host_memory_bytes
     available = host_memory_bytes(key="MemAvailable")
     return None if available is None else available * HOST_SHARE / max(1, local_ranks)
 

@@ -39,10 +39,12 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
+# (the counts live below the planner, where the engine reads them too; named here for the planner's users)
+from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
 # ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
 CUDA_CONTEXT_BYTES = 1 * GiB          # CUDA context + cuBLAS / cuDNN workspaces + NCCL buffers per process
@@ -88,26 +90,6 @@ def fmt_bytes(n: float | None) -> str:
 
 
 # ============================================================== the model
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs to know about a model; counted on the meta device (no weights)."""
-
-    name: str
-    family: str                # "gpt2" (LayerNorm, GELU MLP) or "llama" (RMSNorm, RoPE, SwiGLU)
-    params: int                # unique parameters (tied weights once)
-    largest_module_params: int # DeepSpeed's largest_layer_params: the biggest single module's own
-    block_params: int          # one transformer block
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    max_positions: int
-    default_seq_len: int
-    activation: str
-
-
 def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
     """Counts for a named model (``ds_hybrid.models``) or a transformers config JSON."""
     import torch
@@ -122,32 +104,6 @@ def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
         model = AutoModelForCausalLM.from_config(config)
     default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else None
     return shape_of(model, name, default_seq)
-
-
-def shape_of(model: Any, name: str, default_seq_len: int | None = None) -> ModelShape:
-    """Counts for a built transformers model (on the meta device or not) from its ``config``:
-    the planner's for a named model, the engine's for the module it trains
-    (``ds_hybrid/grad_recompute.py``). AttributeError where it has no such config."""
-    from torch import nn
-
-    config = model.config
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    layers = int(config.num_hidden_layers)
-    blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
-    block = max((sum(p.numel() for p in b.parameters()) for b in blocks[0]), default=0) if blocks else 0
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    model_type = config.model_type
-    family = "gpt2" if model_type in ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "gptj") else "llama"
-    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    act = str(getattr(config, "activation_function", None) or getattr(config, "hidden_act", "silu"))
-    positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048)
-    return ModelShape(name=name, family=family, params=params, largest_module_params=largest,
-                      block_params=block, layers=layers, hidden=hidden, heads=heads,
-                      kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-                      intermediate=int(inter), vocab=int(config.vocab_size), max_positions=positions,
-                      default_seq_len=default_seq_len or min(positions, 2048), activation=act)
 
 
 # ============================================================== the preset
@@ -291,56 +247,6 @@ class Item:
     what: str
     bytes: float
     source: str = "ds_hybrid"
-
-
-def layer_activation_elements(shape: ModelShape, lp_bytes: int) -> float:
-    """Elements (in the training precision) that one transformer block saves for backward per
-    token, counted from the eager transformers implementations with SDPA attention (flash /
-    memory-efficient kernels: no sequence x sequence score matrix is kept).
-
-    GPT-2: LayerNorm inputs and outputs (4), q, k, v (3), the attention output and its
-    re-laid-out copy (2): 9 x hidden; the MLP's fc output, the tanh-GELU's intermediates
-    (tanh, 1 + tanh, x / 2) and its output: 5 x intermediate (2 for a fused GELU).
-    Llama: each RMSNorm keeps its input, the normalised value and its scaled output (3; 4 in
-    16-bit, where the input is upcast to fp32), attention keeps the rotated q and the
-    attention output (2; RoPE keeps only cos / sin, the output's re-layout is a view) and
-    the rotated k and v at the key/value width (SDPA's native grouped-query path); SwiGLU
-    keeps gate, up, silu(gate) and their product: 4 x intermediate. Checked against
-    ``torch.autograd.graph.saved_tensors_hooks`` in tests/test_plan.py.
-    """
-    h, inter = shape.hidden, shape.intermediate
-    if shape.family == "gpt2":
-        i_terms = 5 if shape.activation in ("gelu_new", "gelu_pytorch_tanh_python", "gelu_python") else 2
-        return 9 * h + i_terms * inter
-    kv_ratio = shape.kv_heads / shape.heads
-    norm = 3 if lp_bytes == 4 else 4
-    return 2 * norm * h + (2 + 2 * kv_ratio) * h + 4 * inter
-
-
-def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, lp_bytes: int,
-                     checkpointing: bool) -> dict[str, float]:
-    """Activation memory of one micro-batch at its peak (the start of backward), in bytes.
-
-    ``layers``: what the blocks keep (all of each block, or with checkpointing only each
-    block's input); ``head``: the final norm and the loss (cross-entropy keeps fp32
-    log-probabilities over the vocabulary); ``working``: the largest transient of the backward
-    pass, either the loss's (fp32 gradient in and out of log-softmax, plus the 16-bit logits'
-    gradient) or one block's (its recomputed activations with checkpointing, plus its
-    gradients in flight).
-    """
-    tokens = seq_len * micro_batch
-    block = layer_activation_elements(shape, lp_bytes) * tokens * lp_bytes
-    block_grads = (3 * shape.hidden + 2 * shape.intermediate) * tokens * lp_bytes
-    if checkpointing:
-        layers = shape.layers * shape.hidden * tokens * lp_bytes
-        block_working = block + block_grads
-    else:
-        layers = shape.layers * block
-        block_working = block_grads
-    norm_units = 2 if shape.family == "gpt2" else (3 if lp_bytes == 4 else 4)
-    head = norm_units * shape.hidden * tokens * lp_bytes + shape.vocab * tokens * 4
-    loss_working = shape.vocab * tokens * (8 + (lp_bytes if lp_bytes == 2 else 0))
-    return {"layers": layers, "head": head, "working": max(loss_working, block_working)}
 
 
 def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
@@ -638,18 +544,6 @@ def make_plan(shape: ModelShape, presets: list[PresetSpec], gpu_mem: int, cpu_me
         ests.append(e)
     picked = next((e.preset for e in ests if e.fits), None)
     return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked)
-
-
-def host_memory_bytes(meminfo: str | Path = "/proc/meminfo", key: str = "MemTotal") -> int | None:
-    """The machine's memory (``MemTotal``; ``MemAvailable``: what can be had now without swapping),
-    or None where the kernel does not say (not Linux)."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def plan_for_run(ds_config: dict, model: str, seq_len: int, zero_init: bool, accelerator: str,
