@@ -26,6 +26,18 @@ the CPU never receives a Predict step's gradient. Predict steps:
   steps' gradients stay in the first moment as a real step's do (on the GPU: ``m`` sent back once per run, as a
   gradient is); ``v`` and the step count still see only the real steps.
 
+``--top-blocks K`` cuts each gradient Predict step's backward at the top ``K`` transformer blocks (the input of the
+``K``-th block from the top detached in its forward): those blocks, the final norm and the head (tied to the token
+embedding) get the step's gradient; what lies below gets none and, with ``--lower still``, does not move, or with
+``--lower still-embedding`` holds the token embedding too (its gradient then comes from the head alone), or with
+``--lower coast`` moves by Adam's step from its first moment decayed as a zero gradient decays it. On a GPU such a
+step costs its forward plus that share of a backward, and moves (and needs the moments of) that share of the
+weights only: the way toward a Predict step of 0.1x a plain ZeRO-Offload step, whose price in loss this measures.
+
+A cut gradient's norm leaves out the blocks below, so clipping it by its own norm (``--cut-clip own``) scales it
+less than a real step's gradient is scaled, against a second moment held from real steps; ``--cut-clip last-real``
+scales it by the factor that clipped the last real step's gradient instead.
+
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
 update), as a 2-bytes-a-value copy would.
 
@@ -79,7 +91,7 @@ def run_key(row: dict) -> tuple:
     if row["mode"] == "plain":
         return ("plain", row["seed"], row["steps"])
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
-            row.get("weights", "fp32"))
+            row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -88,7 +100,10 @@ def job_key(args: tuple, kw: dict) -> tuple:
     if mode is None:
         return ("plain", seed, steps)
     F, H, start = rest
-    return (mode, seed, steps, F, H, start, kw.get("state_dtype", "fp32"), kw.get("weights", "fp32"))
+    top = kw.get("top_blocks")
+    return (mode, seed, steps, F, H, start, kw.get("state_dtype", "fp32"), kw.get("weights", "fp32"), top,
+            kw.get("lower", "still") if top is not None else None,
+            kw.get("cut_clip", "own") if top is not None else None)
 
 
 def stochastic_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -99,9 +114,30 @@ def stochastic_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)   # low 16 bits zero: exact in bf16
 
 
+def cut_backward(model: torch.nn.Module, top_blocks: int) -> list[bool]:
+    """Detach the input of the ``top_blocks``-th transformer block from the top (all of them: the embeddings'
+    output) while the returned switch's one value is True, so a backward then reaches the top blocks, the final
+    norm and the head only."""
+    blocks = model.transformer.h
+    if not 1 <= top_blocks <= len(blocks):
+        raise ValueError(f"--top-blocks: 1 to {len(blocks)} for this model (got {top_blocks})")
+    switch = [False]
+
+    def detach_input(module, args, kwargs):
+        if not switch[0]:
+            return None
+        if args:
+            return (args[0].detach(),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach()}
+
+    blocks[len(blocks) - top_blocks].register_forward_pre_hook(detach_input, with_kwargs=True)
+    return switch
+
+
 def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int = 1, start: int = 50, *,
           state_dtype: str = "fp32", weights: str = "fp32", batch: int = 16, model_name: str = "gpt2-tiny",
-          seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95) -> dict:
+          seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95,
+          top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own") -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
@@ -114,13 +150,25 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
     held = torch.bfloat16 if state_dtype == "bf16" else torch.float32
     rounding = torch.Generator(device=device).manual_seed(seed)
+    cut = cut_backward(model, top_blocks) if top_blocks is not None else [False]
+    embedding = model.get_input_embeddings().weight
+
+    clip_coef = [1.0]   # the last real step's clipping factor
 
     def gradient() -> float:
         with autocast():
             loss = model(**next(stream)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        if cut[0] and cut_clip == "last-real":
+            # a cut gradient's norm leaves out the blocks below: scaled as the last whole one was instead
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(clip_coef[0])
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
+            if not cut[0]:
+                clip_coef[0] = min(1.0, CLIP / (norm + 1e-6))
         return float(loss.detach())
 
     prev = vel = None
@@ -146,16 +194,25 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                     break
                 step_lr = lr_at(t + j)
                 if mode in GRADIENT_MODES:
-                    gradient()
+                    cut[0] = top_blocks is not None
+                    try:
+                        gradient()
+                    finally:
+                        cut[0] = False
                 with torch.no_grad():
                     if mode == "drift" and vel is not None:
                         add_flat(params, vel, step_lr)
                     elif mode in GRADIENT_MODES:
                         for i, p in enumerate(params):
+                            if lower == "still-embedding" and top_blocks is not None and p is embedding:
+                                continue   # the tied token embedding is held with what lies below the cut
+                            if p.grad is None and (lower.startswith("still") or mode == "rms"):
+                                continue   # below the cut (--top-blocks): no gradient, no move
                             if mode == "rms":
                                 d = p.grad
                             else:
-                                m_loc[i] = m_loc[i].mul_(BETAS[0]).add_(p.grad, alpha=1 - BETAS[0]).to(held).float()
+                                g = p.grad if p.grad is not None else torch.zeros_like(p)   # (--lower coast)
+                                m_loc[i] = m_loc[i].mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0]).to(held).float()
                                 d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
                             p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
                             if sixteen:
@@ -190,6 +247,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     return {"seed": seed, "lr": lr, "steps": steps, "mode": mode or "plain", "F": F if mode else 0,
             "H": H if mode else 0, "start": start,
             "real_steps": real, "predicted_steps": predicted, "state_dtype": state_dtype, "weights": weights,
+            "top_blocks": top_blocks, "lower": lower if top_blocks is not None else None,
+            "cut_clip": cut_clip if top_blocks is not None else None,
             "val_loss": val,
             "train_seconds": seconds}
 
@@ -268,6 +327,7 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
             "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds, 1), "complete": complete,
             "setup": {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "steps": args.steps,
                       "lr": args.lr, "start": args.start, "state_dtype": args.state_dtype, "weights": args.weights,
+                      "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                       "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
             "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
@@ -300,6 +360,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--weights", default="fp32", choices=["fp32", "bf16-sr"],
                    help="what a gradient Predict step updates: the weights exactly (fp32 displacement on the GPU), "
                         "or 16-bit weights with stochastic rounding, the masters catching up by their change")
+    p.add_argument("--top-blocks", type=int, default=None,
+                   help="gradient Predict steps back-propagate through the top K transformer blocks only")
+    p.add_argument("--lower", default="still", choices=["still", "still-embedding", "coast"],
+                   help="with --top-blocks, what lies below the cut does in a Predict step: nothing, nothing and "
+                        "the token embedding (tied to the head) held too, or Adam's step from its first moment "
+                        "decayed as by a zero gradient")
+    p.add_argument("--cut-clip", default="own", choices=["own", "last-real"],
+                   help="with --top-blocks, a cut gradient clipped by its own norm (which leaves out the blocks "
+                        "below), or scaled by the factor that clipped the last real step's gradient")
     p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -339,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in args.seeds:
         wanted = [((seed, args.lr, n, None), shape) for n in lengths]
         wanted += [((seed, args.lr, args.steps, mode, F, H, args.start),
-                    {**shape, "state_dtype": args.state_dtype, "weights": args.weights})
+                    {**shape, "state_dtype": args.state_dtype, "weights": args.weights,
+                     "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

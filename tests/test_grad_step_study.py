@@ -64,6 +64,37 @@ def test_sixteen_bit_predict_weights_round_stochastically_and_the_masters_catch_
     assert sixteen["val_loss"] == pytest.approx(exact["val_loss"], rel=0.02)
 
 
+def test_a_cut_backward_reaches_the_top_blocks_the_final_norm_and_the_head_only(study):
+    """``--top-blocks``: with the switch on, the blocks below the cut and the position embedding get no gradient
+    (the token embedding, tied to the head, gets the head's); off, every parameter gets one."""
+    from ds_hybrid.models import build_model
+    model = build_model("gpt2-test", vocab_size=256, seq_len=16)
+    switch = study.cut_backward(model, 1)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for on in (True, False):
+        model.zero_grad(set_to_none=True)
+        switch[0] = on
+        model(input_ids=ids, labels=ids).loss.backward()
+        missing = {n for n, p in model.named_parameters() if p.grad is None}
+        assert missing == ({n for n, _ in model.named_parameters() if n.startswith(("transformer.h.0.", "transformer.wpe"))}
+                           if on else set())
+    with pytest.raises(ValueError, match="--top-blocks"):
+        study.cut_backward(model, 3)
+
+
+def test_predict_steps_cut_at_the_top_blocks_move_less_and_say_so(study):
+    """A cut run differs from the whole one, ``still`` from ``coast``, and the row names its cut."""
+    whole = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)
+    still = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, top_blocks=2, **SHAPE)
+    coast = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, top_blocks=2, lower="coast",
+                        cut_clip="last-real", **SHAPE)
+    assert len({whole["val_loss"], still["val_loss"], coast["val_loss"]}) == 3
+    assert (still["top_blocks"], still["lower"], still["cut_clip"]) == (2, "still", "own")
+    assert (whole["top_blocks"], whole["lower"], whole["cut_clip"]) == (None, None, None)
+    assert study.run_key(coast) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30),
+                                                 dict(top_blocks=2, lower="coast", cut_clip="last-real"))
+
+
 def test_steps_worth_reads_a_loss_on_the_plain_curve(study):
     curve = [(100, 3.0), (200, 2.0), (400, 1.5)]
     assert study.steps_worth(2.5, curve) == (150.0, "")
