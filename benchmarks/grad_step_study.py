@@ -69,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from direction_study import add_flat, fold_velocity, schedule, setup  # noqa: E402
 from ds_hybrid.data import val_batches  # noqa: E402
+from ds_hybrid.models import block_list, build_model  # noqa: E402
 
 MODES = ("skip", "drift", "rms", "adam-local", "adam-carry")
 GRADIENT_MODES = ("rms", "adam-local", "adam-carry")
@@ -118,7 +119,9 @@ def cut_backward(model: torch.nn.Module, top_blocks: int) -> list[bool]:
     """Detach the input of the ``top_blocks``-th transformer block from the top (all of them: the embeddings'
     output) while the returned switch's one value is True, so a backward then reaches the top blocks, the final
     norm and the head only."""
-    blocks = model.transformer.h
+    blocks = block_list(model)
+    if blocks is None:
+        raise ValueError("--top-blocks: this model has no list of transformer blocks to cut")
     if not 1 <= top_blocks <= len(blocks):
         raise ValueError(f"--top-blocks: 1 to {len(blocks)} for this model (got {top_blocks})")
     switch = [False]
@@ -388,6 +391,13 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--schedules: F:H pairs of integers, e.g. 1:3 (got {args.schedules})")
     if any(F < 1 or H < 1 for F, H in args.schedules) or args.steps <= args.start:
         p.error("--schedules: F and H at least 1; --steps above --start")
+    if args.top_blocks is None and (args.lower, args.cut_clip) != ("still", "own"):
+        p.error("--lower and --cut-clip say what a cut backward does: give --top-blocks too")
+    if args.top_blocks is not None:
+        try:   # (here, not in a worker process: the model's block count from a copy of it)
+            cut_backward(build_model(args.model, vocab_size=256, seq_len=args.seq_len), args.top_blocks)
+        except ValueError as e:
+            p.error(f"{e} (--model {args.model})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here")
     shape = dict(batch=args.batch, model_name=args.model, seq_len=args.seq_len, device=args.device, bf16=args.bf16)

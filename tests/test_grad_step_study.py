@@ -64,11 +64,15 @@ def test_sixteen_bit_predict_weights_round_stochastically_and_the_masters_catch_
     assert sixteen["val_loss"] == pytest.approx(exact["val_loss"], rel=0.02)
 
 
-def test_a_cut_backward_reaches_the_top_blocks_the_final_norm_and_the_head_only(study):
-    """``--top-blocks``: with the switch on, the blocks below the cut and the position embedding get no gradient
-    (the token embedding, tied to the head, gets the head's); off, every parameter gets one."""
+@pytest.mark.parametrize("name, below", [
+    ("gpt2-test", ("transformer.h.0.", "transformer.wpe")),       # the token embedding is tied to the head
+    ("llama-tiny", ("model.layers.0.", "model.layers.1.", "model.layers.2.", "model.embed_tokens")),
+])
+def test_a_cut_backward_reaches_the_top_blocks_the_final_norm_and_the_head_only(study, name, below):
+    """``--top-blocks 1``: with the switch on, the blocks below the cut and the embeddings get no gradient
+    (GPT-2's token embedding, tied to the head, gets the head's); off, every parameter gets one."""
     from ds_hybrid.models import build_model
-    model = build_model("gpt2-test", vocab_size=256, seq_len=16)
+    model = build_model(name, vocab_size=256, seq_len=16)
     switch = study.cut_backward(model, 1)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     for on in (True, False):
@@ -76,10 +80,9 @@ def test_a_cut_backward_reaches_the_top_blocks_the_final_norm_and_the_head_only(
         switch[0] = on
         model(input_ids=ids, labels=ids).loss.backward()
         missing = {n for n, p in model.named_parameters() if p.grad is None}
-        assert missing == ({n for n, _ in model.named_parameters() if n.startswith(("transformer.h.0.", "transformer.wpe"))}
-                           if on else set())
+        assert missing == ({n for n, _ in model.named_parameters() if n.startswith(below)} if on else set())
     with pytest.raises(ValueError, match="--top-blocks"):
-        study.cut_backward(model, 3)
+        study.cut_backward(model, 0)
 
 
 def test_predict_steps_cut_at_the_top_blocks_move_less_and_say_so(study):
@@ -93,6 +96,17 @@ def test_predict_steps_cut_at_the_top_blocks_move_less_and_say_so(study):
     assert (whole["top_blocks"], whole["lower"], whole["cut_clip"]) == (None, None, None)
     assert study.run_key(coast) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30),
                                                  dict(top_blocks=2, lower="coast", cut_clip="last-real"))
+
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lower", "coast"], "give --top-blocks too"),
+    (["--top-blocks", "5"], "1 to 4 for this model (got 5) (--model gpt2-tiny)"),
+])
+def test_a_cut_the_model_cannot_take_is_refused_before_any_run(study, capsys, argv, says):
+    with pytest.raises(SystemExit):
+        study.main(argv + ["--seeds", "1", "--json", "/nonexistent/never-written.json"])
+    assert says in capsys.readouterr().err
 
 
 def test_steps_worth_reads_a_loss_on_the_plain_curve(study):
