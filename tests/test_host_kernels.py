@@ -303,7 +303,10 @@ def test_cpp_held_adam_step_is_the_ieee_step_and_the_torch_ops_within_a_rounding
     kernels.held_adam_step_reference(ref, m, v, beta1=0.9, beta2=0.95, step=7, weight_decay=wd, decoupled=True, **kw)
     differ = got.view(torch.int16) != ref.view(torch.int16)
     assert int(differ.sum()) <= max(2, n // 2000)
-    step = torch.finfo(torch.bfloat16).eps * ref.float().abs()
+    # one bf16 step of the result, or, where the update nearly cancels the weight (a weight crossing
+    # zero), the fp32 ulp the torch ops' square root put into an update about as large as the weight
+    step = (torch.finfo(torch.bfloat16).eps * ref.float().abs()
+            + 2 * torch.finfo(torch.float32).eps * (x.float().abs() + ref.float().abs()))
     assert bool(((got.float() - ref.float()).abs() <= step)[differ].all())
     with pytest.raises(RuntimeError, match="contiguous bf16"):
         host_kernels.held_adam(got.float(), m, v, bc1=bc1, bc2=bc2, decay=0.0, **kw)

@@ -371,7 +371,10 @@ def test_gpu_held_adam_step_matches_reference(n, xdtype, sdtype):
         return
     differ = x.view(torch.int16) != ref.view(torch.int16)
     assert int(differ.sum()) <= max(2, n // 2000)
-    step = torch.finfo(torch.bfloat16).eps * ref.float().abs()
+    # one bf16 step of the result, or where the weight and the update nearly cancel, the fp32 ulp the two
+    # computations of the update differ by (as above; tests/test_host_kernels.py met one on the CPU)
+    step = (torch.finfo(torch.bfloat16).eps * ref.float().abs()
+            + 2 * torch.finfo(torch.float32).eps * (x0.float().abs() + ref.float().abs()))
     assert bool(((x.float() - ref.float()).abs() <= step)[differ].all())
 
 
