@@ -171,3 +171,35 @@ def test_a_private_backward_through_the_module_leaves_deepspeeds_gradient_path_a
             eng.step()
     assert a.global_steps == b.global_steps == 3
     assert all(torch.equal(x, y) for x, y in zip(full_params(a), full_params(b)))
+
+
+def test_predict_steps_in_the_cpu_window_take_their_gradient_without_the_real_update_and_say_so(study):
+    """``--window``: a run whose Predict runs never start keeps plain AdamW bit for bit (the window's bookkeeping
+    moves nothing); with runs, the stale gradients and the moments from before the real step change the loss,
+    the guessed cover changes it again, all three stay near the synchronous run, and each row names its window."""
+    plain = study.train(1, 2e-3, 36, None, **SHAPE)
+    never = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=36, window=2, **SHAPE)
+    assert never["val_loss"] == plain["val_loss"]
+    sync = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)
+    stale = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, window=2, **SHAPE)
+    cover = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, window=2, window_cover="last", **SHAPE)
+    assert len({sync["val_loss"], stale["val_loss"], cover["val_loss"]}) == 3
+    for r in (stale, cover):   # (36 steps: a check that nothing broke, not a measurement)
+        assert r["val_loss"] == pytest.approx(sync["val_loss"], rel=0.1)
+    assert (stale["window"], stale["window_cover"]) == (2, "none")
+    assert (sync["window"], sync["window_cover"]) == (None, None)
+    assert study.run_key(cover) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30),
+                                                 dict(window=2, window_cover="last"))
+    assert study.run_key(cover) != study.run_key(stale) != study.run_key(sync)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--window-cover", "last"], "give --window too"),
+    (["--window", "-1"], "--window: 0 or more"),
+    (["--window", "2", "--modes", "skip", "adam-carry"], "--window: the Predict steps must take a gradient"),
+    (["--window", "2", "--top-blocks", "2"], "--window and --top-blocks"),
+])
+def test_a_window_the_study_cannot_run_is_refused_before_any_run(study, capsys, argv, says):
+    with pytest.raises(SystemExit):
+        study.main(argv + ["--seeds", "1", "--json", "/nonexistent/never-written.json"])
+    assert says in capsys.readouterr().err
