@@ -119,6 +119,13 @@ def job_key(args: tuple, kw: dict) -> tuple:
             window, kw.get("window_cover", "none") if window is not None else None)
 
 
+def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
+    """A first moment ``m_run`` that took ``steps`` gradients starting from ``m_from``, as if started from ``m_to``:
+    each update scales what came before by beta1 and adds a gradient's share, so the start's weight is beta1^steps
+    (``--window``: the run began from the moment before the real step; the optimizer's has that step's gradient)."""
+    return m_run + BETAS[0] ** steps * (m_to - m_from)
+
+
 def stochastic_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``x`` (fp32) rounded to bf16 stochastically: up with probability the dropped fraction of an ulp (unbiased,
     so updates far below a bf16 ulp still move the weights on average)."""
@@ -260,7 +267,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             if mode == "adam-carry":
                 for i, (p, m) in enumerate(zip(params, m_loc)):
                     if behind:   # the run's gradients on top of the real step's m, not the m before it
-                        m = m + BETAS[0] ** taken * (opt.state[p]["exp_avg"] - pre_state[1][i])
+                        m = rebased_first_moment(m, pre_state[1][i], opt.state[p]["exp_avg"], taken)
                     opt.state[p]["exp_avg"].copy_(m)
             if sixteen:   # the masters catch up by what the 16-bit weights moved
                 with torch.no_grad():

@@ -193,6 +193,20 @@ def test_predict_steps_in_the_cpu_window_take_their_gradient_without_the_real_up
     assert study.run_key(cover) != study.run_key(stale) != study.run_key(sync)
 
 
+def test_a_run_from_the_moment_before_the_real_step_hands_back_the_one_it_would_have_had_from_after(study):
+    """``--window``'s carry: the run's gradients over the moment before the real step, rebased onto the moment
+    after it, are the same gradients taken over the moment after it (to fp32 rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    before, grads = torch.randn(1000, generator=gen), [torch.randn(1000, generator=gen) for _ in range(4)]
+    after = study.BETAS[0] * before + (1 - study.BETAS[0]) * grads[0]   # the real step's update of m
+    run_before, run_after = before.clone(), after.clone()
+    for g in grads[1:]:
+        run_before.mul_(study.BETAS[0]).add_(g, alpha=1 - study.BETAS[0])
+        run_after.mul_(study.BETAS[0]).add_(g, alpha=1 - study.BETAS[0])
+    assert torch.allclose(study.rebased_first_moment(run_before, before, after, 3), run_after, rtol=0, atol=1e-6)
+    assert not torch.allclose(run_before, run_after, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--window-cover", "last"], "give --window too"),
     (["--window", "-1"], "--window: 0 or more"),
