@@ -289,7 +289,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                              [opt.state[p]["exp_avg_sq"].clone() for p in params])
             else:
                 pre_state = None   # (the first step: no state to copy yet)
-            if last_update is not None and last_lr > 0:
+            if window_cover == "last" and last_update is not None and last_lr > 0:
                 unit_before = [u / last_lr for u in last_update]
         opt.step()
         if window is not None:
