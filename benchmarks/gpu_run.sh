@@ -85,13 +85,16 @@
 #            (--reuse) when called again on the same warm machine; in a later session, unpack
 #            offload-gpu-runs.tgz into runs/bench here and name runs/bench/offload-gpu in the call's carry
 #                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz
-#   train7b llama-7b on the 7b-24gb-z2 preset (ZeRO 2, optimizer in pinned CPU memory, bf16 weights on
-#            the GPU, the hybrid's velocity copy there only during a run) under a 24 GB allocator cap,
-#            2048-token sequences, 2 micro-batches a step: a hybrid run (Predict from step 4) and plain
-#            ZeRO-Offload, 12 steps each, and the planner's estimate beside them (7b-24gb, ZeRO 3 with the
-#            parameters offloaded too, needs 125.5 GiB of host memory for DeepSpeed's buffers alone:
-#            more than this machine has; docs/results/offload-host-layout.json)
-#                                                  -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json
+#   train7b llama-7b on the 7b-24gb-z2 preset (ZeRO 2, optimizer in CPU memory, bf16 weights on the
+#            GPU, the hybrid's velocity copy there only during a run) under a 24 GB allocator cap,
+#            2 x 2048 tokens a step in one micro-batch (with accumulation DeepSpeed keeps a 16-bit buffer
+#            per parameter in host memory, 12 GiB at 7B): a hybrid run (Predict from step 4) and plain
+#            ZeRO-Offload, 12 steps each, and the planner's estimate beside them. DeepSpeed's pinning
+#            stays on only where this torch can stop rounding pinned blocks up to powers of two (torch
+#            2.11 cannot: the rounding alone is 19.8 GiB at 7B, over the host; ds_hybrid/pinned.py).
+#            (7b-24gb, ZeRO 3 with the parameters offloaded too, needs 125.5 GiB of host memory for
+#            DeepSpeed's buffers alone: more than this machine has; docs/results/offload-host-layout.json)
+#                                    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json, OUT/free.log
 #   stale124 the CPU window's cost in loss at GPT-2 124M (benchmarks/stale_update_study.py, plain PyTorch, bf16
 #            autocast): the synchronous step against a gradient taken one update behind the masters, bare and
 #            covered by the last update; 8 x 256 bytes a step, 600 steps, peak LR 6e-4 and 1.2e-3, 3 seeds. It
@@ -243,15 +246,22 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       fi
       stage_rc offbench $rc "$t0" ;;
     train7b)
-      # (ds-hybrid train's byte-level data: llama-7b with a 256-entry vocabulary, 6.48B parameters; the plan
-      # for the model as trained)
-      $DSH plan --model llama-7b --vocab-size 256 --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
-        --seq-len 2048 --presets 7b-24gb-z2 7b-24gb --json "$OUT/plan-7b.json" | tail -5
+      # (ds-hybrid train's byte-level data: llama-7b with a 256-entry vocabulary, 6.48B parameters)
       $PY -c "
-import json; c = json.load(open('ds_configs/7b-24gb-z2.json')); c['gradient_accumulation_steps'] = 2
+import json
+from ds_hybrid.pinned import can_limit_pinned_rounding
+c = json.load(open('ds_configs/7b-24gb-z2.json'))
+c['zero_optimization']['offload_optimizer']['pin_memory'] = can_limit_pinned_rounding()
 c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
                            confidence_threshold=0.0, check='next_step')
-json.dump(c, open('/tmp/7b-short.json', 'w'))"
+json.dump(c, open('/tmp/7b-short.json', 'w'))
+print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_optimizer']['pin_memory'])"
+      # (the plan for the config as run, and the presets as they are)
+      $DSH plan --model llama-7b --vocab-size 256 --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
+        --seq-len 2048 --presets /tmp/7b-short.json 7b-24gb-z2 7b-24gb --json "$OUT/plan-7b.json" | tail -8
+      # (host and GPU memory every 2 s beside the runs: an out-of-memory host shows here first)
+      (while sleep 2; do echo "$(date +%s) $(free -m | awk '/Mem/ {print $3, $7}')"; done) > "$OUT/free.log" 2>&1 &
+      watcher=$!
       rc=0
       arms=2
       for arm in hybrid plain; do
@@ -264,6 +274,7 @@ json.dump(c, open('/tmp/7b-short.json', 'w'))"
         [ -f /tmp/t7b-$arm/summary.json ] && cp /tmp/t7b-$arm/summary.json "$OUT/train7b-$arm.json"
         arms=$(( arms - 1 ))
       done
+      kill "$watcher" 2>/dev/null
       stage_rc train7b $rc "$t0" ;;
     stale124)
       timeout -k 20 "$(smaller 560 "$(left 10)")" $PY benchmarks/stale_update_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \

@@ -48,6 +48,7 @@ WHERE_ON_GPU_MACHINE = {
     "16-bit weights (param_groups_fp16_flat_cpu_memory)": "host",
     "16-bit weights (bit16_groups_flat)": "gpu",
     "16-bit weights (lp_param_buffer)": "gpu",
+    "16-bit gradient accumulation per parameter (accumulated_grads_in_cpu)": "host",
 }
 
 
@@ -79,6 +80,10 @@ def count_buffers(opt, stage: int) -> dict[str, int]:
         out["16-bit weights (param_groups_fp16_flat_cpu_memory)"] = sum(
             _nbytes(t) for t in getattr(opt, "param_groups_fp16_flat_cpu_memory", []) if t.numel() > 1)
         out["16-bit weights (lp_param_buffer)"] = _nbytes(getattr(opt, "lp_param_buffer", None))
+    # ZeRO 1/2 under offload with gradient_accumulation_steps > 1: one 16-bit buffer per
+    # parameter that the micro-batches' gradients gather in (async_accumulate_grad_in_cpu_via_gpu)
+    out["16-bit gradient accumulation per parameter (accumulated_grads_in_cpu)"] = sum(
+        _nbytes(t) for t in getattr(opt, "accumulated_grads_in_cpu", {}).values())
     out["fp32 masters"] = sum(_nbytes(t) for t in masters)
     out["fp32 gradient of the masters"] = sum(_nbytes(t.grad) for t in masters if t.grad is not None)
     return {k: v for k, v in out.items() if v}
@@ -97,7 +102,7 @@ def deepspeed_estimate(stage: int, offload_param: bool, params: int) -> float:
     return cpu / params
 
 
-def run_one(layout: str, hybrid: bool, hidden: int, layers: int, steps: int) -> dict:
+def run_one(layout: str, hybrid: bool, hidden: int, layers: int, steps: int, gas: int = 1) -> dict:
     """Train one layout a few steps in this process and count its buffers."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,7 +111,7 @@ def run_one(layout: str, hybrid: bool, hidden: int, layers: int, steps: int) -> 
     import ds_hybrid
 
     cfg = json.loads((ROOT / "ds_configs" / "7b-24gb.json").read_text())
-    cfg["gradient_accumulation_steps"] = 1
+    cfg["gradient_accumulation_steps"] = gas
     zero = cfg["zero_optimization"]
     for key, value in LAYOUTS[layout].items():
         if value is None:
@@ -133,13 +138,13 @@ def run_one(layout: str, hybrid: bool, hidden: int, layers: int, steps: int) -> 
     ids = torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))
     peak = 0
     for _ in range(steps):
-        engine.train_step([{"input_ids": ids, "labels": ids}])
+        engine.train_step([{"input_ids": ids, "labels": ids}] * gas)
         peak = max(peak, _rss())
     buffers = count_buffers(engine.optimizer, zero["stage"])
     st = engine.statistics()
     hybrid_bytes = {k: int(st[k]) for k in ("velocity_bytes", "device_velocity_bytes", "snapshot_bytes")
                     if hybrid and st.get(k)}
-    return {"layout": layout, "hybrid": hybrid, "params": params, "stage": zero["stage"],
+    return {"layout": layout, "hybrid": hybrid, "params": params, "stage": zero["stage"], "gas": gas,
             "offload_param": "offload_param" in zero, "buffers": buffers, "hybrid_buffers": hybrid_bytes,
             "rss_peak_above_start": peak - base,
             "ru_maxrss_above_start": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}
@@ -163,12 +168,12 @@ def summarise(r: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | arm | DeepSpeed host B/param (counted) | DeepSpeed's estimate B/param (no 1.5x) | "
+    lines = ["| layout | gradient accumulation | arm | DeepSpeed host B/param (counted) | DeepSpeed's estimate B/param (no 1.5x) | "
              "hybrid adds B/param | on the GPU B/param | llama-7b host GiB (counted) | llama-7b by DeepSpeed's estimate GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"]
-        lines.append(f"| {r['layout']} | {'hybrid' if r['hybrid'] else 'plain'} | {s['host_bytes_per_param']} | "
+        lines.append(f"| {r['layout']} | {r.get('gas', 1)} | {'hybrid' if r['hybrid'] else 'plain'} | {s['host_bytes_per_param']} | "
                      f"{s['deepspeed_estimate_bytes_per_param']} | {s['hybrid_host_bytes_per_param']} | "
                      f"{s['gpu_bytes_per_param']} | {s['llama7b_host_gib']} | {s['llama7b_deepspeed_estimate_gib']} |")
     return "\n".join(lines)
@@ -182,29 +187,36 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=768, help="model width (default 768: ~134M parameters)")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gas", type=int, nargs="+", default=[1],
+                    help="gradient_accumulation_steps to count each layout at (default 1; above 1 ZeRO 1/2 "
+                         "keep a 16-bit accumulation buffer per parameter in host memory)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--one", nargs=2, metavar=("LAYOUT", "HYBRID"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one[0], args.one[1] == "1", args.hidden, args.layers, args.steps)))
+        print("RESULT " + json.dumps(run_one(args.one[0], args.one[1] == "1", args.hidden, args.layers, args.steps,
+                                             args.gas[0])))
         return 0
     # Each run is rank 0 of 1 on a port of its own (not one this process, or a test, holds).
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     rows = []
-    for layout in args.layouts:
-        for hybrid in ([False, True] if args.hybrid else [False]):
-            proc = subprocess.run([sys.executable, __file__, "--one", layout, str(int(hybrid)),
-                                   "--hidden", str(args.hidden), "--layers", str(args.layers),
-                                   "--steps", str(args.steps)], capture_output=True, text=True, cwd=ROOT, env=env)
-            found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not found:
-                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-                raise SystemExit(f"{layout} ({'hybrid' if hybrid else 'plain'}) failed: rc {proc.returncode}")
-            r = json.loads(found[0][len("RESULT "):])
-            r["summary"] = summarise(r)
-            rows.append(r)
-            print(f"{layout} {'hybrid' if hybrid else 'plain'}: {r['summary']}", flush=True)
+    for gas in args.gas:
+        for layout in args.layouts:
+            for hybrid in ([False, True] if args.hybrid else [False]):
+                proc = subprocess.run([sys.executable, __file__, "--one", layout, str(int(hybrid)),
+                                       "--hidden", str(args.hidden), "--layers", str(args.layers),
+                                       "--steps", str(args.steps), "--gas", str(gas)],
+                                      capture_output=True, text=True, cwd=ROOT, env=env)
+                found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                if proc.returncode or not found:
+                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+                    raise SystemExit(f"{layout} ({'hybrid' if hybrid else 'plain'}, gas {gas}) failed: "
+                                     f"rc {proc.returncode}")
+                r = json.loads(found[0][len("RESULT "):])
+                r["summary"] = summarise(r)
+                rows.append(r)
+                print(f"{layout} {'hybrid' if hybrid else 'plain'} gas {gas}: {r['summary']}", flush=True)
     print(table(rows))
     if args.json:
         import deepspeed

@@ -253,8 +253,10 @@ class PredictiveEngine(DeepSpeedEngine):
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
                           if self.hybrid_config.predictor.direction in ("drift", "none") else None)
-        if self._velocity is not None and self._masters_on_cuda:
-            # host velocity beside GPU shards: pinned, so each run's upload is one DMA, not a pageable copy
+        if self._velocity is not None and self._masters_on_cuda and self._offload_pins_memory():
+            # host velocity beside GPU shards: pinned, so each run's upload is one DMA, not a pageable
+            # copy (unless the user turned DeepSpeed's pinning off: torch rounds each pinned block up
+            # to a power of two, 2 GiB more at 7B with an int8 velocity)
             self._velocity.pin = True
         if self._velocity is not None and any(p.master.device.type == "cpu" for p in self._masters.partitions()):
             self._host_kernel = host_kernels.resolve(mem.host_kernels)   # (built here, before the first step)
@@ -1445,6 +1447,12 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters.lp_current = False
         self._masters.propagate()
         return True
+
+    def _offload_pins_memory(self) -> bool:
+        """DeepSpeed's ``offload_optimizer.pin_memory`` as it parsed it (true where nothing is
+        offloaded: then the velocity is not in host memory anyway)."""
+        oo = self._config.zero_config.offload_optimizer
+        return True if oo is None else bool(oo.pin_memory)
 
     def _host_masters_beside_an_accelerator(self) -> bool:
         """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""

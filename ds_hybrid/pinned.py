@@ -59,3 +59,24 @@ def limit_pinned_rounding(threshold_mb: int) -> str | None:
                        "powers of two", torch.__version__, str(err).splitlines()[0] if str(err) else err)
         return None
     return settings
+
+
+def can_limit_pinned_rounding() -> bool:
+    """Whether this torch has the allocator settings ``limit_pinned_rounding`` sets (whatever the
+    machine's accelerator: the planner asks it on the machine it plans on)."""
+    import torch
+    return all(hasattr(torch._C, name) for name in ("_accelerator_getAllocatorSettings",
+                                                    "_accelerator_setAllocatorSettings"))
+
+
+def pinned_block_bytes(nbytes: int, round_above_mb: int = 0) -> int:
+    """What torch's pinned allocator holds for a request of ``nbytes``: the next power of two
+    (``CachingHostAllocator``), or the request itself where it is above ``round_above_mb`` MiB
+    and the rounding is limited there (``limit_pinned_rounding``; 0: every block rounded).
+    Checked against an H200's pinned peak to the MiB (``tests/test_planner_pinned.py``)."""
+    n = int(nbytes)
+    if n <= 0:
+        return 0
+    if round_above_mb and n > round_above_mb * 2**20:
+        return n
+    return 1 << (n - 1).bit_length()

@@ -247,12 +247,13 @@ def parse_gpu_cap(text: str | None) -> int | None:
 
 
 def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, gpu_cap: int | None,
-                   accelerator: str, say) -> dict | None:
+                   accelerator: str, say, pinned_round_mb: int = 0) -> dict | None:
     """The planner's estimate for this run (``ds-hybrid plan``'s), before the model is built: a
     warning when it puts the run over this machine's memory (GPU: the ``--gpu-mem-cap`` or the
     card; host: ``MemTotal``), since an out-of-memory host kills the run only after minutes of
     set-up. A warning, not an error: it is an estimate. The summary keeps it beside what the run
-    measures. None (and a note) where the planner cannot model the run."""
+    measures. None (and a note) where the planner cannot model the run. ``pinned_round_mb``: the
+    pinned rounding this process got (0: torch rounds every block; ``limit_pinned_rounding``)."""
     from .memory import planner
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     world = int(os.environ.get("WORLD_SIZE") or 1)
@@ -264,13 +265,19 @@ def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, g
     try:
         est = planner.plan_for_run(ds_config, args.model, args.seq_len, zero_init,
                                    "cpu" if accelerator == "cpu" else "cuda", gpu_mem, cpu_mem,
-                                   gpus=local, nodes=max(1, world // local))
+                                   gpus=local, nodes=max(1, world // local), layer_groups=args.layer_groups,
+                                   pinned_round_mb=pinned_round_mb)
     except Exception as err:   # (any model or layout it cannot count: the run itself decides)
         say(f"memory plan: none for this run ({type(err).__name__}: {err})")
         return None
     if not est.fits:
         say(f"WARNING: the memory planner puts this run over the machine's memory: {'; '.join(est.reasons)} "
             f"(an estimate; `ds-hybrid plan --model {args.model}` lists what fits)")
+        rounding = sum(i.bytes for i in est.items if i.what.startswith("pinned-memory rounding"))
+        if cpu_mem is not None and rounding and est.cpu_bytes - rounding <= cpu_mem:
+            say(f"  of which {rounding / 2**30:.1f} GiB is torch rounding each pinned host block up to a power of "
+                f"two{'' if pinned_round_mb else ' (this torch cannot limit it)'}: without it the host fits; "
+                f"zero_optimization.offload_optimizer.pin_memory: false (slower copies) avoids it")
     return {"gpu_bytes": est.gpu_bytes, "cpu_bytes": est.cpu_bytes, "gpu_mem_bytes": gpu_mem,
             "cpu_mem_bytes": cpu_mem, "fits": est.fits, "reasons": est.reasons,
             "accelerator": "cpu" if accelerator == "cpu" else "cuda"}
@@ -477,7 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
     from .memory import MemoryProfiler
     profiler = MemoryProfiler() if args.memory_profile else None  # its baseline: everything but the model
     # (after that baseline: what the planner imports to count the model, the build would import anyway)
-    plan = preflight_plan(ds_config, args, zero_init, gpu_cap, deepspeed.get_accelerator().device_name(), say)
+    plan = preflight_plan(ds_config, args, zero_init, gpu_cap, deepspeed.get_accelerator().device_name(), say,
+                          args.pinned_round_mb if pinned_limits else 0)
     # zero.Init through transformers (not a bare deepspeed.zero.Init around the build): transformers
     # then initialises its weights on gathered parameters. Under a bare zero.Init its post-init
     # writes into the empty local shards and the embeddings keep PyTorch's N(0, 1) init.

@@ -100,18 +100,26 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
 
 
 def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
-    """benchmarks/gpu_run.sh's train7b config (7b-24gb-z2, 2 micro-batches a step, Predict from
-    step 4, checked by the next step), with a small model: both arms run through ds-hybrid train,
-    the hybrid takes Predict steps, and on the CPU there is no GPU copy to free."""
+    """benchmarks/gpu_run.sh's train7b config, as its own snippet writes it (7b-24gb-z2: one
+    micro-batch of 2 sequences a step, Predict from step 4, checked by the next step; DeepSpeed's
+    pinning as this torch can limit its rounding), with a small model: both arms run through
+    ds-hybrid train, the hybrid takes Predict steps, and on the CPU there is no GPU copy to free."""
+    import subprocess
+    import sys
+
     from ds_hybrid import train
+    from ds_hybrid.pinned import can_limit_pinned_rounding
     from spawn import write_corpus
     stage = (PRESET_DIR.parent / "benchmarks" / "gpu_run.sh").read_text().split("    train7b)", 1)[1].split(";;", 1)[0]
-    assert "ds_configs/7b-24gb-z2.json" in stage
-    cfg = json.loads((PRESET_DIR / "7b-24gb-z2.json").read_text())
-    cfg["gradient_accumulation_steps"] = 2
-    cfg["hybrid_predict"].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
-                                 confidence_threshold=0.0, check="next_step")
-    (tmp_path / "7b-short.json").write_text(json.dumps(cfg))
+    snippet = stage.split('$PY -c "', 1)[1].split('"\n', 1)[0]
+    assert "ds_configs/7b-24gb-z2.json" in snippet and "/tmp/7b-short.json" in snippet
+    out = subprocess.run([sys.executable, "-c", snippet.replace("/tmp/7b-short.json", str(tmp_path / "7b-short.json"))],
+                         cwd=PRESET_DIR.parent, capture_output=True, text=True, check=True).stdout
+    cfg = json.loads((tmp_path / "7b-short.json").read_text())
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] is can_limit_pinned_rounding()
+    assert f"pin_memory {can_limit_pinned_rounding()}" in out
+    assert cfg["hybrid_predict"]["warmup_steps"] == 4 and cfg["hybrid_predict"]["check"] == "next_step"
     common = ["--config", str(tmp_path / "7b-short.json"), "--model", "llama-tiny", "--seq-len", "32",
               "--steps", "12", "--eval-every", "12", "--val-batches", "1", "--no-progress", "--no-plot",
               "--data", str(write_corpus(tmp_path))]

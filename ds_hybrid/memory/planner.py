@@ -37,13 +37,14 @@ import math
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
 from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
 # (the counts live below the planner, where the engine reads them too; named here for the planner's users)
+from ..pinned import pinned_block_bytes
 from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
 # ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
@@ -90,12 +91,13 @@ def fmt_bytes(n: float | None) -> str:
 
 
 # ============================================================== the model
-def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
-    """Counts for a named model (``ds_hybrid.models``) or a transformers config JSON."""
+def model_shape(name: str, vocab_size: int | None = None, layer_groups: int = 4) -> ModelShape:
+    """Counts for a named model (``ds_hybrid.models``) or a transformers config JSON, its optimizer
+    param groups as ``ds-hybrid train --layer-groups`` makes them (4 by default, as there)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..models import MODEL_SPECS, model_config
+    from ..models import MODEL_SPECS, layer_groups as make_layer_groups, model_config
     try:
         config = model_config(name, vocab_size=vocab_size)
     except ValueError as err:
@@ -103,7 +105,9 @@ def model_shape(name: str, vocab_size: int | None = None) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else None
-    return shape_of(model, name, default_seq)
+    groups = (tuple(sum(p.numel() for p in g["params"]) for g in make_layer_groups(model, layer_groups))
+              if layer_groups > 1 else None)
+    return shape_of(model, name, default_seq, groups)
 
 
 # ============================================================== the preset
@@ -139,6 +143,7 @@ class PresetSpec:
     gradient: bool = False            # predictor.direction: gradient
     gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
     free_velocity_copy: bool = False     # hybrid_predict.memory.free_velocity_copy
+    pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
@@ -220,7 +225,8 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source,
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
         gradient_state_dtype=hybrid.memory.gradient_state_dtype,
-        free_velocity_copy=bool(hybrid.memory.free_velocity_copy))
+        free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
+        pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False)
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -365,6 +371,67 @@ def _offload_host_states(P: float, gpus: int, W: int, build: float, param_bytes:
                 max(build, states), "deepspeed 0.19.8 (counted)")
 
 
+def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[float]:
+    """The host blocks one rank of ZeRO 1/2 pins under ``offload_optimizer: cpu`` with
+    ``pin_memory`` (DeepSpeed 0.19.8, ``stage_1_and_2.py``): each flat param group's fp32
+    masters, their fp32 gradient and the 16-bit copy for the upload; the largest tensor's 16-bit
+    staging buffer; with ``gradient_accumulation_steps`` > 1 a 16-bit accumulation buffer per
+    parameter tensor (``accumulated_grads_in_cpu``; with several ranks counted as ``1 / W`` of
+    the model's: a tensor split across two ranks has one on both)."""
+    lp = preset.lp_bytes
+    tensors = shape.tensor_numels or (shape.params,)
+    parts = [math.ceil(n / W) for n in (shape.group_numels or (shape.params,))]
+    blocks = [float(b) for n in parts for b in (4 * n, 4 * n, lp * n)] + [float(lp * max(tensors))]
+    if preset.gradient_accumulation > 1:
+        blocks += [lp * n / W for n in tensors]
+    return blocks
+
+
+def velocity_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[float]:
+    """The host drift velocity's pinned blocks, one set per param group (the engine pins it where
+    the 16-bit shards are on a GPU and ``offload_optimizer.pin_memory`` is on): int8 keeps whole
+    256-value blocks and a float scale for each (``quant.CompactBuffer``)."""
+    out: list[float] = []
+    for n in (math.ceil(g / W) for g in (shape.group_numels or (shape.params,))):
+        if preset.velocity_bytes_per_value in (4.0, 2.0):
+            out.append(preset.velocity_bytes_per_value * n)
+        else:
+            nblocks = math.ceil(n / 256)
+            out += [256.0 * nblocks, 4.0 * nblocks]
+    return out
+
+
+def pinned_rounding(blocks: list[float], pinned_round_mb: int) -> float:
+    """What torch's pinned allocator holds beyond ``blocks`` (``pinned.pinned_block_bytes``)."""
+    return sum(pinned_block_bytes(math.ceil(b), pinned_round_mb) - b for b in blocks)
+
+
+def _offload_host_extras(shape: ModelShape, preset: PresetSpec, gpus: int, W: int, accelerator: str,
+                         pinned_round_mb: int) -> list[Item]:
+    """What ZeRO 1/2 under ``offload_optimizer: cpu`` hold in host memory beyond the counted
+    per-parameter buffers (``DS_OFFLOAD_HOST_BYTES``, measured at one micro-batch a step): with
+    ``gradient_accumulation_steps`` > 1 the 16-bit accumulation buffers (2.0 bytes a parameter,
+    ``benchmarks/offload_host_layout.py --gas``); with ``pin_memory`` on a GPU machine, the
+    largest tensor's staging buffer and what torch's pinned allocator rounds the pinned blocks
+    up to (``deepspeed_pinned_blocks``; on the H200, llama-1b's come to the profiler's pinned
+    peak to the MiB: ``tests/test_planner_pinned.py``)."""
+    lp = preset.lp_bytes
+    items: list[Item] = []
+    if preset.gradient_accumulation > 1:
+        items.append(Item("cpu", "16-bit gradient accumulation buffer per parameter tensor "
+                                 "(gradient_accumulation_steps > 1; DeepSpeed's accumulated_grads_in_cpu)",
+                          lp * shape.params * gpus / W, "deepspeed 0.19.8 (counted)"))
+    if preset.pin_memory and accelerator != "cpu":
+        staging = lp * max(shape.tensor_numels or (shape.params,))
+        how = ("powers of two" if not pinned_round_mb else
+               f"powers of two up to {pinned_round_mb} MiB, its own size above (--pinned-round-mb)")
+        items.append(Item("cpu", f"pinned-memory rounding of DeepSpeed's offload blocks (torch's host allocator: "
+                                 f"{how}) and the largest tensor's staging buffer",
+                          (pinned_rounding(deepspeed_pinned_blocks(shape, preset, W), pinned_round_mb) + staging)
+                          * gpus, "torch's CachingHostAllocator (counted)"))
+    return items
+
+
 @dataclass
 class Estimate:
     preset: str
@@ -388,8 +455,12 @@ class Estimate:
 
 def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 1,
              seq_len: int | None = None, micro_batch: int | None = None, zero_init: bool = False,
-             accelerator: str = "cuda") -> Estimate:
+             accelerator: str = "cuda", pinned_round_mb: int = 0) -> Estimate:
     """Per-device GPU, per-node CPU and per-node NVMe bytes for training ``shape`` with ``preset``.
+
+    ``pinned_round_mb``: 0 where torch rounds every pinned host block up to a power of two (a
+    torch that cannot limit it: 2.11 on the lent GPU machine), N where blocks above N MiB are
+    pinned at their own size (``ds-hybrid train --pinned-round-mb N`` on a torch that can).
 
     ``accelerator="cpu"`` estimates a run on DeepSpeed's CPU accelerator instead: everything
     lands in host memory, and ``cpu_bytes`` is what the run adds to its process's RSS over
@@ -401,6 +472,8 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
     dev = "cpu" if accelerator == "cpu" else "gpu"
     items = model_states(shape, preset, gpus, nodes, zero_init, accelerator)
     P, lp = shape.params, preset.lp_bytes
+    if preset.stage in (1, 2) and preset.offload_optimizer == "cpu":
+        items += _offload_host_extras(shape, preset, gpus, W, accelerator, pinned_round_mb)
 
     # DeepSpeed's gradient buckets and ZeRO-3's gathered weights.
     if preset.stage in (1, 2, 3):
@@ -438,6 +511,11 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
             vel = preset.velocity_bytes_per_value * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
             items.append(Item(vel_where, "drift velocity (hybrid_predict.memory.velocity_dtype)", vel))
+            if vel_where == "cpu" and preset.pin_memory and preset.shards_on_gpu(accelerator):
+                # (pinned as DeepSpeed's offload buffers are, where the shards it feeds are on a GPU)
+                items.append(Item("cpu", "pinned-memory rounding of the host drift velocity (per param group)",
+                                  pinned_rounding(velocity_pinned_blocks(shape, preset, W), pinned_round_mb) * gpus,
+                                  "torch's CachingHostAllocator (counted)"))
             if preset.device_predict(accelerator) and vel_where == "cpu" and preset.shards_on_gpu(accelerator):
                 copy = preset.velocity_bytes_per_value * part / 4
                 if preset.free_velocity_copy:
@@ -515,6 +593,7 @@ class Plan:
     nodes: int
     estimates: list[Estimate]
     picked: str | None
+    pinned_round_mb: int = 0   # 0: torch rounds every pinned block to a power of two; N: not above N MiB
 
     def as_dict(self) -> dict:
         return {"model": asdict(self.model),
@@ -523,40 +602,49 @@ class Plan:
                 "estimates": [e.as_dict() for e in self.estimates], "picked": self.picked,
                 "assumptions": {"cuda_context_bytes": CUDA_CONTEXT_BYTES, "gpu_fragmentation": GPU_FRAGMENTATION,
                                 "host_runtime_bytes_per_process": HOST_RUNTIME_BYTES,
-                                "predictor_bytes": PREDICTOR_BYTES, "ds_buffer_factor": DS_BUFFER_FACTOR},
+                                "predictor_bytes": PREDICTOR_BYTES, "ds_buffer_factor": DS_BUFFER_FACTOR,
+                                "pinned_round_mb": self.pinned_round_mb},
                 "note": "estimated, not measured: GPU figures are not validated on a GPU"}
 
 
 def make_plan(shape: ModelShape, presets: list[PresetSpec], gpu_mem: int, cpu_mem: int, nvme: int = 0,
               gpus: int = 1, nodes: int = 1, seq_len: int | None = None, micro_batch: int | None = None,
-              zero_init: bool = False) -> Plan:
+              zero_init: bool = False, pinned_round_mb: int = 0) -> Plan:
     """Estimate every preset, mark which fit, pick the fastest that fits (``None`` if none does)."""
     ests = []
     for p in sorted(presets, key=lambda q: (q.speed_rank, q.name)):
-        e = estimate(shape, p, gpus, nodes, seq_len, micro_batch, zero_init)
+        e = estimate(shape, p, gpus, nodes, seq_len, micro_batch, zero_init, pinned_round_mb=pinned_round_mb)
         if e.gpu_bytes > gpu_mem:
             e.reasons.append(f"GPU {fmt_bytes(e.gpu_bytes)} > {fmt_bytes(gpu_mem)}")
         if e.cpu_bytes > cpu_mem:
             e.reasons.append(f"CPU {fmt_bytes(e.cpu_bytes)} > {fmt_bytes(cpu_mem)}")
+            if p.pin_memory and pinned_round_mb == 0:
+                # (torch rounding every pinned block can be what puts it over: say what avoids it)
+                unpinned = estimate(shape, replace(p, pin_memory=False), gpus, nodes, seq_len, micro_batch, zero_init)
+                if unpinned.cpu_bytes <= cpu_mem:
+                    e.reasons.append(f"{fmt_bytes(unpinned.cpu_bytes)} with "
+                                     "zero_optimization.offload_optimizer.pin_memory: false (no pinned rounding)")
         if e.nvme_bytes > nvme:
             e.reasons.append("needs --nvme" if not nvme else f"NVMe {fmt_bytes(e.nvme_bytes)} > {fmt_bytes(nvme)}")
         e.fits = not e.reasons
         ests.append(e)
     picked = next((e.preset for e in ests if e.fits), None)
-    return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked)
+    return Plan(shape, gpu_mem, cpu_mem, nvme, gpus, nodes, ests, picked, pinned_round_mb)
 
 
 def plan_for_run(ds_config: dict, model: str, seq_len: int, zero_init: bool, accelerator: str,
                  gpu_mem: int | None, cpu_mem: int | None, gpus: int = 1, nodes: int = 1,
-                 vocab_size: int | None = 256) -> Estimate:
+                 vocab_size: int | None = 256, layer_groups: int = 4, pinned_round_mb: int = 0) -> Estimate:
     """The estimate for the run ``ds-hybrid train`` is about to start (its config, model, sequence
     length and machine), marked as fitting or not: checked before anything is built, so that a
     run the estimate puts over the machine's memory says so first, and recorded beside what
     the run measures. ``gpu_mem`` / ``cpu_mem`` None: that side is not checked. On DeepSpeed's
     CPU accelerator the host figure is per process (``estimate``), so it is checked times
-    ``gpus`` (the processes on this node)."""
-    shape = model_shape(model, vocab_size=vocab_size)
-    e = estimate(shape, preset_spec(ds_config, "this run"), gpus, nodes, seq_len, None, zero_init, accelerator)
+    ``gpus`` (the processes on this node). ``layer_groups`` and ``pinned_round_mb``: the run's
+    ``--layer-groups`` and the pinned rounding it got (``estimate``)."""
+    shape = model_shape(model, vocab_size=vocab_size, layer_groups=layer_groups)
+    e = estimate(shape, preset_spec(ds_config, "this run"), gpus, nodes, seq_len, None, zero_init, accelerator,
+                 pinned_round_mb)
     host = e.cpu_bytes * (gpus if accelerator == "cpu" else 1)
     if gpu_mem is not None and e.gpu_bytes > gpu_mem:
         e.reasons.append(f"GPU {fmt_bytes(e.gpu_bytes)} > {fmt_bytes(gpu_mem)}")
@@ -589,7 +677,10 @@ def format_plan(plan: Plan) -> str:
                  "+ activations + ds_hybrid's snapshot and predictor + CUDA context (1 GiB, assumed) + 10% "
                  "fragmentation (assumed). CPU: per node, including building the fp32 model in each process; "
                  "under offload_optimizer: cpu, DeepSpeed's buffers as counted on its CPU accelerator "
-                 "(benchmarks/offload_host_layout.py), not its estimator's 1.5x.")
+                 "(benchmarks/offload_host_layout.py), not its estimator's 1.5x; under ZeRO 1/2 also its 16-bit "
+                 "accumulation buffers (more than one micro-batch a step) and torch's rounding of pinned blocks to "
+                 "powers of two" + (f" up to {plan.pinned_round_mb} MiB (--pinned-round-mb)" if plan.pinned_round_mb
+                                    else " (all of them: --pinned-round-mb 0)") + ".")
     return "\n".join(lines)
 
 
@@ -690,6 +781,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan ZeRO-3 presets with the model built under deepspeed.zero.Init, as ds-hybrid train "
                         "builds it there (its --zero-init); --no-zero-init: the full fp32 model built in every "
                         "process first")
+    p.add_argument("--layer-groups", type=int, default=4,
+                   help="optimizer param groups, as ds-hybrid train --layer-groups makes them (default 4, as there): "
+                        "ZeRO 1/2 pin each group's flat buffers as one block")
+    p.add_argument("--pinned-round-mb", default="auto",
+                   help="pinned host blocks torch rounds up to a power of two: 0 = every block (a torch that cannot "
+                        "limit it, such as 2.11), N = only those up to N MiB (ds-hybrid train --pinned-round-mb N); "
+                        "auto (default) = 64 where this torch can limit it, as ds-hybrid train does, else 0")
     p.add_argument("--json", default=None, help="also write the plan as JSON here")
     p.add_argument("--validate", action="store_true",
                    help="instead of planning: train small models on the CPU and compare the estimate with the "
@@ -701,10 +799,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def pinned_round_setting(value: str | int) -> int:
+    """``--pinned-round-mb`` as a number of MiB (0: torch rounds every pinned block)."""
+    from ..pinned import can_limit_pinned_rounding
+    if str(value) == "auto":
+        return 64 if can_limit_pinned_rounding() else 0
+    try:
+        n = int(value)
+    except ValueError:
+        raise PlanError(f"--pinned-round-mb: 'auto' or a whole number of MiB (got {value!r})") from None
+    if n < 0:
+        raise PlanError(f"--pinned-round-mb: must be 0 or more (got {n})")
+    return n
+
+
 def main(argv: list[str] | None = None) -> Plan | list[dict]:
     args = build_parser().parse_args(argv)
     try:
-        for flag in ("gpus", "nodes", "seq_len", "micro_batch", "vocab_size"):
+        for flag in ("gpus", "nodes", "seq_len", "micro_batch", "vocab_size", "layer_groups"):
             v = getattr(args, flag)
             if v is not None and v < 1:
                 raise PlanError(f"--{flag.replace('_', '-')}: must be at least 1 (got {v})")
@@ -720,11 +832,12 @@ def main(argv: list[str] | None = None) -> Plan | list[dict]:
         cpu_mem = parse_size(args.cpu_mem, "--cpu-mem")
         nvme = parse_size(args.nvme, "--nvme")
         presets = load_presets(args.presets)
-        shape = model_shape(args.model, args.vocab_size)
+        shape = model_shape(args.model, args.vocab_size, args.layer_groups)
+        round_mb = pinned_round_setting(args.pinned_round_mb)
         if args.seq_len and args.seq_len > shape.max_positions:
             raise PlanError(f"--seq-len: {args.seq_len} is more than {args.model}'s {shape.max_positions} positions")
         plan = make_plan(shape, presets, gpu_mem, cpu_mem, nvme, args.gpus, args.nodes, args.seq_len,
-                         args.micro_batch, args.zero_init)
+                         args.micro_batch, args.zero_init, round_mb)
     except InputError as err:   # PlanError, or a size or preset that cannot be read
         raise SystemExit(f"ds-hybrid plan: {err}") from None
     print(format_plan(plan))

@@ -1,0 +1,165 @@
+"""The planner's pinned host memory: torch's power-of-two rounding of DeepSpeed's offload blocks
+and the hybrid's velocity, checked against the pinned peaks the profiler recorded on GPUs, and
+what it decides for 7B on the lent machine's 125 GiB."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ds_hybrid import pinned
+from ds_hybrid.arguments import resolve_config
+from ds_hybrid.memory import planner as pl
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB, GiB, GB = 2 ** 20, 2 ** 30, 10 ** 9
+
+
+def test_a_pinned_block_is_rounded_to_a_power_of_two_unless_above_the_limit():
+    b = pinned.pinned_block_bytes
+    assert [b(0), b(1), b(4096), b(4097)] == [0, 1, 4096, 8192]
+    assert b(3 * GiB) == 4 * GiB                       # every block rounded (torch 2.11)
+    assert b(3 * GiB, 64) == 3 * GiB                   # above 64 MiB: its own size (--pinned-round-mb 64)
+    assert b(60 * MiB, 64) == 64 * MiB and b(65 * MiB, 64) == 65 * MiB
+
+
+def _recorded_pinned_peak(run: str) -> float:
+    """The pinned peak (MiB, torch's host allocator) the H200 recorded for a run of llama-1b on
+    1b-16gb at one micro-batch a step (``ds-hybrid memory-bench --grad-accum 1``)."""
+    data = json.loads((ROOT / "docs/results/offload-gpu-1b-grad-2026-11-27-h200.json").read_text())
+    assert data["preset"] == "1b-16gb" and data["grad_accum"] == 1
+    (r,) = [r for r in data["runs"] if r["run"] == run]
+    return max(p["pinned_host_peak_mb"] for p in r["per_phase"].values())
+
+
+def test_the_counted_pinned_blocks_are_what_an_h200_pinned_for_llama_1b():
+    """DeepSpeed's pinned blocks for llama-1b in 4 layer groups (fp32 masters, fp32 gradient and
+    16-bit upload copy per group, the largest tensor's staging buffer), each rounded to a power
+    of two, are the plain run's pinned peak; the hybrid's int8 velocity (data and scales per
+    group, rounded the same way) is what its drift run pinned on top, to 0.01 MiB."""
+    shape = pl.model_shape("llama-1b", vocab_size=256, layer_groups=4)
+    cfg, _ = resolve_config("1b-16gb")
+    cfg["gradient_accumulation_steps"] = 1
+    preset = pl.preset_spec(cfg, "1b-16gb")
+    assert preset.pin_memory and preset.velocity_bytes_per_value == pl.VELOCITY_BYTES["int8"]
+    ds = pl.deepspeed_pinned_blocks(shape, preset)
+    held = sum(pinned.pinned_block_bytes(int(x)) for x in ds) / MiB
+    assert held == pytest.approx(_recorded_pinned_peak("full"), abs=0.01)          # 10287 MiB
+    vel = pl.velocity_pinned_blocks(shape, preset)
+    held_hybrid = held + sum(pinned.pinned_block_bytes(int(x)) for x in vel) / MiB
+    assert held_hybrid == pytest.approx(_recorded_pinned_peak("drift-int8-device-next-behind"), abs=0.01)
+    # The rounding alone, about a tenth of the blocks; limited above 64 MiB, only the small
+    # blocks (the staging buffer, the embedding and head groups) round, 15 MiB in all
+    assert pl.pinned_rounding(ds, 0) / MiB == pytest.approx(held - sum(ds) / MiB)
+    assert pl.pinned_rounding(ds, 0) / sum(ds) == pytest.approx(0.109, abs=0.001)
+    assert pl.pinned_rounding(ds, 64) < 16 * MiB
+
+
+@pytest.mark.parametrize("run, hybrid", [("full", False), ("drift-int8-device-next-behind", True)])
+def test_the_host_estimate_is_within_five_percent_of_the_h200s_peak_rss(run, hybrid):
+    """The whole host figure (DeepSpeed's counted buffers, the rounding, the velocity and an
+    assumed 3 GiB of process runtime) against the peak RSS the H200 run recorded: 1.04-1.05x."""
+    data = json.loads((ROOT / "docs/results/offload-gpu-1b-grad-2026-11-27-h200.json").read_text())
+    (r,) = [r for r in data["runs"] if r["run"] == run]
+    cfg, _ = resolve_config("1b-16gb")
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["hybrid_predict"]["enabled"] = hybrid
+    e = pl.estimate(pl.model_shape("llama-1b", vocab_size=256), pl.preset_spec(cfg, "1b-16gb"), seq_len=1024,
+                    micro_batch=4, pinned_round_mb=0)
+    assert 1.0 < e.cpu_bytes / MiB / r["process_peak_rss_mb"] < 1.05
+
+
+def test_the_estimate_counts_the_rounding_and_the_accumulation_buffers():
+    """Under ZeRO 2 with offload_optimizer: cpu on a GPU machine: the pinned rounding item (with
+    the staging buffer) where pin_memory is on, none where it is off or on the CPU accelerator
+    (nothing is pinned there); the 16-bit accumulation buffers with accumulation."""
+    shape = pl.model_shape("llama-7b", vocab_size=256)
+    cfg, _ = resolve_config("7b-24gb-z2")
+    preset = pl.preset_spec(cfg, "7b-24gb-z2")
+    assert preset.pin_memory and preset.gradient_accumulation == 1
+
+    def cpu_items(p, accelerator="cuda", round_mb=0):
+        e = pl.estimate(shape, p, seq_len=2048, accelerator=accelerator, pinned_round_mb=round_mb)
+        return {i.what.split(" (")[0]: i.bytes for i in e.items if i.where == "cpu"}, e.cpu_bytes
+
+    rounded, total0 = cpu_items(preset)
+    limited, total64 = cpu_items(preset, round_mb=64)
+    key = "pinned-memory rounding of DeepSpeed's offload blocks"
+    # 4 layer groups: two bands of 3.24B values, whose fp32 blocks (12.9 GB) round to 16 GiB
+    assert rounded[key] / GiB == pytest.approx(19.8, abs=0.1)
+    assert limited[key] < 0.1 * GiB and total0 - total64 > 20 * GiB
+    pageable, _ = cpu_items(replace(preset, pin_memory=False))
+    assert not [k for k in pageable if k.startswith("pinned-memory rounding")]
+    on_cpu, _ = cpu_items(preset, accelerator="cpu")
+    assert not [k for k in on_cpu if k.startswith("pinned-memory rounding")]
+    assert not [k for k in rounded if "accumulation buffer" in k]
+    many, _ = cpu_items(replace(preset, gradient_accumulation=16))
+    assert [v for k, v in many.items() if "accumulation buffer" in k] == [2 * shape.params]
+
+
+def test_seven_b_on_the_lent_machine_fits_only_unpinned_or_with_limited_rounding():
+    """7b-24gb-z2 (one micro-batch of 2 x 2048 a step) on a 24 GB GPU and a 125 GiB host: it fits
+    where torch pins big blocks at their own size; where torch rounds every pinned block (2.11,
+    the lent machine's) it fits only with DeepSpeed's pinning off; with 16 micro-batches a step
+    the accumulation buffers put it over in every case."""
+    shape = pl.model_shape("llama-7b", vocab_size=256)
+    cfg, _ = resolve_config("7b-24gb-z2")
+    z2 = pl.preset_spec(cfg, "7b-24gb-z2")
+
+    def fits(p, round_mb):
+        return pl.make_plan(shape, [p], 24 * GB, 125 * GiB, seq_len=2048, pinned_round_mb=round_mb).picked == p.name
+
+    pageable = replace(z2, pin_memory=False)
+    assert fits(z2, 64) and not fits(z2, 0) and fits(pageable, 0)
+    # where the rounding puts it over, the plan says what fits instead
+    (over,) = pl.make_plan(shape, [z2], 24 * GB, 125 * GiB, seq_len=2048, pinned_round_mb=0).estimates
+    assert over.reasons[-1] == "117.7 GiB with zero_optimization.offload_optimizer.pin_memory: false (no pinned rounding)"
+    many = replace(z2, micro_batch=1, gradient_accumulation=16)
+    assert not any(fits(p, r) for p in (many, replace(many, pin_memory=False)) for r in (0, 64))
+
+
+def test_the_plan_command_takes_the_rounding_and_the_layer_groups(capsys, tmp_path):
+    base = ["--model", "llama-7b", "--vocab-size", "256", "--gpu-mem", "24GB", "--cpu-mem", "125GiB",
+            "--seq-len", "2048", "--presets", "7b-24gb-z2"]
+    assert pl.main(base + ["--pinned-round-mb", "0"]).picked is None
+    plan = pl.main(base + ["--pinned-round-mb", "64", "--json", str(tmp_path / "plan.json")])
+    assert plan.picked == "7b-24gb-z2" and plan.pinned_round_mb == 64
+    assert json.loads((tmp_path / "plan.json").read_text())["assumptions"]["pinned_round_mb"] == 64
+    assert pl.main(base).pinned_round_mb == (64 if pinned.can_limit_pinned_rounding() else 0)
+    assert pl.model_shape("llama-1b", 256, layer_groups=1).group_numels == (970024960,)
+    assert len(pl.model_shape("llama-1b", 256, layer_groups=6).group_numels) == 6
+    for bad, flag in (("-1", "--pinned-round-mb"), ("lots", "--pinned-round-mb")):
+        with pytest.raises(SystemExit, match=flag):
+            pl.main(base + ["--pinned-round-mb", bad])
+    with pytest.raises(SystemExit, match="--layer-groups"):
+        pl.main(base + ["--layer-groups", "0"])
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_the_engine_pins_its_host_velocity_only_as_deepspeed_pins(pin):
+    """The hybrid follows offload_optimizer.pin_memory for its own host velocity (on a GPU machine
+    it pins it beside GPU shards only where DeepSpeed pins its buffers)."""
+    from engine_utils import EAGER, ds_config, make_engine
+    cfg = ds_config(stage=2, offload_opt="cpu", hybrid=dict(EAGER, enabled=True))
+    cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] = pin
+    engine = make_engine(cfg)
+    assert engine._offload_pins_memory() is pin
+    assert make_engine(ds_config(stage=2, hybrid=dict(EAGER, enabled=True)))._offload_pins_memory()
+
+
+def test_ds_hybrid_train_says_when_pinned_rounding_is_what_puts_a_run_over(monkeypatch):
+    """The pre-flight warning names the pinned rounding and the key that avoids it where the host
+    fits without it (7B on the lent machine's 125 GiB with a torch that rounds every block)."""
+    import argparse
+    from ds_hybrid import train
+    monkeypatch.setattr(pl, "host_memory_bytes", lambda *a, **k: 125 * GiB)
+    cfg, _ = resolve_config("7b-24gb-z2")
+    args = argparse.Namespace(model="llama-7b", seq_len=2048, local_rank=0, layer_groups=4)
+    said = []
+    plan = train.preflight_plan(cfg, args, False, 24 * GB, "cuda", said.append, pinned_round_mb=0)
+    assert not plan["fits"] and "pin_memory: false" in said[-1] and "cannot limit" in said[-1]
+    said.clear()
+    assert train.preflight_plan(cfg, args, False, 24 * GB, "cuda", said.append, pinned_round_mb=64)["fits"]
+    assert not said
