@@ -91,7 +91,7 @@
 #            per parameter in host memory, 12 GiB at 7B): a hybrid run (Predict from step 4) and plain
 #            ZeRO-Offload, 12 steps each, and the planner's estimate beside them. DeepSpeed's pinning
 #            stays on only where this torch can stop rounding pinned blocks up to powers of two (torch
-#            2.11 cannot: the rounding alone is 19.8 GiB at 7B, over the host; ds_hybrid/pinned.py).
+#            2.11 cannot: the rounding alone is 19.7 GiB at 7B, over the host; ds_hybrid/pinned.py).
 #            (7b-24gb, ZeRO 3 with the parameters offloaded too, needs 125.5 GiB of host memory for
 #            DeepSpeed's buffers alone: more than this machine has; docs/results/offload-host-layout.json)
 #                                    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json, OUT/free.log

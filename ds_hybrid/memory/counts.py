@@ -27,20 +27,26 @@ class ModelShape:
     max_positions: int
     default_seq_len: int
     activation: str
-    # Every trainable tensor's size, in the model's order (tied weights once): what DeepSpeed
-    # allocates a buffer per tensor for (ZeRO 1/2's gradient accumulation under offload).
-    tensor_numels: tuple[int, ...] = ()
-    # The optimizer's param groups' sizes as ``ds-hybrid train --layer-groups`` makes them (one
-    # group where the caller names none): ZeRO 1/2 flatten each group into its own buffers.
-    group_numels: tuple[int, ...] = ()
+    # Every trainable tensor's size by optimizer param group, as ``ds-hybrid train --layer-groups``
+    # makes the groups (one group, in the model's order, where the caller names none; tied weights
+    # once): DeepSpeed flattens each group into its own buffers and keeps some per tensor.
+    group_tensors: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def tensor_numels(self) -> tuple[int, ...]:
+        return tuple(n for g in self.group_tensors for n in g)
+
+    @property
+    def group_numels(self) -> tuple[int, ...]:
+        return tuple(sum(g) for g in self.group_tensors)
 
 
 def shape_of(model: Any, name: str, default_seq_len: int | None = None,
-             group_numels: tuple[int, ...] | None = None) -> ModelShape:
+             group_tensors: tuple[tuple[int, ...], ...] | None = None) -> ModelShape:
     """Counts for a built transformers model (on the meta device or not) from its ``config``:
     the planner's for a named model, the engine's for the module it trains
-    (``ds_hybrid/grad_recompute.py``). ``group_numels``: the optimizer's param groups' sizes
-    (default: one group of every parameter). AttributeError where it has no such config."""
+    (``ds_hybrid/grad_recompute.py``). ``group_tensors``: the optimizer's param groups' tensor
+    sizes (default: one group of every parameter). AttributeError where it has no such config."""
     from torch import nn
 
     config = model.config
@@ -62,7 +68,7 @@ def shape_of(model: Any, name: str, default_seq_len: int | None = None,
                       kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                       intermediate=int(inter), vocab=int(config.vocab_size), max_positions=positions,
                       default_seq_len=default_seq_len or min(positions, 2048), activation=act,
-                      tensor_numels=tensors, group_numels=tuple(group_numels) if group_numels else (sum(tensors),))
+                      group_tensors=tuple(tuple(g) for g in group_tensors) if group_tensors else (tensors,))
 
 
 def layer_activation_elements(shape: ModelShape, lp_bytes: int) -> float:

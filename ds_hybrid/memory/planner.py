@@ -105,7 +105,7 @@ def model_shape(name: str, vocab_size: int | None = None, layer_groups: int = 4)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     default_seq = MODEL_SPECS[name].seq_len if name in MODEL_SPECS else None
-    groups = (tuple(sum(p.numel() for p in g["params"]) for g in make_layer_groups(model, layer_groups))
+    groups = (tuple(tuple(int(p.numel()) for p in g["params"]) for g in make_layer_groups(model, layer_groups))
               if layer_groups > 1 else None)
     return shape_of(model, name, default_seq, groups)
 
@@ -144,6 +144,7 @@ class PresetSpec:
     gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
     free_velocity_copy: bool = False     # hybrid_predict.memory.free_velocity_copy
     pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
+    param_pin_memory: bool = False       # zero_optimization.offload_param.pin_memory (ZeRO 3)
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
@@ -226,7 +227,8 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
         gradient_state_dtype=hybrid.memory.gradient_state_dtype,
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
-        pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False)
+        pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
+        param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False)
 
 
 def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
@@ -371,19 +373,51 @@ def _offload_host_states(P: float, gpus: int, W: int, build: float, param_bytes:
                 max(build, states), "deepspeed 0.19.8 (counted)")
 
 
+def _sub_groups(numels: list[int], size: int) -> list[int]:
+    """ZeRO 3's optimizer sub-groups of one param group (``_create_fp16_sub_groups``): tensors in
+    order, a sub-group closed once it reaches ``sub_group_size``; their sizes."""
+    if sum(numels) <= size:
+        return [sum(numels)]
+    out, cur = [], 0
+    for i, n in enumerate(numels):
+        cur += n
+        if cur >= size or i == len(numels) - 1:
+            out.append(cur)
+            cur = 0
+    return out
+
+
 def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[float]:
-    """The host blocks one rank of ZeRO 1/2 pins under ``offload_optimizer: cpu`` with
-    ``pin_memory`` (DeepSpeed 0.19.8, ``stage_1_and_2.py``): each flat param group's fp32
-    masters, their fp32 gradient and the 16-bit copy for the upload; the largest tensor's 16-bit
-    staging buffer; with ``gradient_accumulation_steps`` > 1 a 16-bit accumulation buffer per
-    parameter tensor (``accumulated_grads_in_cpu``; with several ranks counted as ``1 / W`` of
-    the model's: a tensor split across two ranks has one on both)."""
+    """The host blocks one rank pins under ``offload_optimizer: cpu`` (DeepSpeed 0.19.8; recorded
+    call by call on its CPU accelerator in ``tests/test_planner_pinned.py``):
+
+    * ZeRO 1/2 with ``pin_memory`` (``stage_1_and_2.py``): each flat param group's fp32 masters,
+      their fp32 gradient and the 16-bit copy for the upload; the largest tensor's 16-bit staging
+      buffer; with ``gradient_accumulation_steps`` > 1 a 16-bit accumulation buffer per tensor
+      (``accumulated_grads_in_cpu``; with several ranks counted as ``1 / W`` of the model's);
+    * ZeRO 3 (``stage3.py``): with ``offload_optimizer.pin_memory`` the 16-bit gradient
+      partitions (one block) and each optimizer sub-group's fp32 gradient; with ``offload_param``
+      each param group's flat 16-bit weights, and with its ``pin_memory`` every tensor's 16-bit
+      partition as ``zero.Init`` made it (DeepSpeed then points the parameter into the flat
+      buffer; torch's allocator keeps the block: the H200's pinned peak holds them)."""
     lp = preset.lp_bytes
-    tensors = shape.tensor_numels or (shape.params,)
-    parts = [math.ceil(n / W) for n in (shape.group_numels or (shape.params,))]
-    blocks = [float(b) for n in parts for b in (4 * n, 4 * n, lp * n)] + [float(lp * max(tensors))]
+    groups = [[math.ceil(n / W) for n in g] for g in (shape.group_tensors or ((shape.params,),))]
+    tensors = [n for g in groups for n in g]
+    blocks: list[float] = []
+    if preset.stage == 3:
+        if preset.pin_memory:
+            blocks.append(float(lp * sum(tensors)))
+            blocks += [4.0 * n for g in groups for n in _sub_groups(g, preset.sub_group_size)]
+        if preset.offload_param == "cpu":
+            blocks += [float(lp * sum(g)) for g in groups]
+            if preset.param_pin_memory:
+                blocks += [float(lp * n) for n in tensors]
+        return blocks
+    if not preset.pin_memory:
+        return blocks
+    blocks = [float(b) for g in groups for b in (4 * sum(g), 4 * sum(g), lp * sum(g))] + [float(lp * max(tensors))]
     if preset.gradient_accumulation > 1:
-        blocks += [lp * n / W for n in tensors]
+        blocks += [lp * n / W for n in shape.tensor_numels or (shape.params,)]
     return blocks
 
 
@@ -408,27 +442,40 @@ def pinned_rounding(blocks: list[float], pinned_round_mb: int) -> float:
 
 def _offload_host_extras(shape: ModelShape, preset: PresetSpec, gpus: int, W: int, accelerator: str,
                          pinned_round_mb: int) -> list[Item]:
-    """What ZeRO 1/2 under ``offload_optimizer: cpu`` hold in host memory beyond the counted
-    per-parameter buffers (``DS_OFFLOAD_HOST_BYTES``, measured at one micro-batch a step): with
-    ``gradient_accumulation_steps`` > 1 the 16-bit accumulation buffers (2.0 bytes a parameter,
-    ``benchmarks/offload_host_layout.py --gas``); with ``pin_memory`` on a GPU machine, the
-    largest tensor's staging buffer and what torch's pinned allocator rounds the pinned blocks
-    up to (``deepspeed_pinned_blocks``; on the H200, llama-1b's come to the profiler's pinned
-    peak to the MiB: ``tests/test_planner_pinned.py``)."""
+    """What DeepSpeed holds in host memory under ``offload_optimizer: cpu`` beyond the counted
+    per-parameter buffers (``DS_OFFLOAD_HOST_BYTES``, measured at one micro-batch a step on its
+    CPU accelerator, where nothing is pinned):
+
+    * ZeRO 1/2 with ``gradient_accumulation_steps`` > 1: the 16-bit accumulation buffers (2.0
+      bytes a parameter, ``benchmarks/offload_host_layout.py --gas``) and, pinned, the largest
+      tensor's staging buffer;
+    * ZeRO 3 with ``offload_param`` pinned, on a GPU machine: every tensor's 16-bit partition from
+      ``zero.Init``, which torch's pinned allocator keeps after DeepSpeed moves the weights into
+      its flat buffer (2 bytes a parameter);
+    * on a GPU machine, what torch's pinned allocator rounds the pinned blocks up to
+      (``deepspeed_pinned_blocks``): for llama-1b on the H200 the blocks so rounded are the
+      profiler's pinned peak to 0.01 MiB on ZeRO 2 and 3 (``tests/test_planner_pinned.py``)."""
     lp = preset.lp_bytes
     items: list[Item] = []
-    if preset.gradient_accumulation > 1:
-        items.append(Item("cpu", "16-bit gradient accumulation buffer per parameter tensor "
-                                 "(gradient_accumulation_steps > 1; DeepSpeed's accumulated_grads_in_cpu)",
-                          lp * shape.params * gpus / W, "deepspeed 0.19.8 (counted)"))
-    if preset.pin_memory and accelerator != "cpu":
-        staging = lp * max(shape.tensor_numels or (shape.params,))
+    gpu = accelerator != "cpu"
+    if preset.stage in (1, 2):
+        if preset.gradient_accumulation > 1:
+            items.append(Item("cpu", "16-bit gradient accumulation buffer per parameter tensor "
+                                     "(gradient_accumulation_steps > 1; DeepSpeed's accumulated_grads_in_cpu)",
+                              lp * shape.params * gpus / W, "deepspeed 0.19.8 (counted)"))
+        if preset.pin_memory and gpu:
+            items.append(Item("cpu", "the largest tensor's 16-bit staging buffer (temp_grad_buffer_for_cpu_offload)",
+                              lp * max(shape.tensor_numels or (shape.params,)) * gpus, "deepspeed 0.19.8"))
+    elif preset.offload_param == "cpu" and preset.param_pin_memory and gpu:
+        items.append(Item("cpu", "16-bit partition of every tensor from zero.Init, pinned and kept by torch's host "
+                                 "allocator (offload_param.pin_memory)", lp * shape.params * gpus / W,
+                          "deepspeed 0.19.8 + torch (H200's pinned peak)"))
+    blocks = deepspeed_pinned_blocks(shape, preset, W)
+    if blocks and gpu:
         how = ("powers of two" if not pinned_round_mb else
                f"powers of two up to {pinned_round_mb} MiB, its own size above (--pinned-round-mb)")
-        items.append(Item("cpu", f"pinned-memory rounding of DeepSpeed's offload blocks (torch's host allocator: "
-                                 f"{how}) and the largest tensor's staging buffer",
-                          (pinned_rounding(deepspeed_pinned_blocks(shape, preset, W), pinned_round_mb) + staging)
-                          * gpus, "torch's CachingHostAllocator (counted)"))
+        items.append(Item("cpu", f"pinned-memory rounding of DeepSpeed's offload blocks (torch's host allocator: {how})",
+                          pinned_rounding(blocks, pinned_round_mb) * gpus, "torch's CachingHostAllocator (counted)"))
     return items
 
 
@@ -472,7 +519,7 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
     dev = "cpu" if accelerator == "cpu" else "gpu"
     items = model_states(shape, preset, gpus, nodes, zero_init, accelerator)
     P, lp = shape.params, preset.lp_bytes
-    if preset.stage in (1, 2) and preset.offload_optimizer == "cpu":
+    if preset.stage >= 1 and preset.offload_optimizer == "cpu":
         items += _offload_host_extras(shape, preset, gpus, W, accelerator, pinned_round_mb)
 
     # DeepSpeed's gradient buckets and ZeRO-3's gathered weights.
@@ -677,9 +724,9 @@ def format_plan(plan: Plan) -> str:
                  "+ activations + ds_hybrid's snapshot and predictor + CUDA context (1 GiB, assumed) + 10% "
                  "fragmentation (assumed). CPU: per node, including building the fp32 model in each process; "
                  "under offload_optimizer: cpu, DeepSpeed's buffers as counted on its CPU accelerator "
-                 "(benchmarks/offload_host_layout.py), not its estimator's 1.5x; under ZeRO 1/2 also its 16-bit "
-                 "accumulation buffers (more than one micro-batch a step) and torch's rounding of pinned blocks to "
-                 "powers of two" + (f" up to {plan.pinned_round_mb} MiB (--pinned-round-mb)" if plan.pinned_round_mb
+                 "(benchmarks/offload_host_layout.py), not its estimator's 1.5x; also ZeRO 1/2's 16-bit accumulation "
+                 "buffers (more than one micro-batch a step), ZeRO 3's pinned 16-bit partitions from zero.Init, and "
+                 "torch's rounding of pinned blocks to powers of two" + (f" up to {plan.pinned_round_mb} MiB (--pinned-round-mb)" if plan.pinned_round_mb
                                     else " (all of them: --pinned-round-mb 0)") + ".")
     return "\n".join(lines)
 
