@@ -94,6 +94,9 @@
 #            2.11 cannot: the rounding alone is 19.7 GiB at 7B, over the host; ds_hybrid/pinned.py).
 #            (7b-24gb, ZeRO 3 with the parameters offloaded too, needs 125.5 GiB of host memory for
 #            DeepSpeed's buffers alone: more than this machine has; docs/results/offload-host-layout.json)
+#            TRAIN7B_ARMS (default "hybrid plain") runs one arm a call where both do not fit one (the
+#            build of 6.5B weights on the CPU, DeepSpeed's CPU Adam build and pageable copies of 13-26 GB a
+#            step: a few minutes an arm), TRAIN7B_STEPS (12) the steps of each
 #                                    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json, OUT/free.log
 #   stale124 the CPU window's cost in loss at GPT-2 124M (benchmarks/stale_update_study.py, plain PyTorch, bf16
 #            autocast): the synchronous step against a gradient taken one update behind the masters, bare and
@@ -263,12 +266,13 @@ print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_o
       (while sleep 2; do echo "$(date +%s) $(free -m | awk '/Mem/ {print $3, $7}')"; done) > "$OUT/free.log" 2>&1 &
       watcher=$!
       rc=0
-      arms=2
-      for arm in hybrid plain; do
+      arms=$(echo ${TRAIN7B_ARMS:-hybrid plain} | wc -w)
+      steps=${TRAIN7B_STEPS:-12}
+      for arm in ${TRAIN7B_ARMS:-hybrid plain}; do
         flag=""; [ $arm = plain ] && flag="--baseline"
         # (each arm its share of what is left: a slow hybrid arm must not leave the plain one no time)
-        timeout -k 30 "$(smaller 270 $(( $(left 40) / arms )))" $DSH train --config /tmp/7b-short.json --model llama-7b --gpu-mem-cap 24GB --seq-len 2048 \
-          --steps 12 --eval-every 12 --val-batches 1 --no-progress --no-plot --out /tmp/t7b-$arm $flag \
+        timeout -k 30 "$(smaller 540 $(( $(left 40) / arms )))" $DSH train --config /tmp/7b-short.json --model llama-7b --gpu-mem-cap 24GB --seq-len 2048 \
+          --steps "$steps" --eval-every "$steps" --val-batches 1 --no-progress --no-plot --out /tmp/t7b-$arm $flag \
           > "$OUT/train7b-$arm.log" 2>&1 || rc=1
         tail -4 "$OUT/train7b-$arm.log"
         [ -f /tmp/t7b-$arm/summary.json ] && cp /tmp/t7b-$arm/summary.json "$OUT/train7b-$arm.json"
