@@ -4,6 +4,7 @@ what it decides for 7B on the lent machine's 125 GiB."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def test_the_counted_pinned_blocks_are_the_blocks_deepspeed_pins(stage, offload_
     code = (f"import json, test_planner_pinned as t; "
             f"print('PINS', json.dumps(t.record_pins({stage}, {offload_param}, {gas})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": f"{ROOT}:{Path(__file__).parent}"})
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}:{Path(__file__).parent}"})
     lines = [line for line in out.stdout.splitlines() if line.startswith("PINS ")]
     assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-3000:]
     recorded = sorted(json.loads(lines[0][5:]))

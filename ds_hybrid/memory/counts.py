@@ -33,12 +33,18 @@ class ModelShape:
     group_tensors: tuple[tuple[int, ...], ...] = ()
 
     @property
+    def param_groups(self) -> tuple[tuple[int, ...], ...]:
+        """``group_tensors``, or one group of one tensor of ``params`` where a shape was made
+        without them."""
+        return self.group_tensors or ((self.params,),)
+
+    @property
     def tensor_numels(self) -> tuple[int, ...]:
-        return tuple(n for g in self.group_tensors for n in g)
+        return tuple(n for g in self.param_groups for n in g)
 
     @property
     def group_numels(self) -> tuple[int, ...]:
-        return tuple(sum(g) for g in self.group_tensors)
+        return tuple(sum(g) for g in self.param_groups)
 
 
 def shape_of(model: Any, name: str, default_seq_len: int | None = None,

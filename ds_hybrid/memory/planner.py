@@ -401,7 +401,7 @@ def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -
       partition as ``zero.Init`` made it (DeepSpeed then points the parameter into the flat
       buffer; torch's allocator keeps the block: the H200's pinned peak holds them)."""
     lp = preset.lp_bytes
-    groups = [[math.ceil(n / W) for n in g] for g in (shape.group_tensors or ((shape.params,),))]
+    groups = [[math.ceil(n / W) for n in g] for g in shape.param_groups]
     tensors = [n for g in groups for n in g]
     blocks: list[float] = []
     if preset.stage == 3:
@@ -415,9 +415,11 @@ def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -
         return blocks
     if not preset.pin_memory:
         return blocks
-    blocks = [float(b) for g in groups for b in (4 * sum(g), 4 * sum(g), lp * sum(g))] + [float(lp * max(tensors))]
+    # (the staging buffer holds a whole tensor, not this rank's share of it)
+    blocks = [float(b) for g in groups for b in (4 * sum(g), 4 * sum(g), lp * sum(g))]
+    blocks.append(float(lp * max(shape.tensor_numels)))
     if preset.gradient_accumulation > 1:
-        blocks += [lp * n / W for n in shape.tensor_numels or (shape.params,)]
+        blocks += [lp * n / W for n in shape.tensor_numels]
     return blocks
 
 
@@ -426,7 +428,7 @@ def velocity_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) ->
     the 16-bit shards are on a GPU and ``offload_optimizer.pin_memory`` is on): int8 keeps whole
     256-value blocks and a float scale for each (``quant.CompactBuffer``)."""
     out: list[float] = []
-    for n in (math.ceil(g / W) for g in (shape.group_numels or (shape.params,))):
+    for n in (math.ceil(g / W) for g in shape.group_numels):
         if preset.velocity_bytes_per_value in (4.0, 2.0):
             out.append(preset.velocity_bytes_per_value * n)
         else:
@@ -465,7 +467,7 @@ def _offload_host_extras(shape: ModelShape, preset: PresetSpec, gpus: int, W: in
                               lp * shape.params * gpus / W, "deepspeed 0.19.8 (counted)"))
         if preset.pin_memory and gpu:
             items.append(Item("cpu", "the largest tensor's 16-bit staging buffer (temp_grad_buffer_for_cpu_offload)",
-                              lp * max(shape.tensor_numels or (shape.params,)) * gpus, "deepspeed 0.19.8"))
+                              lp * max(shape.tensor_numels) * gpus, "deepspeed 0.19.8"))
     elif preset.offload_param == "cpu" and preset.param_pin_memory and gpu:
         items.append(Item("cpu", "16-bit partition of every tensor from zero.Init, pinned and kept by torch's host "
                                  "allocator (offload_param.pin_memory)", lp * shape.params * gpus / W,
