@@ -96,8 +96,11 @@ def test_the_counted_pinned_blocks_are_the_blocks_deepspeed_pins(stage, offload_
     from ds_hybrid.models import layer_groups
     code = (f"import json, test_planner_pinned as t; "
             f"print('PINS', json.dumps(t.record_pins({stage}, {offload_param}, {gas})))")
+    # (a world of its own: not the port or rank an earlier test in this process set)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT}:{Path(__file__).parent}"})
+                         env={**env, "PYTHONPATH": f"{ROOT}:{Path(__file__).parent}"})
     lines = [line for line in out.stdout.splitlines() if line.startswith("PINS ")]
     assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-3000:]
     recorded = sorted(json.loads(lines[0][5:]))
