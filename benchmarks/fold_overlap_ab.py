@@ -8,6 +8,10 @@
 * ``during`` against ``behind`` (``memory.fold_during_run``): the real step before a Predict run
   no longer waits for its own fold; the run moves along the velocity from before that fold (one
   real step older) while the fold runs (``tests/test_fold_during_run.py``).
+* ``weights16`` against ``inline`` with ``--bf16`` (``memory.fold_source: weights16``): the
+  velocity folded from the 16-bit shards' difference on their device, each real step's update
+  then rounded to bf16 twice, and the real step that commits a kept run left out of the average
+  (``tests/test_shard_fold.py``). Both arms with bf16 weights, as the offload presets train.
 
 Measured on the ``offload`` bench suite's CPU setup (gpt2-tiny, the ``tiny-cpu`` preset at its
 LR, ZeRO 2 with ``offload_optimizer: cpu``, 300 steps of 16 x 128 bytes) with the bench's
@@ -19,6 +23,8 @@ accelerator ``auto`` would keep the fold inline, so the settings are forced.
 
     .venv/bin/python benchmarks/fold_overlap_ab.py --json docs/results/fold-overlap-cpu.json
     .venv/bin/python benchmarks/fold_overlap_ab.py --arms behind during --json docs/results/fold-during-run-cpu.json
+    .venv/bin/python benchmarks/fold_overlap_ab.py --arms inline weights16 --bf16 --seeds 1 2 3 4 5 6 \
+        --json docs/results/shard-fold-cpu.json
 
 Runs go to ``--out`` (default ``/tmp/fold-overlap-ab``), two at a time with one thread each
 (the runs are deterministic: their losses do not depend on timing). The times they report are
@@ -43,32 +49,35 @@ from ds_hybrid.bench import ARMS, deep_merge  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 MEMORY = {"offload_predict": "device", "fold_source": "optimizer_state", "velocity_dtype": "int8"}
-STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_overlap", "fold_during_run",
+STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_source", "shard_folds", "fold_overlap", "fold_during_run",
          "fold_background_seconds")
 # what each arm sets in hybrid_predict.memory
 SETTINGS = {"inline": {"fold_overlap": False, "fold_during_run": False},
         "behind": {"fold_overlap": True, "fold_during_run": False},
-        "during": {"fold_overlap": True, "fold_during_run": True}}
+        "during": {"fold_overlap": True, "fold_during_run": True},
+        "weights16": {"fold_source": "weights16", "fold_overlap": False, "fold_during_run": False}}
 
 
-def config(arm: str) -> dict:
+def config(arm: str, bf16: bool = False) -> dict:
     suite = SUITES["offload"]
     cfg, _ = resolve_config(suite.config, "--config")
     cfg = deep_merge(cfg, suite.overrides)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     hybrid = json.loads(json.dumps(ARMS["predict"].hybrid))
     hybrid["memory"] = dict(MEMORY, **SETTINGS[arm])
     cfg["hybrid_predict"] = hybrid
     return cfg
 
 
-def run(seed: int, arm: str, out: Path) -> dict:
+def run(seed: int, arm: str, out: Path, bf16: bool = False) -> dict:
     suite = SUITES["offload"]
-    folder = out / f"{arm}-s{seed}"
+    folder = out / f"{arm}{'-bf16' if bf16 else ''}-s{seed}"
     summary = folder / "summary.json"
     if not summary.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         cfg_path = folder / "ds_config.json"
-        cfg_path.write_text(json.dumps(config(arm), indent=1))
+        cfg_path.write_text(json.dumps(config(arm, bf16), indent=1))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-m", "ds_hybrid.cli", "train", "--config", str(cfg_path), "--model", suite.model,
                "--steps", str(suite.steps), "--seq-len", str(suite.seq_len), "--seed", str(seed),
@@ -92,12 +101,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--arms", nargs=2, default=["inline", "behind"], choices=list(SETTINGS),
                     help="the reference arm, then the arm measured against it")
+    ap.add_argument("--bf16", action="store_true", help="both arms with bf16 weights (the suite's config trains fp32)")
     args = ap.parse_args()
     out = Path(args.out)
     ref, new = args.arms
     jobs = [(seed, arm) for seed in args.seeds for arm in (ref, new)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda j: run(*j, out), jobs))
+        rows = list(pool.map(lambda j: run(*j, out, args.bf16), jobs))
     by = {(r["seed"], r["arm"]): r for r in rows}
     deltas = [by[(s, new)]["final_val_loss"] - by[(s, ref)]["final_val_loss"] for s in args.seeds]
     print(f"| seed | {ref}: loss (Predict steps, kept) | {new}: loss (Predict steps, kept) | {new} - {ref} |")
@@ -111,9 +121,10 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "what": f"{ref} {SETTINGS[ref]} against {new} {SETTINGS[new]} (hybrid_predict.memory), offload suite's CPU "
-                    "setup, bench predict arm on the device path (fold from the Adam state, int8 velocity)",
+                    "setup, bench predict arm on the device path (int8 velocity; fold_source optimizer_state unless "
+                    f"the arm says otherwise){', bf16 weights' if args.bf16 else ''}",
             "command": "python benchmarks/fold_overlap_ab.py " + " ".join(sys.argv[1:]),
-            "arms": [ref, new], f"config_{ref}": config(ref), "runs": rows,
+            "arms": [ref, new], f"config_{ref}": config(ref, args.bf16), "runs": rows,
             f"loss_difference_{new}_minus_{ref}": deltas,
             "mean_difference": statistics.mean(deltas), "sd_difference": spread}, indent=1) + "\n")
 

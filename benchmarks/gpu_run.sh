@@ -159,7 +159,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       timeout -k 20 "$(smaller "${TESTS_SECONDS:-240}" "$(left 20)")" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
         tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
         tests/test_fold_during_run.py tests/test_host_kernels.py tests/test_pinned.py tests/test_free_velocity_copy.py \
-        tests/test_step_fusion.py tests/test_grad_recompute.py \
+        tests/test_step_fusion.py tests/test_grad_recompute.py tests/test_shard_fold.py \
         -rfEs > "$OUT/tests.log" 2>&1
       rc=$?; tail -25 "$OUT/tests.log"   # (the whole log, failures first in its summary, is in OUT)
       stage_rc tests $rc "$t0" ;;

@@ -349,7 +349,8 @@ class MemoryConfig(_Section):
     the hybrid's real steps to 1.24x plain's on an H100 with llama-1b, 2026-11-26). Masters,
     moments, velocity and direction statistics are those of DeepSpeed's step followed by the
     inline fold, bit for bit; the predictor sees the statistics at the step. Whole-model steps
-    only (a layer-group step folds as before). ``statistics()``: ``fold_in_step`` and
+    only (a layer-group step folds as before). With ``fold_source: weights16`` only the commit
+    goes into the step (the fold is the GPU's). ``statistics()``: ``fold_in_step`` and
     ``bookkeeping_seconds.fold_in_step`` (the passes' time inside the step; in one pass it
     holds DeepSpeed's update of those values too) and ``commit_in_step`` (the commit's, where it
     ran apart). ``true`` refuses, naming the key, setups
@@ -393,14 +394,21 @@ class MemoryConfig(_Section):
     where torch's CPU square root is not correctly rounded, so a few values in a million differ by
     one bf16 step (``tests/test_host_kernels.py``)."""
 
-    fold_source: Literal["auto", "snapshot", "optimizer_state"] = "auto"
+    fold_source: Literal["auto", "snapshot", "optimizer_state", "weights16"] = "auto"
     """Where a real step's update for the drift velocity comes from. ``snapshot``: a copy of
     the masters taken before the step (4 bytes per parameter of the rank's partition, in the
     masters' memory: host memory under ``offload_optimizer``). ``optimizer_state``: read back
     after the step from the Adam moments and the new weights (no copy; equal up to fp32
-    rounding; Adam/AdamW without ``amsgrad``). Steps of layer-group Predict keep the snapshot
-    (it is their rollback point). ``auto``: ``optimizer_state`` with the device-side Predict
-    path (``offload_predict``), which then keeps no fp32 copy of the masters at all."""
+    rounding; Adam/AdamW without ``amsgrad``). ``weights16`` (the device-side drift path only):
+    the difference of the 16-bit shards DeepSpeed's step writes, copied just before the step
+    (2 bytes per parameter of the partition, on the shards' device, freed after the fold), with
+    the velocity kept beside the shards: under ZeRO-Offload the fold is then a few GPU kernels
+    and reads nothing in host memory, and a Predict run uploads no velocity (it comes down once
+    per run, during the run, for the commit, which ``fold_in_step`` still puts inside DeepSpeed's
+    CPU Adam step). Equal to the masters' update up to one 16-bit rounding of each weight; the
+    real step that commits a kept run does not fold (``ds_hybrid/shard_fold.py``). Steps of layer-group Predict keep the
+    snapshot (it is their rollback point). ``auto``: ``optimizer_state`` with the device-side
+    Predict path (``offload_predict``), which then keeps no fp32 copy of the masters at all."""
 
     predict_autocast: Literal["none", "bf16", "fp16"] = "none"
     """Precision of the Predict phase's no-grad forwards (verification and progress):

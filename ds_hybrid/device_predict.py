@@ -31,6 +31,11 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   buffer is free for that real step's fold on its thread while the run goes on. The commit (and a
   rejection's verified steps) add the steps along the held copy: from a GPU one chunk at a time
   through pinned buffers (``staging.Stager``), with the same additions in the same order.
+* **Velocity beside the shards** (``memory.fold_source: weights16``, ``shard_fold.py``): the run
+  moves along the velocity where it lives, on the GPU, with no copy. For the commit it comes down
+  once per run into pinned host buffers (``copy_down``: at the run's first step, on a side stream
+  while the run's Predict steps keep the GPU busy), so the masters take the run from host memory,
+  inside DeepSpeed's CPU Adam step with ``memory.fold_in_step`` (``take_commit``).
 * **Checkpoint in the middle of a run**: the masters (the last good point), the
   coefficients and a held velocity copy are saved; on load the 16-bit copies are propagated
   from the masters and the run's updates re-applied (``replay``), bit for bit.
@@ -47,6 +52,7 @@ real step's optimizer writes the 16-bit copies from the (committed, identical) m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -54,7 +60,7 @@ import torch
 from . import host_kernels, kernels
 from .host_worker import HostWorker, WorkerOwner
 from .quant import BLOCK, CompactBuffer, scratch
-from .staging import Stager
+from .staging import Stager, side_stream
 from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
 
 
@@ -88,6 +94,17 @@ class DevicePredict(WorkerOwner):
         # How many of them a verification forward kept (check: forward): the masters take them with
         # the rest at the next real step, or alone when a later step of the run is rejected.
         self.verified = 0
+        # kept runs handed to the masters so far (commit, take_commit): the shard fold
+        # (memory.fold_source: weights16) leaves out the real step that commits one
+        self.kept_runs = 0
+        # memory.fold_source: weights16 with the velocity on a GPU: a host copy of it for the commit,
+        # made at each run's first step (copy_down), from the velocity state vel.updates was then
+        self.copy_down = False
+        self.pin_down = True   # ... in page-locked memory (the engine follows DeepSpeed's offload pin_memory)
+        self._down: list[CompactBuffer | None] = []
+        self._down_updates = -1
+        self._down_ready = None   # the event after which the host copy is complete (None: it is)
+        self._down_streams: dict = {}
         self._velocity: list[CompactBuffer | None] = []   # per partition, on its shard's device
         self._copies: list[bool] = []   # which of those are copies (not the host buffer itself)
         self._uploaded = -1   # vel.updates when the device copy was made (-1: none is current)
@@ -170,6 +187,7 @@ class DevicePredict(WorkerOwner):
 
     def _release(self) -> None:
         """The run ended: the held copy is no longer its velocity (the buffers stay for the next)."""
+        self._settle_down()   # (the next fold writes the velocity a copy down may still read)
         if self._held:
             self._held, self._uploaded, self._held_ready = False, -1, None
 
@@ -203,6 +221,10 @@ class DevicePredict(WorkerOwner):
             self._copies = [False] * len(self._copies)
             self._uploaded = -1
 
+    def host_copy_bytes(self) -> int:
+        """Bytes of the velocity's host copy for the commit (``copy_down``)."""
+        return sum(b.nbytes() for b in self._down if b is not None)
+
     def device_bytes(self) -> int:
         """Bytes of velocity copies this path keeps beside the 16-bit shards."""
         return sum(b.nbytes() for b, copy in zip(self._velocity, self._copies) if copy)
@@ -214,6 +236,8 @@ class DevicePredict(WorkerOwner):
     def apply(self, vel: VelocityBuffers, scales: "float | Sequence[float]") -> None:
         """One Predict step: ``coef * v`` into every 16-bit shard, then the gather. Collective."""
         coefs = self.coefficients(scales)
+        if self.copy_down and not self.pending:   # the run's first step: its velocity starts down now
+            self._copy_down(vel)
         self._add_to_shards(vel, [coefs])
         self.pending.append(coefs)
         self.access.gather_device_shards()
@@ -253,6 +277,7 @@ class DevicePredict(WorkerOwner):
             self._release()
             return
         steps, self.pending = self.pending, []
+        self.kept_runs += 1
         parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
         bufs = self._run_velocity(vel)
         after = self._ready(bufs)
@@ -280,7 +305,8 @@ class DevicePredict(WorkerOwner):
             return None
         self.verified = 0
         steps, self.pending = self.pending, []
-        bufs = list(vel.buffers)
+        self.kept_runs += 1
+        bufs = self._run_velocity(vel)
         self._release()
         return steps, bufs
 
@@ -289,8 +315,51 @@ class DevicePredict(WorkerOwner):
         self._worker.wait()
 
     def _run_velocity(self, vel: VelocityBuffers) -> list:
-        """What the pending run moved along: the held copy, else the velocity itself."""
-        return list(self._velocity) if self._held else list(vel.buffers)
+        """What the pending run moved along: the held copy, else the velocity itself (``copy_down``:
+        its host copy, complete)."""
+        if self._held:
+            return list(self._velocity)
+        if self.copy_down:
+            self._copy_down(vel)   # (made at the run's first step already, unless a checkpoint came between)
+            self._settle_down()
+            return list(self._down)
+        return list(vel.buffers)
+
+    @torch.no_grad()
+    def _copy_down(self, vel: VelocityBuffers) -> None:
+        """``copy_down``: the velocity into host buffers (pinned where it is on a GPU), on a side
+        stream after the work queued so far; nothing to do where the copy is of this state."""
+        if self._down_updates == vel.updates and len(self._down) == len(vel.buffers):
+            return
+        self.wait()   # (a background commit may read the last copy)
+        self._settle_down()
+        gpu = next((b.device for b in vel.buffers if b is not None and b.device.type == "cuda"), None)
+        stream = side_stream(self._down_streams, gpu) if gpu is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(gpu))
+        out: list[CompactBuffer | None] = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for i, buf in enumerate(vel.buffers):
+                old = self._down[i] if i < len(self._down) else None
+                if buf is None:
+                    out.append(None)
+                    continue
+                if old is None or old.numel != buf.numel or old.dtype != buf.dtype:
+                    old = CompactBuffer(buf.numel, buf.dtype, "cpu", pin=self.pin_down and buf.device.type == "cuda")
+                old.data.copy_(buf.data, non_blocking=True)
+                if buf.dtype == "int8":
+                    old.scale.copy_(buf.scale, non_blocking=True)
+                out.append(old)
+        self._down, self._down_updates = out, vel.updates
+        if stream is not None:
+            self._down_ready = torch.cuda.Event()
+            self._down_ready.record(stream)
+
+    def _settle_down(self) -> None:
+        """Wait for the host copy's transfers (``copy_down``)."""
+        if self._down_ready is not None:
+            self._down_ready.synchronize()
+            self._down_ready = None
 
     def _ready(self, bufs: list):
         """The event after which ``bufs`` are complete on their GPU (None: none is on one): a held
@@ -395,6 +464,8 @@ class DevicePredict(WorkerOwner):
         self.pending = [list(map(float, c)) for c in sd.get("pending", [])]
         self.verified = int(sd.get("verified", 0))
         self._held, self._uploaded = False, -1   # the velocity was loaded too: upload it again before the next use
+        self._settle_down()
+        self._down_updates = -1   # (and copy it down again: a loaded state may have the same count)
         if held is None:
             return
         if vel is None or len(held) != len(vel.buffers):

@@ -55,6 +55,7 @@ from .grad_recompute import Recompute, checkpointing_off
 from .judgement import DelayedJudgement
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
+from .shard_fold import ShardFold
 from .wall_clock import WallClockBreakdown
 
 LossFn = Callable[["PredictiveEngine", Any], torch.Tensor]
@@ -224,6 +225,9 @@ class PredictiveEngine(DeepSpeedEngine):
         self._device_predict: DevicePredict | None = None   # memory.offload_predict: device
         self._saved_device_run: dict | None = None
         self._fold_from_state = False   # memory.fold_source resolved
+        self._shards: ShardFold | None = None   # ... weights16: the fold from the 16-bit shards
+        self._kept_runs_at_start = 0   # DevicePredict.kept_runs when this real step began
+        self._capture_shards = False   # this real step copies its shards before its optimizer step
         self._commit_overlap = False    # memory.commit_overlap resolved
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
@@ -246,6 +250,7 @@ class PredictiveEngine(DeepSpeedEngine):
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())
         self._device_predict = self._make_device_predict()
         self._fold_from_state = self._resolve_fold_source()
+        self._shards = self._resolve_shard_fold()
         if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
             self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
         mem = self.hybrid_config.memory
@@ -253,7 +258,13 @@ class PredictiveEngine(DeepSpeedEngine):
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
         self._velocity = (za.VelocityBuffers(mem.velocity_dtype, seed=self.hybrid_config.dynamics.seed)
                           if self.hybrid_config.predictor.direction in ("drift", "none") else None)
-        if self._velocity is not None and self._masters_on_cuda and self._offload_pins_memory():
+        if self._velocity is not None and self._shards is not None:
+            self._velocity.beside_shards = True   # (on the shards' device: nothing to pin or upload)
+            # a velocity on a GPU comes down once per run, during it, for the commit into the masters
+            self._device_predict.copy_down = any(
+                self._masters.device_shard(i).device != p.master.device for i, p in enumerate(self._masters.partitions()))
+            self._device_predict.pin_down = self._offload_pins_memory()
+        elif self._velocity is not None and self._masters_on_cuda and self._offload_pins_memory():
             # host velocity beside GPU shards: pinned, so each run's upload is one DMA, not a pageable
             # copy (unless the user turned DeepSpeed's pinning off: torch rounds each pinned block up
             # to a power of two, 2 GiB more at 7B with an int8 velocity)
@@ -428,7 +439,11 @@ class PredictiveEngine(DeepSpeedEngine):
             out["velocity_bytes"] = self._velocity.nbytes() if self._velocity is not None else 0
             out["direction"] = self.hybrid_config.predictor.direction
             out["offload_predict"] = "device" if self._device_path() else "host"
-            out["fold_source"] = "optimizer_state" if self._fold_from_state else "snapshot"
+            out["fold_source"] = ("weights16" if self._shards is not None
+                                  else "optimizer_state" if self._fold_from_state else "snapshot")
+            if self._shards is not None:   # real steps folded from the shards, and those a kept run's commit left out
+                out["shard_folds"] = {"folded": self._shards.folds, "skipped": self._shards.skipped,
+                                      "host_copy_bytes": self._device_predict.host_copy_bytes()}
             out["host_kernels"] = "cpp" if self._host_kernel else "torch"
             out["fold_overlap"] = self._folds is not None
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
@@ -547,7 +562,7 @@ class PredictiveEngine(DeepSpeedEngine):
                 self._gradient.commit()   # (a run kept without a check: the optimizer takes its first moment)
             if self._device_predict is not None and self._device_predict.pending:
                 self._commit_run(into_step=True)   # (a run kept without a check: its masters catch up here)
-            capture = predicted or (drift and not self._fold_from_state)
+            capture = predicted or (drift and not self._fold_from_state and self._shards is None)
             stash = not capture and probe and not drift
             if capture or stash:
                 self._wait_fold()     # (it reads the masters these overwrite)
@@ -565,12 +580,16 @@ class PredictiveEngine(DeepSpeedEngine):
             return redo
 
         self._step_groups = predicted
-        self._fold_in_step = self._fusion is not None and drift and not predicted
+        # (fold_source: weights16 folds on the shards' device: only a kept run's commit goes into the step)
+        self._fold_in_step = self._fusion is not None and drift and not predicted and self._shards is None
+        self._capture_shards = self._shards is not None and drift
+        if self._capture_shards:
+            self._kept_runs_at_start = self._device_predict.kept_runs
         try:
             self._real_step(batches, loss_fn, before_backward, self._layout.cut[k] if k else None)
         finally:
             self._step_groups = frozenset()
-            self._fold_in_step = False
+            self._fold_in_step = self._capture_shards = False
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         applied = self.was_step_applied()
         fold_behind = drift and applied and self._folds is not None and not predicted
@@ -578,6 +597,12 @@ class PredictiveEngine(DeepSpeedEngine):
         if in_step is not None and drift and applied:
             # memory.fold_in_step: folded inside the optimizer step
             groups = self._fused_fold_sums(in_step, lrs)
+        elif drift and applied and self._shards is not None:
+            # memory.fold_source: weights16: from the shards DeepSpeed's step just wrote, on their
+            # device (none where this step committed a kept run: shard_fold.py says why)
+            with self._timed("fold"):
+                groups = self._shards.fold(self._velocity, lrs, cfg.predictor.drift_beta, int(self.global_steps),
+                                           moments=self._learns_from_every_step())
         elif fold_behind:
             # memory.fold_overlap: this step's fold runs behind the next step's forward and
             # backward (started at the end of this step, once the next phase is known); the
@@ -1131,6 +1156,9 @@ class PredictiveEngine(DeepSpeedEngine):
                     return super()._take_model_step(lr_kwargs)
             groups = self._step_groups
             if not groups:
+                if self._capture_shards:   # memory.fold_source: weights16: the shards before the step writes them
+                    with self._timed("shard_capture"):
+                        self._shards.capture(committed=self._device_predict.kept_runs != self._kept_runs_at_start)
                 if self._fusion is not None:
                     return self._fused_model_step(lr_kwargs)
                 return super()._take_model_step(lr_kwargs)
@@ -1482,6 +1510,31 @@ class PredictiveEngine(DeepSpeedEngine):
                              "moments, which amsgrad's max does not allow; set it to snapshot")
         return not amsgrad
 
+    def _resolve_shard_fold(self) -> ShardFold | None:
+        """``memory.fold_source: weights16``: the fold from the 16-bit shards, or a config error
+        naming what this setup lacks."""
+        from .config import ConfigError
+        cfg = self.hybrid_config
+        if cfg.memory.fold_source != "weights16":
+            return None
+        why = None
+        if cfg.predictor.direction != "drift":
+            why = f"predictor.direction is {cfg.predictor.direction!r} (there is no drift velocity to fold)"
+        elif self._device_predict is None:
+            why = ("the Predict steps are not on the device-side drift path (memory.offload_predict: device, or auto "
+                   "with zero_optimization.offload_optimizer beside a GPU): the shards would hold each run")
+        elif cfg.group_predict.enabled:
+            why = "group_predict is on (a layer-group step's fold keeps its snapshot: its rollback point)"
+        else:
+            between = cfg.correction_steps if cfg.correction_steps > 0 else cfg.full_steps
+            key = "correction_steps" if cfg.correction_steps > 0 else "full_steps"
+            if between == 1:
+                why = (f"{key} is 1: the one real step between two Predict runs commits the first and takes no "
+                       "fold (shard_fold.py), so the velocity would stop at the first kept run; set it to 2 or more")
+        if why is not None:
+            raise ConfigError(f"hybrid_predict.memory.fold_source: weights16, but {why}")
+        return ShardFold(self._masters)
+
     def _make_device_predict(self) -> "DevicePredict | None":
         """``memory.offload_predict``: the device-side Predict path, or None (the host path)."""
         setting = self.hybrid_config.memory.offload_predict
@@ -1555,7 +1608,9 @@ class PredictiveEngine(DeepSpeedEngine):
             return False
         zo = self._config._param_dict.get("zero_optimization") or {}
         why = None
-        if not self._fold_from_state:
+        if self._shards is not None:
+            why = "memory.fold_source is weights16 (the fold is a few kernels on the shards' device after the step)"
+        elif not self._fold_from_state:
             why = ("memory.fold_source is snapshot: the next step's copy of the masters would overwrite what the "
                    "fold reads; set fold_source to optimizer_state")
         elif self._learns_from_every_step():
@@ -1591,7 +1646,7 @@ class PredictiveEngine(DeepSpeedEngine):
                    "(zero_optimization.offload_optimizer.device: cpu)")
         elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
             why = "zero_optimization.offload_optimizer.device is nvme (DeepSpeed swaps the partitions in for its step)"
-        elif not self._fold_from_state:
+        elif not self._fold_from_state and self._shards is None:
             why = "memory.fold_source is snapshot (the fold reads a copy of the masters from before the step)"
         elif not self._host_kernel:
             why = "memory.host_kernels is torch (the fold by ranges is the C++ kernel's)"
@@ -1610,7 +1665,9 @@ class PredictiveEngine(DeepSpeedEngine):
         the last real step's fold, which then runs during the run."""
         setting = self.hybrid_config.memory.fold_during_run
         why = None
-        if self._fusion is not None:
+        if self._shards is not None:
+            why = "memory.fold_source is weights16 (the fold is on the shards' device, before the run)"
+        elif self._fusion is not None:
             why = "memory.fold_in_step is on (the fold runs inside the optimizer step, before the run)"
         elif self._folds is None:
             why = "memory.fold_overlap is off here (the fold runs inline)"
@@ -1633,6 +1690,11 @@ class PredictiveEngine(DeepSpeedEngine):
         drift path's beside shards on a GPU (a preset that sets it still runs on the CPU)."""
         if not self.hybrid_config.memory.free_velocity_copy or self._device_predict is None:
             return False
+        if self._shards is not None:
+            from .config import ConfigError
+            raise ConfigError("hybrid_predict.memory.free_velocity_copy: true, but memory.fold_source is weights16: "
+                              "the velocity itself lives beside the shards (there is no copy to free); set one of the "
+                              "two otherwise")
         return self._device_predict.copy_always or all(
             self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
 

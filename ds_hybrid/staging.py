@@ -28,7 +28,7 @@ from .quant import CHUNK
 STAGE_CHUNK = CHUNK   # values per staging buffer (8 MiB in bf16): a chunk fits quant.scratch's work buffers
 
 
-def _side_stream(streams: dict, device: torch.device):
+def side_stream(streams: dict, device: torch.device):
     """``streams``' side stream for ``device`` (made on first use), or None off a GPU."""
     if device.type != "cuda":
         return None
@@ -56,7 +56,7 @@ class Stager:
         return self._bufs[key], self._events[key]
 
     def _stream(self, device: torch.device):
-        return _side_stream(self._streams, device)
+        return side_stream(self._streams, device)
 
     @staticmethod
     def mark(device: torch.device):
@@ -194,7 +194,7 @@ class QueuedDownloads:
         return self._bufs[key], self._free[key]
 
     def _stream(self, device: torch.device):
-        return _side_stream(self._streams, device)
+        return side_stream(self._streams, device)
 
     def _submit(self, job: Callable[[], None]) -> None:
         if self._worker is None:

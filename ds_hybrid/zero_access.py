@@ -570,6 +570,24 @@ def capture_weights(access: MasterAccess, bufs: PartitionBuffers, groups: "set[i
 
 
 @torch.no_grad()
+def capture_shards(access: MasterAccess, bufs: PartitionBuffers) -> None:
+    """Copy the 16-bit shards DeepSpeed's step is about to write (``device_shard``), each in its
+    own dtype and on its own device, into ``bufs`` (``memory.fold_source: weights16``: the real
+    step's update is their difference after the step). A buffer is reused where it matches."""
+    for i in range(access._count()):
+        shard = access.device_shard(i)
+        while len(bufs.buffers) <= i:
+            bufs.buffers.append(torch.empty(0))
+        if shard is None:
+            continue
+        buf = bufs.buffers[i]
+        if buf.shape != shard.shape or buf.dtype != shard.dtype or buf.device != shard.device:
+            buf = bufs.buffers[i] = torch.empty_like(shard)
+        buf.copy_(shard)
+    bufs.holds = "shards"
+
+
+@torch.no_grad()
 def restore_weights(access: MasterAccess, bufs: PartitionBuffers, groups: "set[int] | None" = None) -> None:
     """Copy the snapshot back into the masters (of every param group, or of ``groups``) and
     propagate: an exact rollback."""
@@ -690,6 +708,9 @@ class VelocityBuffers:
         self.dtype, self.seed = dtype, seed
         self.buffers: list = []
         self.updates = 0  # real updates folded in so far
+        # memory.fold_source: weights16: the buffers live beside the 16-bit shards (on a GPU under
+        # ZeRO-Offload), not beside the masters
+        self.beside_shards = False
         # host buffers in page-locked memory (the engine sets it where a GPU reads them: the device
         # path's once-per-run upload is then a DMA; measured pageable on an H200: 44 ms a Predict step)
         self.pin = False
@@ -728,7 +749,8 @@ class VelocityBuffers:
         for i, saved in enumerate(sd["buffers"]):
             if saved is None or i >= len(parts):
                 continue
-            self.buffer(i, parts[i].master).load_state_dict(saved)
+            like = access.device_shard(i) if self.beside_shards else parts[i].master
+            self.buffer(i, like).load_state_dict(saved)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -758,7 +780,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
                      keep: bool = False, moments: bool = True, host_kernel: bool = False,
                      parts: "list[MasterPartition] | None" = None, only: "set[int] | None" = None,
-                     count: bool = True) -> torch.Tensor:
+                     count: bool = True, shards: bool = False) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -785,10 +807,15 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     ``parts``: ``access.partitions()`` listed beforehand (a fold on a host thread reads
     DeepSpeed's optimizer structures on the main thread, ``fold_overlap.py``). ``only``: fold
     only these partitions (by index); ``count=False``: leave ``vel.updates`` to the caller (both
-    for ``memory.fold_in_step``, which folds the others inside the optimizer step)."""
+    for ``memory.fold_in_step``, which folds the others inside the optimizer step).
+
+    ``shards`` (``memory.fold_source: weights16``): the update is the difference of the 16-bit
+    shards (``access.device_shard``) after the step and ``before`` (``capture_shards``), taken
+    in fp32 on the shards' device, where the velocity then lives too; the moment columns still
+    read the optimizer's state."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     from_state = before is None
-    if not from_state and before.holds != "weights":
+    if not from_state and before.holds != ("shards" if shards else "weights"):
         return out
     from .quant import scratch
     first, folded = vel.updates == 0, False
@@ -803,11 +830,11 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         if only is not None and i not in only:
             continue
         folded = True
-        buf = vel.buffer(i, part.master)
-        gen = vel.generator(part.master.device, step, i)
-        master = _flat(part.master)
+        master = _flat(access.device_shard(i) if shards else part.master)
+        buf = vel.buffer(i, master)
+        gen = vel.generator(master.device, step, i)
         row = out[part.group_index]
-        if host_kernel and master.device.type == "cpu" and master.is_contiguous():
+        if host_kernel and not shards and master.device.type == "cpu" and master.is_contiguous():
             _fold_on_host(access, part, master, None if from_state else _flat(before.buffers[i]), buf, gen, lr,
                           beta, first, moments, row)
             continue
@@ -834,6 +861,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
                     torch.add(w, a, alpha=lr, out=d).mul_(-lr * wd / (1.0 - lr * wd)).sub_(a, alpha=lr)
                 else:
                     torch.mul(a, -lr, out=d)
+            elif shards:   # (widened first: a difference taken in 16 bits would round)
+                d.copy_(w).sub_(old_w[s:e])
             else:
                 torch.sub(w, old_w[s:e].to(w.device, non_blocking=True), out=d)
             # fp32 views of the stored velocity are updated in place; bf16 / int8 go through a copy.
@@ -841,7 +870,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
             # Statistics in fp32 (torch's reductions accumulate pairwise): 4 passes, no fp64 copies.
             sums[:3] += torch.stack([torch.dot(d, v_old), torch.dot(v_old, v_old), torch.dot(d, d)])
             if moments:
-                sums[3] += torch.dot(w, w)
+                w32 = w if w.dtype == torch.float32 else scratch(master.device, 4, master.numel())[:e - s].copy_(w)
+                sums[3] += torch.dot(w32, w32)
             if first:
                 torch.mul(d, 1.0 / lr, out=v_old)
             else:

@@ -77,6 +77,23 @@ class Batches:
         return [self.micro() for _ in range(gas)]
 
 
+def resumed_in_a_run(ref, batches: Batches, path, make) -> tuple:
+    """Train ``ref`` into its first Predict run, take one step of it, save a checkpoint there and
+    load it into ``make()`` (an engine with other initial weights). Returns that engine and a copy
+    of ``batches`` that goes on where it does."""
+    while ref.controller.phase.value != "predict":
+        ref.train_step(batches.step())
+    ref.train_step(batches.step())
+    assert ref._device_predict.pending and ref.controller.phase.value == "predict"
+    ref.save_checkpoint(str(path), tag="mid")
+    resumed = make()
+    resumed.load_checkpoint(str(path), tag="mid")
+    again = copy.copy(batches)
+    again.gen = torch.Generator()
+    again.gen.set_state(batches.gen.get_state())
+    return resumed, again
+
+
 def step_together(a, b, batches_a: Batches, batches_b: Batches):
     """One ``train_step`` of each engine on its stream: the same phase, loss and weights after it."""
     ra, rb = a.train_step(batches_a.step()), b.train_step(batches_b.step())
@@ -97,6 +114,18 @@ def full_params(engine) -> list[torch.Tensor]:
 
 def master_copies(engine) -> list[torch.Tensor]:
     return [p.master.detach().clone() for p in engine._masters.partitions()]
+
+
+def committed(masters: list[torch.Tensor], group_indices, bufs: list, run: list[list[float]]) -> list[torch.Tensor]:
+    """What a device-side run's commit makes of ``masters`` (flat, on the host): each partition
+    takes every step's ``coef * v`` in order, ``v`` from ``bufs`` (its velocity, any device)."""
+    out = []
+    for m, gi, buf in zip(masters, group_indices, bufs):
+        m = m.view(-1).clone()
+        for coefs in run:
+            m.add_(buf.load().cpu(), alpha=coefs[gi])
+        out.append(m)
+    return out
 
 
 class OneShardAccess:

@@ -49,7 +49,7 @@ parser.add_argument("--judge-harm", action="store_true",
 parser.add_argument("--offload-predict", choices=["host", "device"], default=None,
                     help="offload_optimizer: cpu with drift runs checked by the next step, on this path "
                          "(memory.offload_predict); with --faults rank 1's second check of a run sees its loss x 10")
-parser.add_argument("--fold-source", default="snapshot", choices=["snapshot", "optimizer_state", "auto"],
+parser.add_argument("--fold-source", default="snapshot", choices=["snapshot", "optimizer_state", "weights16", "auto"],
                     help="with --offload-predict: memory.fold_source")
 parser.add_argument("--fold-overlap", action="store_true",
                     help="with --offload-predict: memory.fold_overlap true (the fold behind the next real step)")

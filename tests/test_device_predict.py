@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import Batches, ds_config, full_params, make_engine, master_copies, step_together
+from engine_utils import (Batches, committed, ds_config, full_params, make_engine, master_copies, resumed_in_a_run,
+                          step_together)
 
 # Predict runs of 2 drift steps after 2 real ones, checked by the next real step's forward.
 NEXT = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
@@ -243,18 +244,10 @@ def test_checkpoint_in_the_middle_of_a_device_run_resumes_bit_for_bit(stage, tmp
     every later step equal an uninterrupted run's."""
     cfg = ds_config(offload_opt="cpu", hybrid=_hybrid("device"), **STAGES[stage])
     ref, b = make_engine(cfg, seed=0), Batches(seed=6)
-    while ref.controller.phase.value != "predict":
-        ref.train_step(b.step())
-    ref.train_step(b.step())
-    assert ref._device_predict.pending and ref.controller.phase.value == "predict"
-    ref.save_checkpoint(str(tmp_path), tag="mid")
-    state = b.gen.get_state()
-    resumed = make_engine(cfg, seed=1)   # other initial weights: everything must come from the checkpoint
-    resumed.load_checkpoint(str(tmp_path), tag="mid")
+    # (other initial weights: everything must come from the checkpoint)
+    resumed, b2 = resumed_in_a_run(ref, b, tmp_path, lambda: make_engine(cfg, seed=1))
     assert resumed._device_predict.pending == ref._device_predict.pending
     _same(ref, resumed)
-    b2 = Batches(seed=6)
-    b2.gen.set_state(state)
     for _ in range(5):
         r1, r2 = ref.train_step(b.step()), resumed.train_step(b2.step())
         assert (r1.phase, r1.loss) == (r2.phase, r2.loss)
@@ -408,12 +401,7 @@ def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
     run = dev._device_predict.pending
     dev._wait_fold()   # (fold_source: snapshot here, so no fold runs behind the step; a no-op)
     bufs = dev._device_predict._run_velocity(dev._velocity)   # the velocity the run moved along
-    expected = []
-    for m, gi, buf in zip(masters, dev._masters.group_indices(), bufs):
-        m = m.view(-1).clone()
-        for coefs in run:
-            m.add_(buf.load().cpu(), alpha=coefs[gi])
-        expected.append(m)
+    expected = committed(masters, dev._masters.group_indices(), bufs, run)
     dev._device_predict.commit(dev._velocity)
     for e, m in zip(expected, master_copies(dev)):
         assert torch.equal(e, m.view(-1))

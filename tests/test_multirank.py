@@ -157,6 +157,26 @@ def test_fold_in_step_keeps_the_ranks_together_and_equals_the_inline_fold(tmp_pa
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_shard_fold_keeps_the_ranks_together(stage, tmp_path):
+    """memory.fold_source: weights16, 2 ranks under offload with bf16 weights: each rank folds its
+    own 16-bit shard's difference into the velocity beside it, and leaves out the real step that
+    commits a kept run, on every rank alike: the same phases, losses, rollbacks and weights on
+    both, through the skipped NaN steps and rank 1's rejected run."""
+    ranks = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults", "--bf16",
+                                              "--offload-predict", "device", "--fold-source", "weights16"], 2, tmp_path)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
+    assert [tuple(s[c] for c in cols) for s in ranks[1]["record"]] == \
+        [tuple(s[c] for c in cols) for s in ranks[0]["record"]]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    st = ranks[0]["statistics"]
+    assert st["fold_source"] == "weights16" and st["snapshot_bytes"] == 0
+    assert st["shard_folds"] == ranks[1]["statistics"]["shard_folds"]
+    assert st["shard_folds"]["folded"] > 0 and st["shard_folds"]["skipped"] > 0
+    assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
+
+
 def _runs_alike(runs: dict, ref: str) -> None:
     """Every rank of every run took the steps of ``ref``'s rank 0: phases, losses and checks."""
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")

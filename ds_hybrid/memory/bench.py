@@ -106,6 +106,14 @@ VARIANTS: dict[str, dict | None] = {
                                         "memory": {"velocity_dtype": d, "offload_predict": "device",
                                                    "fold_source": "optimizer_state", "fold_in_step": True},
                                         "check": "next_step", "correction_steps": 0} for d in ("bf16", "fp32")},
+    # ... with the fold from the 16-bit shards' difference on the GPU (memory.fold_source: weights16):
+    # no host pass after DeepSpeed's step, the velocity kept beside the shards (no upload), a kept
+    # run's commit brought down from it behind the next forward and backward; the real step that
+    # commits a run takes no fold.
+    "drift-int8-device-next-w16": {"predictor": {"direction": "drift"},
+                                   "memory": {"velocity_dtype": "int8", "offload_predict": "device",
+                                              "fold_source": "weights16"},
+                                   "check": "next_step", "correction_steps": 0},
     # ... with its host passes inline instead of on host threads behind the next forward and
     # backward, and apart from DeepSpeed's step (auto is the step's one pass): a kept run's commit
     # into the masters, and each real step's fold into the velocity.

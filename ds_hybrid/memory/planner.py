@@ -171,7 +171,12 @@ class PresetSpec:
         device = self.device_predict(accelerator)
         if self.gradient:   # its device path keeps no snapshot; its host path does, for the run's rollback
             return not device
-        return not (device and fold_from_optimizer_state(self.fold_source, device))
+        return not (device and (fold_from_optimizer_state(self.fold_source, device) or self.fold_source == "weights16"))
+
+    def velocity_beside_shards(self, accelerator: str) -> bool:
+        """``fold_source: weights16`` on the device-side drift path: the velocity lives beside the
+        16-bit shards, not the masters."""
+        return self.fold_source == "weights16" and self.device_predict(accelerator)
 
     @property
     def speed_rank(self) -> tuple:
@@ -556,8 +561,12 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
         else:
             snap_where = "-"   # device-side Predict, fold from the optimizer state: no copy of the masters
         if preset.velocity_bytes_per_value:
-            # The drift velocity lives beside the masters (host memory under offload_optimizer).
-            vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
+            # The drift velocity lives beside the masters (host memory under offload_optimizer), or
+            # with fold_source weights16 beside the 16-bit shards.
+            if preset.velocity_beside_shards(accelerator):
+                vel_where = "gpu" if preset.shards_on_gpu(accelerator) else "cpu"
+            else:
+                vel_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
             vel = preset.velocity_bytes_per_value * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
             items.append(Item(vel_where, "drift velocity (hybrid_predict.memory.velocity_dtype)", vel))
             if vel_where == "cpu" and preset.pin_memory and preset.shards_on_gpu(accelerator):
@@ -579,6 +588,22 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
                 else:
                     items.append(Item("gpu", "drift velocity copy beside the 16-bit shards (memory.offload_predict)",
                                       copy))
+            if preset.velocity_beside_shards(accelerator) and vel_where == "gpu":
+                # copied down once per run for the commit into the masters (DevicePredict.copy_down)
+                items.append(Item("cpu", "host copy of the drift velocity for a kept run's commit "
+                                         "(memory.fold_source: weights16)", preset.velocity_bytes_per_value * part / 4 * gpus))
+                if preset.pin_memory:
+                    items.append(Item("cpu", "pinned-memory rounding of the velocity's host copy (per param group)",
+                                      pinned_rounding(velocity_pinned_blocks(shape, preset, W), pinned_round_mb) * gpus,
+                                      "torch's CachingHostAllocator (counted)"))
+            if preset.velocity_beside_shards(accelerator):
+                # The shards' copy exists from the optimizer step to the fold, after the backward:
+                # counted beyond what the activations and the backward's working set leave.
+                after_backward = sum(i.bytes for i in items if i.where == dev and
+                                     i.what.startswith(("activations:", "backward working set")))
+                shards = preset.lp_bytes * part / 4 * (gpus if vel_where == "cpu" and accelerator != "cpu" else 1)
+                items.append(Item(vel_where, "16-bit shards' copy at the optimizer step, beyond what the activations "
+                                             "leave (memory.fold_source: weights16)", max(0.0, shards - after_backward)))
         if preset.gradient:
             # A gradient Predict step's private gradient on the device (autograd's 16-bit tensors; a
             # flat sum beside them with accumulation or several ranks, in the device path's state dtype,
