@@ -24,8 +24,9 @@ def _hybrid(fold: str = "weights16", velocity: str = "fp32", **changes) -> dict:
     return h
 
 
-def _engine(stage: str, bf16: bool = True, seed: int = 0, **hybrid):
-    return make_engine(ds_config(offload_opt="cpu", bf16=bf16, hybrid=_hybrid(**hybrid), **STAGES[stage]), seed=seed)
+def _engine(stage: str, bf16: bool = True, seed: int = 0, gas: int = 1, groups: int = 0, **hybrid):
+    return make_engine(ds_config(offload_opt="cpu", bf16=bf16, gas=gas, hybrid=_hybrid(**hybrid), **STAGES[stage]),
+                       seed=seed, groups=groups)
 
 
 def _velocity(engine) -> list[torch.Tensor]:
@@ -36,20 +37,22 @@ def _bf16(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(-1).to(torch.bfloat16).float() for t in ts]
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
-def test_the_velocity_is_the_average_of_the_rounded_masters_steps(stage):
+@pytest.mark.parametrize("stage, gas, groups", [("z1", 1, 0), ("z2", 2, 2), ("z3", 1, 0)],
+                         ids=["z1", "z2-2-micro-batches-2-groups", "z3"])
+def test_the_velocity_is_the_average_of_the_rounded_masters_steps(stage, gas, groups):
     """bf16 weights: every real step that folds puts ``(R(m_after) - R(m_before)) / lr`` into the
     velocity (R: the rounding to bf16, which is what DeepSpeed's step writes into the shards),
     bit for bit the same torch arithmetic on the rounded masters; a step that commits a kept run
-    leaves the velocity as it was; Predict runs are taken and kept all along."""
-    eng = _engine(stage)
+    leaves the velocity as it was; Predict runs are taken and kept all along. (ZeRO 2 with 2
+    micro-batches a step and 2 param groups: the copy is taken at the boundary's step only.)"""
+    eng = _engine(stage, gas=gas, groups=groups)
     assert eng.statistics()["fold_source"] == "weights16" and eng._velocity.beside_shards
     beta = eng.hybrid_config.predictor.drift_beta
     b, ref, phases, zero_lr = Batches(seed=3), None, [], 0
     for _ in range(16):
         before, folds = master_copies(eng), dict(eng.statistics()["shard_folds"])
         lrs = [float(g["lr"]) for g in eng._masters.base.param_groups]
-        phases.append(eng.train_step(b.step()).phase)
+        phases.append(eng.train_step(b.step(gas)).phase)
         zero_lr += phases[-1] != "predict" and lrs[0] == 0.0   # (WarmupLR's first steps: nothing to fold)
         now = eng.statistics()["shard_folds"]
         if now["folded"] > folds["folded"]:
