@@ -24,6 +24,13 @@ import os
 logger = logging.getLogger(__name__)
 
 KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+
+# The hybrid's own pinned buffers (``staging``), named here where the planner, which imports no
+# torch, counts them: values per buffer (``quant.CHUNK``: a chunk starts on a quantisation block
+# boundary; a test checks the two agree), buffers per dtype of a ``Stager`` and of a ``QueuedDownloads``.
+STAGE_CHUNK = 1 << 22
+STAGER_BUFFERS = 2
+QUEUE_BUFFERS = 8
 ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 

@@ -23,9 +23,8 @@ from typing import Callable
 
 import torch
 
-from .quant import CHUNK
-
-STAGE_CHUNK = CHUNK   # values per staging buffer (8 MiB in bf16): a chunk fits quant.scratch's work buffers
+from .pinned import QUEUE_BUFFERS, STAGE_CHUNK, STAGER_BUFFERS   # (STAGE_CHUNK is quant.CHUNK: a chunk
+# fits quant.scratch's work buffers and starts on a quantisation block; 8 MiB a buffer in bf16)
 
 
 def side_stream(streams: dict, device: torch.device):
@@ -51,8 +50,8 @@ class Stager:
     def _buffers(self, dtype: torch.dtype, pinned: bool) -> tuple[list[torch.Tensor], list]:
         key = (dtype, pinned)
         if key not in self._bufs:
-            self._bufs[key] = [torch.empty(self.chunk, dtype=dtype, pin_memory=pinned) for _ in range(2)]
-            self._events[key] = [None, None]
+            self._bufs[key] = [torch.empty(self.chunk, dtype=dtype, pin_memory=pinned) for _ in range(STAGER_BUFFERS)]
+            self._events[key] = [None] * STAGER_BUFFERS
         return self._bufs[key], self._events[key]
 
     def _stream(self, device: torch.device):
@@ -114,7 +113,7 @@ class Stager:
         bufs, events = self._buffers(dst.dtype, stream is not None)
         self._start(stream, dst.device, after)   # (dst may be new on the current stream)
         for k, a in enumerate(range(0, n, self.chunk)):
-            b, j = min(a + self.chunk, n), k % 2
+            b, j = min(a + self.chunk, n), k % STAGER_BUFFERS
             self._done(events, j)
             staged = bufs[j][:b - a]
             staged.copy_(src[a:b])   # the cast, on the host
@@ -143,7 +142,7 @@ class Stager:
         self._start(stream, src.device, after)   # src is final
         last = None   # (j, a, b) of the chunk in flight
         for k, a in enumerate(range(0, n, self.chunk)):
-            b, j = min(a + self.chunk, n), k % 2
+            b, j = min(a + self.chunk, n), k % STAGER_BUFFERS
             self._done(events, j)
             with self._on(stream):
                 bufs[j][:b - a].copy_(src[a:b], non_blocking=True)
@@ -174,7 +173,7 @@ class QueuedDownloads:
     accelerator) the copy into a plain buffer is made at once and the host thread still adds it,
     so the CPU tests run the same queue."""
 
-    def __init__(self, chunk: int = STAGE_CHUNK, slots: int = 8):
+    def __init__(self, chunk: int = STAGE_CHUNK, slots: int = QUEUE_BUFFERS):
         self.chunk, self.slots = int(chunk), int(slots)
         self._bufs: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
         self._free: dict[tuple[torch.dtype, bool], queue.SimpleQueue] = {}

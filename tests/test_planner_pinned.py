@@ -135,6 +135,58 @@ def test_the_counted_pinned_blocks_are_what_an_h200_pinned_for_llama_1b():
     assert pl.pinned_rounding(ds, 64) < 16 * MiB
 
 
+def _gradient_device(cfg: dict) -> dict:
+    """``cfg`` with memory-bench's ``grad-device`` arm: gradient Predict steps on the device path."""
+    cfg["hybrid_predict"]["predictor"] = {**cfg["hybrid_predict"].get("predictor", {}), "direction": "gradient"}
+    cfg["hybrid_predict"]["memory"] = {**cfg["hybrid_predict"].get("memory", {}), "offload_predict": "device"}
+    return cfg
+
+
+def test_the_staging_chunk_is_the_quantisation_chunk():
+    from ds_hybrid import quant, staging
+    assert pinned.STAGE_CHUNK == quant.CHUNK
+    assert staging.Stager().chunk == staging.QueuedDownloads().chunk == quant.CHUNK
+
+
+def test_the_gradient_runs_staging_chunks_are_what_an_h200_pinned_on_top_of_plain_for_llama_1b():
+    """The gradient device path's moments cross in bf16 beside bf16 weights: one Stager's two
+    8 MiB buffers, what the H200's grad-device run pinned above the plain run's peak."""
+    cfg, _ = resolve_config("1b-16gb")
+    cfg["gradient_accumulation_steps"] = 1
+    preset = pl.preset_spec(_gradient_device(cfg), "1b-16gb")
+    staging = pl.staging_pinned_blocks(preset, "cuda")
+    assert staging == [8.0 * MiB, 8.0 * MiB]
+    extra = sum(pinned.pinned_block_bytes(int(b)) for b in staging) / MiB
+    assert _recorded_pinned_peak("full") + extra == pytest.approx(_recorded_pinned_peak("grad-device"), abs=0.01)
+    e = pl.estimate(pl.model_shape("llama-1b", vocab_size=256), preset, seq_len=1024, micro_batch=4)
+    (item,) = [i for i in e.items if "staging chunks" in i.what]
+    assert item.where == "cpu" and item.bytes == 16 * MiB and "staging chunks" in item.what
+    # Nothing pinned on DeepSpeed's CPU accelerator, nor for a plain run, nor for the drift path
+    # unless its commit brings the run's held copy down (fold_during_run: int8 values and fp32 scales)
+    assert pl.staging_pinned_blocks(preset, "cpu") == []
+    drift, _ = resolve_config("1b-16gb")
+    drift = pl.preset_spec(drift, "1b-16gb")
+    assert not drift.gradient and drift.velocity_bytes_per_value == pl.VELOCITY_BYTES["int8"]
+    assert pl.staging_pinned_blocks(drift, "cuda") == []
+    assert pl.staging_pinned_blocks(replace(drift, fold_during_run=True), "cuda") == [4.0 * MiB] * 2 + [16.0 * MiB] * 2
+    assert pl.staging_pinned_blocks(replace(drift, fold_during_run=True), "cpu") == []
+    assert pl.staging_pinned_blocks(replace(preset, hybrid_enabled=False), "cuda") == []
+    # fp32 state beside bf16 weights: two buffers of each dtype
+    assert sorted(pl.staging_pinned_blocks(replace(preset, gradient_state_dtype="fp32"), "cuda")) == \
+        [8.0 * MiB] * 2 + [16.0 * MiB] * 2
+
+
+def test_zero3s_parameter_offload_stages_the_gradient_shares_through_eight_buffers():
+    """ZeRO 3 with ``offload_param``: the 16-bit shards are in host memory, so the moments cross
+    nothing; each gradient share comes down through 8 buffers (bf16 on one rank, the fp32 state
+    the shares are all-reduced in with several)."""
+    cfg, _ = resolve_config("7b-24gb")
+    preset = pl.preset_spec(_gradient_device(cfg), "7b-24gb")
+    assert preset.stage == 3 and preset.offload_param == "cpu" and not preset.shards_on_gpu("cuda")
+    assert pl.staging_pinned_blocks(preset, "cuda") == [8.0 * MiB] * 8
+    assert pl.staging_pinned_blocks(preset, "cuda", W=2) == [16.0 * MiB] * 8
+
+
 @pytest.mark.parametrize("run, hybrid", [("full", False), ("drift-int8-device-next-behind", True)])
 def test_the_host_estimate_is_within_five_percent_of_the_h200s_peak_rss(run, hybrid):
     """The whole host figure (DeepSpeed's counted buffers, the rounding, the velocity and an

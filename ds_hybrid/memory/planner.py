@@ -44,7 +44,7 @@ from typing import Iterable
 from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
 # (the counts live below the planner, where the engine reads them too; named here for the planner's users)
-from ..pinned import pinned_block_bytes
+from ..pinned import QUEUE_BUFFERS, STAGE_CHUNK, STAGER_BUFFERS, pinned_block_bytes
 from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
 # ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
@@ -143,6 +143,7 @@ class PresetSpec:
     gradient: bool = False            # predictor.direction: gradient
     gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
     free_velocity_copy: bool = False     # hybrid_predict.memory.free_velocity_copy
+    fold_during_run: bool = False        # hybrid_predict.memory.fold_during_run (true: its auto is off)
     pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
     param_pin_memory: bool = False       # zero_optimization.offload_param.pin_memory (ZeRO 3)
 
@@ -232,6 +233,7 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
         gradient_state_dtype=hybrid.memory.gradient_state_dtype,
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
+        fold_during_run=hybrid.memory.fold_during_run is True,
         pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
         param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False)
 
@@ -442,6 +444,35 @@ def velocity_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) ->
     return out
 
 
+def staging_pinned_blocks(preset: PresetSpec, accelerator: str, W: int = 1) -> list[float]:
+    """The hybrid's own pinned chunk buffers on one rank (``staging``; pinned only where a copy
+    crosses between host memory and a GPU), on the device path under ``offload_optimizer``:
+
+    * the gradient Predict step with the 16-bit shards on the GPU: the run's moments go up and its
+      first moment and the 16-bit weights (the masters' catch-up) come down through a ``Stager``'s
+      two buffers per dtype they cross in (the state dtype's, the weights'): 16 MiB for bf16 state
+      beside bf16 weights, what an H200 pinned on top of plain ZeRO-Offload's blocks with llama-1b;
+    * the gradient Predict step on ZeRO 3 with ``offload_param`` (the shards in host memory): each
+      parameter's gradient share comes down through a ``QueuedDownloads``' 8 buffers, in the
+      weights' dtype on one rank and in the state dtype with several (the share is all-reduced in it);
+    * the drift path with ``fold_during_run``: the commit adds the run's held velocity copy from the
+      GPU through a ``Stager`` (int8: its values, and its scales in fp32 buffers, 40 MiB). Without
+      it the commit reads the host velocity, and nothing crosses."""
+    if (accelerator == "cpu" or not preset.hybrid_enabled or preset.offload_optimizer == "none"
+            or not preset.device_predict(accelerator)):
+        return []
+    if not preset.gradient:
+        if not (preset.fold_during_run and preset.shards_on_gpu(accelerator)):
+            return []
+        v = preset.velocity_bytes_per_value
+        kinds = [1.0, 4.0] if v not in (2.0, 4.0) else [v]   # (int8: the values, then the fp32 scales)
+        return [STAGE_CHUNK * b for b in kinds for _ in range(STAGER_BUFFERS)]
+    state, lp = preset.gradient_state_bytes(accelerator), float(preset.lp_bytes)
+    if preset.shards_on_gpu(accelerator):
+        return [STAGE_CHUNK * b for b in sorted({state, lp}) for _ in range(STAGER_BUFFERS)]
+    return [STAGE_CHUNK * (lp if W == 1 else state)] * QUEUE_BUFFERS
+
+
 def pinned_rounding(blocks: list[float], pinned_round_mb: int) -> float:
     """What torch's pinned allocator holds beyond ``blocks`` (``pinned.pinned_block_bytes``)."""
     return sum(pinned_block_bytes(math.ceil(b), pinned_round_mb) - b for b in blocks)
@@ -634,6 +665,10 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             else:
                 items.append(Item(m_where, "gradient Predict run's first moment (fp32, beside the masters)",
                                   part * per_node))
+        staging = staging_pinned_blocks(preset, accelerator, W)
+        if staging:
+            items.append(Item("cpu", "the Predict run's pinned staging chunks (ds_hybrid/staging.py)",
+                              sum(pinned_block_bytes(int(b), pinned_round_mb) for b in staging) * gpus))
         items.append(Item(dev, "predictor", PREDICTOR_BYTES))
 
     if accelerator == "cpu":
