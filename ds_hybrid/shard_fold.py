@@ -13,8 +13,9 @@ from its master (``MasterAccess.device_shard``: the master rounded to 16 bits), 
   the shards (``VelocityBuffers.beside_shards``), with the other sources' arithmetic
   (``zero_access.fold_real_update(shards=True)``): a few kernels on the GPU and nothing read in
   host memory. The device-side Predict run then moves along that velocity where it is (no
-  upload); the commit of a kept run brings it down a chunk at a time (``DevicePredict``'s staged
-  commit).
+  upload); the velocity is copied into pinned host buffers on a side stream at the run's first
+  step (``DevicePredict.copy_down``), and the commit of a kept run adds the run from that copy
+  (inside DeepSpeed's CPU Adam step where ``memory.fold_in_step`` is on).
 
 **How exact.** ``R(m + u) - R(m) = u + e' - e`` with ``R`` the rounding to 16 bits and ``|e|``,
 ``|e'|`` at most half a 16-bit step of the weight: the masters' update up to one rounding of
