@@ -402,8 +402,9 @@ class MemoryConfig(_Section):
     rounding; Adam/AdamW without ``amsgrad``). ``weights16`` (the device-side drift path only):
     the difference of the 16-bit shards DeepSpeed's step writes, copied just before the step
     (2 bytes per parameter of the partition, on the shards' device, freed after the fold), with
-    the velocity kept beside the shards: under ZeRO-Offload the fold is then a few GPU kernels
-    and reads nothing in host memory, and a Predict run uploads no velocity (it comes down once
+    the velocity kept beside the shards: under ZeRO-Offload the fold is then one GPU kernel a
+    partition (``kernels.shard_fold``, where ``kernels`` resolves to CuPy; else a few torch ops
+    a chunk) and reads nothing in host memory, and a Predict run uploads no velocity (it comes down once
     per run, during the run, for the commit, which ``fold_in_step`` still puts inside DeepSpeed's
     CPU Adam step). Equal to the masters' update up to one 16-bit rounding of each weight; the
     real step that commits a kept run does not fold (``ds_hybrid/shard_fold.py``). Steps of layer-group Predict keep the

@@ -1533,7 +1533,7 @@ class PredictiveEngine(DeepSpeedEngine):
                        "fold (shard_fold.py), so the velocity would stop at the first kept run; set it to 2 or more")
         if why is not None:
             raise ConfigError(f"hybrid_predict.memory.fold_source: weights16, but {why}")
-        return ShardFold(self._masters)
+        return ShardFold(self._masters, backend=self.hybrid_config.kernels)
 
     def _make_device_predict(self) -> "DevicePredict | None":
         """``memory.offload_predict``: the device-side Predict path, or None (the host path)."""

@@ -8,7 +8,8 @@ The repository's docs/results/ files (docs/kernels.md's tables) are written only
 On a GPU with CuPy: the fused predicted update's time and achieved bandwidth (bytes read and
 written / time) against the device's peak (memory clock x bus width, from the CUDA device
 attributes; a table by device name otherwise) and against a plain device-to-device copy; the
-device path's drift step (``drift_shift``) and gradient step (``held_adam_step``) against their torch ops, in the same terms; the
+device path's drift step (``drift_shift``), gradient step (``held_adam_step``) and the real step's fold
+from the shards (``shard_fold``) against their torch ops, in the same terms; the
 RSSM step and K-step rollout against torch eager; the encoder's window features against the
 torch reference (a CPU function). Kernel and GPU-reference timings use CUDA events around a
 batch of calls (median of several batches, after warm-up); CPU timings use perf_counter.
@@ -137,6 +138,20 @@ def bench_fused_update(device, sizes, timer) -> tuple[list[dict], str]:
     return rows, peak_src
 
 
+def _kernel_row(row: dict, nbytes: int, ref: Callable[[], Any], kernel: Callable[[], Any], timer, device,
+                peak: float | None) -> dict:
+    """``row`` with the torch reference's time and bandwidth for ``nbytes`` moved, and on a GPU the
+    kernel's, its speedup and its share of the peak bandwidth."""
+    ref_s = timer(ref)
+    row.update(bytes=nbytes, torch_ms=ref_s * 1e3, torch_gb_s=nbytes / ref_s / 1e9)
+    if device.type == "cuda":
+        ker_s = timer(kernel)
+        bw = nbytes / ker_s
+        row.update(kernel_ms=ker_s * 1e3, speedup=ref_s / ker_s, kernel_gb_s=bw / 1e9,
+                   pct_of_peak=100 * bw / peak if peak else None)
+    return row
+
+
 def drift_shift_bytes(n: int, x_bytes: int, vdtype: str) -> int:
     """Bytes one drift step moves for n elements: the shard read and written, the velocity read
     (int8: 1 byte a value and an fp32 scale per 256)."""
@@ -156,16 +171,10 @@ def bench_drift_shift(device, sizes, timer) -> list[dict]:
         for vdtype in ("int8", "bf16"):
             vel = CompactBuffer(n, vdtype, device)
             vel.store(torch.randn(n, device=device), generator=torch.Generator(device=device).manual_seed(0))
-            nbytes = drift_shift_bytes(n, 2, vdtype)
-            ref_s = timer(lambda: kernels.drift_shift_reference(shard, vel, [1e-6]))
-            row = {"n": n, "velocity": vdtype, "bytes": nbytes, "torch_ms": ref_s * 1e3,
-                   "torch_gb_s": nbytes / ref_s / 1e9}
-            if device.type == "cuda":
-                ker_s = timer(lambda: kernels.drift_shift(shard, vel, [1e-6], backend="cupy"))
-                bw = nbytes / ker_s
-                row.update(kernel_ms=ker_s * 1e3, speedup=ref_s / ker_s, kernel_gb_s=bw / 1e9,
-                           pct_of_peak=100 * bw / peak if peak else None)
-            rows.append(row)
+            rows.append(_kernel_row({"n": n, "velocity": vdtype}, drift_shift_bytes(n, 2, vdtype),
+                                    lambda: kernels.drift_shift_reference(shard, vel, [1e-6]),
+                                    lambda: kernels.drift_shift(shard, vel, [1e-6], backend="cupy"),
+                                    timer, device, peak))
             del vel
         del shard
     return rows
@@ -181,16 +190,31 @@ def bench_held_adam_step(device, sizes, timer) -> list[dict]:
         x = (torch.randn(n, device=device) * 0.02).to(torch.bfloat16)
         m = (torch.randn(n, device=device) * 1e-3).to(torch.bfloat16)
         v = (torch.rand(n, device=device) * 1e-6).to(torch.bfloat16)
-        nbytes = 8 * n
-        ref_s = timer(lambda: kernels.held_adam_step_reference(x, m, v, **kw))
-        row = {"n": n, "bytes": nbytes, "torch_ms": ref_s * 1e3, "torch_gb_s": nbytes / ref_s / 1e9}
-        if device.type == "cuda":
-            ker_s = timer(lambda: kernels.held_adam_step(x, m, v, backend="cupy", **kw))
-            bw = nbytes / ker_s
-            row.update(kernel_ms=ker_s * 1e3, speedup=ref_s / ker_s, kernel_gb_s=bw / 1e9,
-                       pct_of_peak=100 * bw / peak if peak else None)
-        rows.append(row)
+        rows.append(_kernel_row({"n": n}, 8 * n, lambda: kernels.held_adam_step_reference(x, m, v, **kw),
+                                lambda: kernels.held_adam_step(x, m, v, backend="cupy", **kw), timer, device, peak))
         del x, m, v
+    return rows
+
+
+def bench_shard_fold(device, sizes, timer) -> list[dict]:
+    """A real step's fold into the int8 drift velocity from bf16 shards (kernels.shard_fold,
+    ``memory.fold_source: weights16``: both shards read, the velocity read and written, 6 bytes
+    a value and a scale per 256) against its torch ops."""
+    from .quant import CompactBuffer
+    peak = peak_bandwidth(device)[0] if device.type == "cuda" else None
+    kw = dict(lr=1e-4, beta=0.95, first=False, key=1, moments=False)
+    rows = []
+    for n in sizes:
+        before = (torch.randn(n, device=device) * 0.02).to(torch.bfloat16)
+        after = (before.float() + torch.randn(n, device=device) * 1e-4).to(torch.bfloat16)
+        vel = CompactBuffer(n, "int8", device)
+        vel.store(torch.randn(n, device=device), generator=torch.Generator(device=device).manual_seed(0))
+        # (both bf16 shards read; the int8 velocity and its scales read and written)
+        rows.append(_kernel_row({"n": n}, 4 * n + 2 * drift_shift_bytes(n, 0, "int8"),
+                                lambda: kernels.shard_fold_reference(after, before, vel, **kw),
+                                lambda: kernels.shard_fold(after, before, vel, backend="cupy", **kw),
+                                timer, device, peak))
+        del before, after, vel
     return rows
 
 
@@ -249,20 +273,18 @@ def format_tables(res: dict) -> str:
                                                    "pct_of_copy"] if gpu else [])
     out += _table(cols, res["fused_update"])
     out.append("")
-    if res.get("drift_shift"):
-        out.append("drift shift (the device path's Predict step into a bf16 shard; bytes: the shard read and "
-                   "written, the velocity read)")
-        cols = ["n", "velocity", "torch_ms"] + (["kernel_ms", "speedup", "kernel_gb_s", "pct_of_peak"] if gpu
-                                                 else ["torch_gb_s"])
-        out += _table(cols, res["drift_shift"])
-        out.append("")
-    if res.get("held_adam_step"):
-        out.append("held Adam step (a gradient Predict step into a bf16 shard, bf16 moments; bytes: the shard read "
-                   "and written, m and v read)")
-        cols = ["n", "torch_ms"] + (["kernel_ms", "speedup", "kernel_gb_s", "pct_of_peak"] if gpu
-                                    else ["torch_gb_s"])
-        out += _table(cols, res["held_adam_step"])
-        out.append("")
+    kernel_cols = ["kernel_ms", "speedup", "kernel_gb_s", "pct_of_peak"] if gpu else ["torch_gb_s"]
+    for key, first, title in (
+            ("drift_shift", ["n", "velocity"], "drift shift (the device path's Predict step into a bf16 shard; bytes: "
+                                               "the shard read and written, the velocity read)"),
+            ("held_adam_step", ["n"], "held Adam step (a gradient Predict step into a bf16 shard, bf16 moments; "
+                                      "bytes: the shard read and written, m and v read)"),
+            ("shard_fold", ["n"], "shard fold (a real step's fold into the int8 velocity from bf16 shards; bytes: "
+                                  "both shards read, the velocity read and written)")):
+        if res.get(key):
+            out.append(title)
+            out += _table(first + ["torch_ms"] + kernel_cols, res[key])
+            out.append("")
     out.append("RSSM step / rollout")
     cols = ["members", "batch", "steps", "torch_step_ms", "torch_rollout_ms"] + (
         ["kernel_step_ms", "kernel_rollout_ms", "step_speedup", "rollout_speedup"] if gpu else [])
@@ -322,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
            "load_average_1min_at_start": load,
            "fused_update": fused, "drift_shift": bench_drift_shift(device, sizes, timer),
            "held_adam_step": bench_held_adam_step(device, sizes, timer),
+           "shard_fold": bench_shard_fold(device, sizes, timer),
            "rssm": bench_rssm(device, rssm_cfgs, timer),
            "encoder": bench_encoder(device, encoder_batches, time_cuda if gpu_ok else time_cpu),
            "goals": {"fused_update_pct_of_peak": 80, "rollout_speedup": 3}}

@@ -279,6 +279,19 @@ def _check_update_args(master, exp_avg, exp_avg_sq, lp_out, snapshot_out) -> Non
 
 
 @torch.no_grad()
+def _fused_module(backend: str, choice: str, fits: bool, device: torch.device, need: str):
+    """``kernels/fused_update.cu``'s module for a dispatcher whose tensors resolved to ``choice``,
+    or None for its torch reference: where they do not fit the kernel (``need`` says what it needs,
+    raised under ``cupy``) or ``auto`` cannot build it."""
+    if choice != "cupy":
+        return None
+    if not fits:
+        if backend == "cupy":
+            raise ValueError(need)
+        return None
+    return _module_or_fallback("fused_update", backend, device, FUSED_UPDATE_MODULE)
+
+
 def fused_update_reference(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                            lr: float, scale: float, beta1: float, beta2: float, eps: float, step: float,
                            weight_decay: float, decoupled: bool, bias_correction: bool = True,
@@ -381,11 +394,8 @@ def fused_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
     off_device_snapshot = snapshot_out is not None and snapshot_out.device != master.device
     tensors = (master, exp_avg, exp_avg_sq, lp_out, None if off_device_snapshot else snapshot_out)
     choice = resolve_backend(backend, *tensors)
-    if choice == "cupy" and not all(t.is_contiguous() for t in tensors if t is not None):
-        if backend == "cupy":
-            raise ValueError("fused_update: the kernel needs contiguous tensors (flat partitions)")
-        choice = "torch"
-    mod = _module_or_fallback("fused_update", backend, master.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
+    mod = _fused_module(backend, choice, all(t.is_contiguous() for t in tensors if t is not None), master.device,
+                        "fused_update: the kernel needs contiguous tensors (flat partitions)")
     if mod is None:
         return fused_update_reference(master, exp_avg, exp_avg_sq, lp_out=lp_out, snapshot_out=snapshot_out, **kw)
     if off_device_snapshot:
@@ -447,12 +457,8 @@ def held_adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: flo
     choice = resolve_backend(backend, x, m, v)
     fits = (all(t.is_contiguous() and t.dtype in _HELD_CODES for t in (x, m, v)) and m.dtype == v.dtype
             and x.numel() == m.numel() == v.numel())
-    if choice == "cupy" and not fits:
-        if backend == "cupy":
-            raise ValueError("held_adam_step: the kernel needs contiguous fp32/bf16 x, m and v of one length "
-                             "(m and v of one dtype)")
-        choice = "torch"
-    mod = _module_or_fallback("fused_update", backend, x.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
+    mod = _fused_module(backend, choice, fits, x.device, "held_adam_step: the kernel needs contiguous fp32/bf16 x, "
+                                                          "m and v of one length (m and v of one dtype)")
     if mod is None:
         return held_adam_step_reference(x, m, v, key=key, **kw)
     n = x.numel()
@@ -476,8 +482,11 @@ DRIFT_SHIFT_NAMES = tuple(f"drift_shift<{x},{vd},{vec}>" for x in (0, 1, 2) for 
                           for vec in ("true", "false"))
 _HELD_CODES = {torch.float32: 0, torch.bfloat16: 1}
 HELD_ADAM_NAMES = tuple(f"held_adam_step<{x},{s}>" for x in (0, 1) for s in (0, 1))
-# Every name expression of kernels/fused_update.cu: one module serves the three dispatchers.
-FUSED_UPDATE_MODULE = FUSED_UPDATE_NAMES + DRIFT_SHIFT_NAMES + HELD_ADAM_NAMES
+SHARD_FOLD_NAMES = tuple(f"shard_fold<{x},{vd},{mom}>" for x in (0, 1, 2) for vd in (0, 1, 2)
+                         for mom in ("true", "false"))
+SHARD_FOLD_THREADS = 256   # kernels/fused_update.cu's DSH_FOLD_THREADS: one int8 block a thread block
+# Every name expression of kernels/fused_update.cu: one module serves the four dispatchers.
+FUSED_UPDATE_MODULE = FUSED_UPDATE_NAMES + DRIFT_SHIFT_NAMES + HELD_ADAM_NAMES + SHARD_FOLD_NAMES
 assert BLOCK == 256, "kernels/fused_update.cu's drift_shift reads one int8 scale per 256 values"
 
 
@@ -508,11 +517,9 @@ def drift_shift(x: torch.Tensor, buf: CompactBuffer, coefs: "list[float]", backe
     contiguous fp32 / bf16 / fp16 shard with as many values as ``buf``, on one CUDA device with it."""
     scale = buf.scale if buf.dtype == "int8" else None
     choice = resolve_backend(backend, x, buf.data, scale)
-    if choice == "cupy" and not (x.is_contiguous() and x.dtype in _X_CODES and x.numel() == buf.numel):
-        if backend == "cupy":
-            raise ValueError("drift_shift: the kernel needs a contiguous fp32/bf16/fp16 shard as long as the velocity")
-        choice = "torch"
-    mod = _module_or_fallback("fused_update", backend, x.device, FUSED_UPDATE_MODULE) if choice == "cupy" else None
+    mod = _fused_module(backend, choice, x.is_contiguous() and x.dtype in _X_CODES and x.numel() == buf.numel,
+                        x.device, "drift_shift: the kernel needs a contiguous fp32/bf16/fp16 shard as long as "
+                                  "the velocity")
     if mod is None:
         return drift_shift_reference(x, buf, coefs)
     n = x.numel()
@@ -530,6 +537,80 @@ def drift_shift(x: torch.Tensor, buf: CompactBuffer, coefs: "list[float]", backe
             fn((blocks,), (FUSED_UPDATE_THREADS,), (xs, vs, sc, cp.int64(n), cp.float32(c)))
             LAUNCHES["drift_shift"] += 1
     return None
+
+
+def _fold_scalars(lr: float, beta: float) -> tuple[float, float, float]:
+    """The shard fold's fp32 constants, as the kernel receives them: 1 / lr, beta, (1 - beta) / lr."""
+    import numpy as np
+    return float(np.float32(1.0 / lr)), float(np.float32(beta)), float(np.float32((1.0 - beta) / lr))
+
+
+@torch.no_grad()
+def shard_fold_reference(after: torch.Tensor, before: torch.Tensor, buf: CompactBuffer, *, lr: float, beta: float,
+                         first: bool, key: int, moments: bool = False) -> torch.Tensor:
+    """A real step's fold into the drift velocity ``buf`` from a shard's value ``after`` its
+    optimizer step and its copy from ``before`` it (``memory.fold_source: weights16``), in
+    torch, a chunk at a time: ``d = after - before`` in fp32, ``v = d / lr`` on the first fold,
+    else ``v = fma(d, (1 - beta) / lr, v * beta)``, stored as the buffer's dtype (int8: rounded
+    stochastically with ``quant.sr_uniform(key, index)``). Returns fp64 sums on ``after``'s
+    device: ``d . v``, ``v . v`` and ``d . d`` with ``v`` the velocity before the fold, and
+    ``after . after`` with ``moments`` (0 without), each an fp64 sum of exact products.
+
+    ``zero_access.fold_real_update``'s torch path takes the same steps with fp32 dots, a torch
+    generator's int8 noise and an unfused multiply-add; this is the kernel's own definition."""
+    inv_lr, beta32, gain = _fold_scalars(lr, beta)
+    sums = torch.zeros(4, dtype=torch.float64, device=after.device)
+    d_work, v_work = scratch(after.device, 2, after.numel()), scratch(after.device, 3, after.numel())
+    for a, b in buf.chunks():
+        d = d_work[:b - a].copy_(after[a:b]).sub_(before[a:b])
+        v = v_work[:b - a].copy_(buf.data[a:b]) if buf.dtype != "int8" else buf.load(a, b, out=v_work)
+        d64, v64 = d.double(), v.double()
+        sums[0] += torch.dot(d64, v64)
+        sums[1] += torch.dot(v64, v64)
+        sums[2] += torch.dot(d64, d64)
+        if moments:
+            w64 = after[a:b].double()
+            sums[3] += torch.dot(w64, w64)
+        if first:
+            v.copy_(d).mul_(inv_lr)
+        else:   # (one rounding of d * gain + v * beta, as the kernel's fma: exact in fp64 but in rare ties)
+            v.copy_(torch.add(v.mul_(beta32).double(), d64, alpha=gain))
+        buf.store(v, a, clobber=True, noise_key=key)
+    return sums
+
+
+def shard_fold(after: torch.Tensor, before: torch.Tensor, buf: CompactBuffer, *, lr: float, beta: float,
+               first: bool, key: int, moments: bool = False, backend: str = "auto") -> torch.Tensor:
+    """``shard_fold_reference`` in one pass (``kernels/fused_update.cu``'s ``shard_fold<X,VD,MOM>``:
+    both shards read, the velocity read and written, 6 bytes a value with bf16 shards and an int8
+    velocity) or in torch. ``after`` and ``before``: flat contiguous fp32 / bf16 / fp16 shards of
+    one dtype, as long as ``buf``, on one CUDA device with it. Returns the fp64 sums there."""
+    scale = buf.scale if buf.dtype == "int8" else None
+    choice = resolve_backend(backend, after, before, buf.data, scale)
+    fits = (after.is_contiguous() and before.is_contiguous() and after.dtype == before.dtype
+            and after.dtype in _X_CODES and after.numel() == before.numel() == buf.numel)
+    mod = _fused_module(backend, choice, fits, after.device,
+                        "shard_fold: the kernel needs two contiguous fp32/bf16/fp16 shards of one dtype as long as "
+                        "the velocity")
+    kw = dict(lr=lr, beta=beta, first=first, key=key, moments=moments)
+    if mod is None:
+        return shard_fold_reference(after, before, buf, **kw)
+    sums = torch.zeros(4, dtype=torch.float64, device=after.device)
+    n = after.numel()
+    if n == 0:
+        return sums
+    inv_lr, beta32, gain = _fold_scalars(lr, beta)
+    blocks = max(1, min(math.ceil(n / SHARD_FOLD_THREADS), 16 * _sm_count(after.device)))
+    with _on_torch_stream(after.device) as cp:
+        fn = mod.get_function(f"shard_fold<{_X_CODES[after.dtype]},{_VD_CODES[buf.dtype]},"
+                              f"{'true' if moments else 'false'}>")
+        vs = _cp(buf.data)
+        fn((blocks,), (SHARD_FOLD_THREADS,), (_cp(after), _cp(before), vs, _cp(scale) if scale is not None else vs,
+                                              _cp(sums), cp.int64(n), cp.float32(inv_lr), cp.float32(beta32),
+                                              cp.float32(gain), cp.int32(1 if first else 0),
+                                              cp.uint32(int(key) & 0xFFFFFFFF)))
+    LAUNCHES["shard_fold"] += 1
+    return sums
 
 
 def fused_update_bytes(n: int, lp: bool, snapshot: bool) -> int:

@@ -177,10 +177,12 @@ class CompactBuffer:
         return vals[start - b0 * BLOCK:end - b0 * BLOCK]
 
     def store(self, values: torch.Tensor, start: int = 0, generator: torch.Generator | None = None,
-              clobber: bool = False) -> None:
+              clobber: bool = False, noise_key: int | None = None) -> None:
         """Write fp32 ``values`` at ``start``. int8 needs ``start`` on a block boundary and
-        ``generator`` (on this buffer's device) for its stochastic rounding; ``clobber``
-        lets it quantize in ``values``' memory (the caller's work buffer) instead of a copy."""
+        ``generator`` (on this buffer's device) for its stochastic rounding, or ``noise_key``
+        (the noise ``sr_uniform(noise_key, index)``, as the shard fold's kernel draws it);
+        ``clobber`` lets it quantize in ``values``' memory (the caller's work buffer) instead of
+        a copy."""
         end = start + values.numel()
         if self.dtype != "int8":
             self.data[start:end].copy_(values)
@@ -200,7 +202,9 @@ class CompactBuffer:
         scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         x = blocks.div_(safe.unsqueeze(1)) if clobber and blocks.is_contiguous() else blocks / safe.unsqueeze(1)
-        if x.device.type == "cpu" and x.numel() <= CHUNK:
+        if noise_key is not None:
+            x.add_(sr_uniform(noise_key, start, x.numel(), x.device).view_as(x))
+        elif x.device.type == "cpu" and x.numel() <= CHUNK:
             x.add_(_cpu_noise(x.numel(), generator).view_as(x))
         else:
             x.add_(torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32))
@@ -250,6 +254,15 @@ def sr_bits(key: int, start: int, n: int, device: torch.device | str) -> torch.T
     (``dsh_sr_bits``) draws these exactly, with no generator state."""
     i = torch.arange(start, start + n, dtype=torch.int64, device=device)
     return (_mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF))) & 0xFFFF).to(torch.int32)
+
+
+def sr_uniform(key: int, start: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (fp32, 24 random bits each, exact) for elements ``start .. start +
+    n`` of a draw keyed by ``key``: the hash of ``sr_bits``, so the CUDA kernel (``dsh_uniform``)
+    draws these exactly; the int8 rounding of the shard fold's kernel (``kernels.shard_fold``)."""
+    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    h = _mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF)))
+    return (h >> 8).to(torch.float32).mul_(2.0 ** -24)
 
 
 def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, key: int, start: int = 0) -> None:

@@ -45,8 +45,9 @@ from . import zero_access as za
 class ShardFold:
     """The shards' copy before a real step's optimizer step, and the fold after it."""
 
-    def __init__(self, access: za.MasterAccess):
+    def __init__(self, access: za.MasterAccess, backend: str = "torch"):
         self.access = access
+        self.backend = backend   # hybrid_predict.kernels: the fold on a GPU by kernels.shard_fold
         self.before = za.PartitionBuffers("same")   # 16-bit copies (holds "shards"), not fp32 masters
         self.folds = 0      # real steps folded
         self.skipped = 0    # real steps that committed a kept run, so took no fold
@@ -67,7 +68,8 @@ class ShardFold:
             self.skipped += 1
             return torch.zeros(self.access.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
         updates = vel.updates
-        out = za.fold_real_update(self.access, self.before, vel, lrs, beta, step, moments=moments, shards=True)
+        out = za.fold_real_update(self.access, self.before, vel, lrs, beta, step, moments=moments, shards=True,
+                                  backend=self.backend)
         self.folds += vel.updates - updates   # (an LR of 0, the first warmup step's, folds nothing)
         self.release()
         return out

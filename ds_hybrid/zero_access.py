@@ -733,6 +733,11 @@ class VelocityBuffers:
             return None
         return torch.Generator(device=device).manual_seed((self.seed * 1_000_003 + step) * 1009 + i)
 
+    def noise_key(self, step: int, i: int) -> int:
+        """The same (seed, step, partition) as a uint32 key, for the shard fold's kernel, whose
+        int8 noise is a hash of (key, index) (``kernels.shard_fold``)."""
+        return ((self.seed * 1_000_003 + step) * 1009 + i) & 0xFFFFFFFF
+
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.buffers if b is not None)
 
@@ -780,7 +785,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
                      keep: bool = False, moments: bool = True, host_kernel: bool = False,
                      parts: "list[MasterPartition] | None" = None, only: "set[int] | None" = None,
-                     count: bool = True, shards: bool = False) -> torch.Tensor:
+                     count: bool = True, shards: bool = False, backend: str = "torch") -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -812,7 +817,10 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     ``shards`` (``memory.fold_source: weights16``): the update is the difference of the 16-bit
     shards (``access.device_shard``) after the step and ``before`` (``capture_shards``), taken
     in fp32 on the shards' device, where the velocity then lives too; the moment columns still
-    read the optimizer's state."""
+    read the optimizer's state. ``backend`` (``hybrid_predict.kernels``): a shard on a GPU is
+    folded by one kernel a partition (``kernels.shard_fold``: its int8 noise a hash of
+    (``VelocityBuffers.noise_key``, index) instead of the generator's draws, its sums fp64) where
+    it resolves to CuPy; elsewhere by the torch ops below."""
     out = torch.zeros(access.num_groups(), len(DIRECTION_STATS), dtype=torch.float64)
     from_state = before is None
     if not from_state and before.holds != ("shards" if shards else "weights"):
@@ -834,6 +842,12 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         buf = vel.buffer(i, master)
         gen = vel.generator(master.device, step, i)
         row = out[part.group_index]
+        if shards and _shard_fold_kernel(backend, master):
+            from . import kernels
+            sums = kernels.shard_fold(master, _flat(before.buffers[i]), buf, lr=lr, beta=beta, first=first,
+                                      key=vel.noise_key(step, i), moments=moments, backend=backend)
+            _add_fold_sums(row, sums, lr, access, part, moments)
+            continue
         if host_kernel and not shards and master.device.type == "cpu" and master.is_contiguous():
             _fold_on_host(access, part, master, None if from_state else _flat(before.buffers[i]), buf, gen, lr,
                           beta, first, moments, row)
@@ -878,17 +892,34 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
                 v_old.mul_(beta).add_(d, alpha=(1.0 - beta) / lr)
             if buf.dtype != "fp32":
                 buf.store(v_old, s, gen, clobber=True)
-        sums *= torch.tensor([1.0 / lr, 1.0, 1.0 / lr ** 2, 1.0], dtype=torch.float64, device=sums.device)
-        for col, val in enumerate(sums.tolist()):
-            row[col] += val
-        if moments and "exp_avg" in part.state:
-            row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
-            row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
-        row[6] += float(part.master.numel())
+        _add_fold_sums(row, sums, lr, access, part, moments)
     vel.updates += int(folded and count)  # an LR of 0 (the first warmup step) moves nothing to learn from
     if not keep and not from_state:
         before.holds = None
     return out
+
+
+def _shard_fold_kernel(backend: str, shard: torch.Tensor) -> bool:
+    """The fold from the shards takes ``kernels.shard_fold``'s kernel for this shard: on a GPU,
+    where ``hybrid_predict.kernels`` resolves to CuPy (``cupy`` without it raises, naming the key)."""
+    if backend == "torch" or shard.device.type != "cuda":
+        return False
+    from . import kernels
+    return kernels.resolve_backend(backend, shard) == "cupy"
+
+
+def _add_fold_sums(row: torch.Tensor, sums: torch.Tensor, lr: float, access: MasterAccess, part: MasterPartition,
+                   moments: bool) -> None:
+    """A partition's fold sums (``d . v``, ``v . v``, ``d . d`` with ``d`` lr times the update,
+    ``w . w``; on the fold's device, read once) into its group's ``DIRECTION_STATS`` row, with
+    the moment columns read from the optimizer's state."""
+    sums = sums * torch.tensor([1.0 / lr, 1.0, 1.0 / lr ** 2, 1.0], dtype=torch.float64, device=sums.device)
+    for col, val in enumerate(sums.tolist()):
+        row[col] += val
+    if moments and "exp_avg" in part.state:
+        row[4] += _chunked_sum(part.state["exp_avg"], torch.abs)
+        row[5] += _chunked_sum(part.state["exp_avg_sq"], torch.sqrt)
+    row[6] += float(part.master.numel())
 
 
 def _fold_on_host(access: MasterAccess, part: MasterPartition, master: torch.Tensor, before: torch.Tensor | None,

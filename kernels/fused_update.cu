@@ -288,9 +288,109 @@ held_adam_step(void* __restrict__ x, const void* __restrict__ m, const void* __r
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Shard fold: a real step's fold into the drift velocity from the 16-bit shards
+// (hybrid_predict.memory.fold_source: weights16, ds_hybrid/shard_fold.py), on the GPU in one pass:
+//
+//   d    = float(after) - float(before)            (the step's update: lr times its direction)
+//   sums += (d * v, v * v, d * d, float(after)^2)  (v the velocity before the fold; fp64; the last
+//                                                   only with MOM)
+//   v    = first ? d * inv_lr : fma(d, gain, v * beta)           (gain = (1 - beta) / lr)
+//   store v: fp32 | bf16 (nearest even) | int8: per 256 values scale = max|v| / 127 and
+//            q = clamp(floor(v / s + r), -127, 127), s = scale or 1 where it is 0, r in [0, 1)
+//            24 random bits of a hash of (key, i) (dsh_uniform)
+//
+// Reference: ds_hybrid.kernels.shard_fold_reference (the same fp32 operations, the same random
+// numbers: quant.sr_uniform). zero_access.fold_real_update's torch ops take about 20 kernels a
+// 4M-value chunk and some 100 bytes a value; here 6 with bf16 shards and an int8 velocity (both
+// shards read, the velocity read and written, a scale per 256 values). The sums are fp64 sums of
+// exact fp64 products (the torch ops' are fp32 dots). One 256-thread block per 256 values of the
+// velocity at a time (grid-stride), so an int8 block's absolute maximum is one block reduction;
+// values past n in the last int8 block are written 0, as the torch ops' zero padding quantises.
+// X: 0 = fp32, 1 = bf16, 2 = fp16 shards. VD: 0 = fp32, 1 = bf16, 2 = int8 velocity.
+
+#define DSH_FOLD_THREADS 256
+
+__device__ __forceinline__ float dsh_uniform(unsigned int key, long long i) {   // [0, 1), 24 bits
+    const unsigned long long u = (unsigned long long)i;
+    const unsigned int h = dsh_mix32((unsigned int)u ^ dsh_mix32((unsigned int)(u >> 32) ^ key));
+    return (float)(h >> 8) * 5.9604644775390625e-08f;   // 2^-24: exact
+}
+
+template <int X>
+__device__ __forceinline__ float dsh_shard(const void* p, long long i) {
+    if (X == 0) return static_cast<const float*>(p)[i];
+    const unsigned short h = static_cast<const unsigned short*>(p)[i];
+    return X == 1 ? dsh_bf16_to_f32(h) : dsh_f16_to_f32(h);
+}
+
+template <int X, int VD, bool MOM>
+__global__ void __launch_bounds__(DSH_FOLD_THREADS)
+shard_fold(const void* __restrict__ after, const void* __restrict__ before, void* __restrict__ v,
+           float* __restrict__ scale, double* __restrict__ sums, long long n, float inv_lr, float beta,
+           float gain, int first, unsigned int key) {
+    __shared__ float warp_max[DSH_FOLD_THREADS / 32];
+    __shared__ double warp_sums[4][DSH_FOLD_THREADS / 32];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    double s_dv = 0.0, s_vv = 0.0, s_dd = 0.0, s_ww = 0.0;
+    const long long nblocks = (n + DSH_FOLD_THREADS - 1) / DSH_FOLD_THREADS;
+    for (long long b = blockIdx.x; b < nblocks; b += gridDim.x) {
+        const long long i = b * DSH_FOLD_THREADS + t;
+        const bool in = i < n;
+        float vn = 0.0f;
+        if (in) {
+            const float a = dsh_shard<X>(after, i);
+            const float d = __fadd_rn(a, -dsh_shard<X>(before, i));
+            // (not dsh_velocity: its __ldg reads the scale through the read-only cache, and this
+            // kernel writes it)
+            const float vo = VD == 0 ? static_cast<const float*>(v)[i]
+                           : VD == 1 ? dsh_bf16_to_f32(static_cast<const unsigned short*>(v)[i])
+                                     : (float)static_cast<const signed char*>(v)[i] * scale[b];
+            s_dv += (double)d * (double)vo;
+            s_vv += (double)vo * (double)vo;
+            s_dd += (double)d * (double)d;
+            if (MOM) s_ww += (double)a * (double)a;
+            vn = first ? __fmul_rn(d, inv_lr) : __fmaf_rn(d, gain, __fmul_rn(vo, beta));
+        }
+        if (VD == 0) {
+            if (in) static_cast<float*>(v)[i] = vn;
+        } else if (VD == 1) {
+            if (in) static_cast<unsigned short*>(v)[i] = dsh_f32_to_bf16(vn);
+        } else {
+            // (every thread of the block read its value and this block's scale above; the
+            // barriers order those reads before the scale is written)
+            float m = fabsf(vn);
+            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(DSH_FULL_MASK, m, off));
+            if (lane == 0) warp_max[warp] = m;
+            __syncthreads();
+            m = warp_max[0];
+            for (int w = 1; w < DSH_FOLD_THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
+            __syncthreads();   // (warp_max is written again for the next block)
+            const float sc = m / 127.0f;
+            const float safe = sc > 0.0f ? sc : 1.0f;
+            float q = 0.0f;
+            if (in) q = fminf(fmaxf(floorf(__fadd_rn(vn / safe, dsh_uniform(key, i))), -127.0f), 127.0f);
+            static_cast<signed char*>(v)[i] = (signed char)q;   // (the block's padding past n: 0)
+            if (t == 0) scale[b] = sc;
+        }
+    }
+    // The block's four sums, then one atomicAdd each.
+    double part[4] = {s_dv, s_vv, s_dd, s_ww};
+    for (int k = 0; k < 4; ++k)
+        for (int off = 16; off > 0; off >>= 1) part[k] += __shfl_xor_sync(DSH_FULL_MASK, part[k], off);
+    if (lane == 0)
+        for (int k = 0; k < 4; ++k) warp_sums[k][warp] = part[k];
+    __syncthreads();
+    if (t < 4 && (MOM || t < 3)) {
+        double total = 0.0;
+        for (int w = 0; w < DSH_FOLD_THREADS / 32; ++w) total += warp_sums[t][w];
+        atomicAdd(sums + t, total);
+    }
+}
+
 // Every variant, instantiated here so that `nvcc -c` compiles them all and NVRTC finds
 // them by name (ds_hybrid.kernels asks for "fused_predicted_update<LP,SNAP,SQ,VEC>",
-// "drift_shift<X,VD,VEC>" and "held_adam_step<X,S>").
+// "drift_shift<X,VD,VEC>", "held_adam_step<X,S>" and "shard_fold<X,VD,MOM>").
 #define DSH_INST(LP, SNAP, SQ, VEC)                                                         \
     template __global__ void fused_predicted_update<LP, SNAP, SQ, VEC>(                   \
         float*, const float*, const float*, unsigned short*, float*, double*, long long,   \
@@ -317,3 +417,13 @@ DSH_INST_HELD(0, 0)
 DSH_INST_HELD(0, 1)
 DSH_INST_HELD(1, 0)
 DSH_INST_HELD(1, 1)
+
+#define DSH_INST_FOLD(X, VD)                                                                                     \
+    template __global__ void shard_fold<X, VD, true>(const void*, const void*, void*, float*, double*, long long, \
+                                                     float, float, float, int, unsigned int);                   \
+    template __global__ void shard_fold<X, VD, false>(const void*, const void*, void*, float*, double*, long long, \
+                                                      float, float, float, int, unsigned int);
+#define DSH_INST_FOLD_X(X) DSH_INST_FOLD(X, 0) DSH_INST_FOLD(X, 1) DSH_INST_FOLD(X, 2)
+DSH_INST_FOLD_X(0)
+DSH_INST_FOLD_X(1)
+DSH_INST_FOLD_X(2)

@@ -140,6 +140,9 @@ class OneShardAccess:
     def group_indices(self):
         return [0]
 
+    def num_groups(self):
+        return 1
+
     def device_shard(self, i):
         return self.shard
 

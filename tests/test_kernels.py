@@ -306,6 +306,43 @@ def test_gpu_drift_shift_matches_reference(n, xdtype, vdtype, offset):
     assert torch.equal(shard.view(bits), ref.view(bits))
 
 
+@gpu
+@pytest.mark.parametrize("n", [1, 1003, 2 ** 22 + 3])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vdtype", ["int8", "bf16", "fp32"])
+def test_gpu_shard_fold_matches_reference(n, xdtype, vdtype):
+    """The fold from the 16-bit shards (memory.fold_source: weights16) on a GPU: the reference's
+    velocity and fp64 sums on the same device. torch's CUDA ops may divide by a scalar as a
+    multiply by its reciprocal and contract a multiply-add, so a value may be an fp32 ulp off, and
+    an int8 value one step where that ulp lands the rounding on the other side."""
+    from ds_hybrid.quant import CompactBuffer
+    _need_cupy()
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(n)
+    before = (torch.randn(n, generator=g) * 0.05).to(dev, xdtype)
+    after = (before.float() + (torch.randn(n, generator=g) * 3e-3).to(dev)).to(xdtype)
+    bufs = []
+    for _ in range(2):
+        vel = CompactBuffer(n, vdtype, dev)
+        vel.store(torch.randn(n, generator=torch.Generator(device="cpu").manual_seed(7)).to(dev),
+                  generator=torch.Generator(device=dev).manual_seed(1))
+        bufs.append(vel)
+    got, ref = bufs
+    kw = dict(lr=3e-3, beta=0.95, first=False, key=0x1234, moments=True)
+    sums_ref = kernels.shard_fold_reference(after, before, ref, **kw)
+    before_launches = kernels.LAUNCHES["shard_fold"]
+    sums = kernels.shard_fold(after, before, got, backend="cupy", **kw)
+    assert kernels.LAUNCHES["shard_fold"] == before_launches + 1
+    torch.testing.assert_close(sums, sums_ref, rtol=1e-9, atol=0)
+    if vdtype != "int8":
+        torch.testing.assert_close(got.data.float(), ref.data.float(), rtol=2 ** -7 if vdtype == "bf16" else 3e-7,
+                                   atol=0)
+        return
+    torch.testing.assert_close(got.scale, ref.scale, rtol=3e-7, atol=0)
+    diff = (got.data.int() - ref.data.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, n // 2000)
+
+
 def _fp32_held_adam_bound(x0: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
                           beta2: float, eps: float, step: float, weight_decay: float,
                           decoupled: bool) -> tuple[torch.Tensor, torch.Tensor]:

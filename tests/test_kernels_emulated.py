@@ -301,6 +301,90 @@ def test_held_adam_step_dispatch_through_the_kernel(emulated_cupy, offset):
     assert_update_close(f, fref, _held_inputs(n, torch.float32, torch.float32, 5)[0])
 
 
+# ---------------------------------------------------------------------------- shard fold
+
+FOLD = dict(lr=3e-3, beta=0.95, key=0x9E3779B9)
+
+
+def _shards(n: int, xdtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shard after a real step and its copy from before it (an Adam-sized update, some values unmoved)."""
+    g = torch.Generator().manual_seed(seed)
+    before = (torch.randn(n, generator=g) * 0.05).to(xdtype)
+    step = torch.randn(n, generator=g) * 3e-3 * (torch.rand(n, generator=g) > 0.1)
+    return (before.float() + step).to(xdtype), before
+
+
+def _emu_fold(emu, after, before, buf, *, first, moments, blocks=3, **kw) -> torch.Tensor:
+    inv_lr, beta, gain = kernels._fold_scalars(kw["lr"], kw["beta"])
+    sums = torch.zeros(4, dtype=torch.float64)
+    scale = buf.scale if buf.dtype == "int8" else buf.data
+    xc, vc = _codes(after, buf)
+    assert emu.emu_shard_fold(xc, vc, int(moments), blocks, kernels.SHARD_FOLD_THREADS, _p(after), _p(before),
+                              _p(buf.data), _p(scale), _p(sums), ctypes.c_longlong(after.numel()),
+                              ctypes.c_float(inv_lr), ctypes.c_float(beta), ctypes.c_float(gain), int(first),
+                              ctypes.c_uint(kw["key"])) == 0
+    return sums
+
+
+def assert_velocity_equal(got: CompactBuffer, ref: CompactBuffer) -> None:
+    """The same velocity: fp32 and bf16 bit for bit; int8 the same scales, and the same integers
+    but where ``v / scale + r`` lands within an ulp of an integer (the reference's fp64 multiply-add
+    can round once more than the kernel's fma; none in these draws but a handful allowed)."""
+    if got.dtype != "int8":
+        assert torch.equal(_bits(got.data), _bits(ref.data))
+        return
+    assert torch.equal(got.scale, ref.scale)
+    diff = (got.data.int() - ref.data.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 2
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 1000, 4099])   # (partial int8 blocks, several blocks a thread block)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vdtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("first, moments", [(True, False), (False, True), (False, False)])
+def test_shard_fold_kernel_source_matches_reference(emu, n, xdtype, vdtype, first, moments):
+    """The fold from the shards (memory.fold_source: weights16): the velocity the torch reference
+    writes, its int8 scales and its padding, and the four fp64 sums to rounding, every variant."""
+    after, before = _shards(n, xdtype, n)
+    ref, got = _velocity(n, vdtype, n), _velocity(n, vdtype, n)
+    sums_ref = kernels.shard_fold_reference(after, before, ref, first=first, moments=moments, **FOLD)
+    sums = _emu_fold(emu, after, before, got, first=first, moments=moments, **FOLD)
+    assert_velocity_equal(got, ref)
+    torch.testing.assert_close(sums, sums_ref, rtol=1e-12, atol=0)
+    assert (sums[3] > 0) == moments and (n == 1 or sums[2] > 0)
+    if vdtype == "int8" and n % 256:
+        assert int(got.data[n:].abs().sum()) == 0   # (the last block's padding quantises to 0)
+
+
+def test_shard_fold_reference_is_the_torch_fold_up_to_its_noise():
+    """The kernel's definition against ``zero_access.fold_real_update``'s torch ops on the same
+    shards (an fp32 velocity: no noise): the same velocity to an ulp and the same sums to fp32
+    rounding; with an int8 velocity the two differ only in the rounding's random numbers (each
+    value within one quantisation step, the scales equal to fp32 rounding)."""
+    from ds_hybrid import zero_access as za
+    n = 5000
+    after, before = _shards(n, torch.bfloat16, 7)
+    for vdtype in ("fp32", "int8"):
+        ref = _velocity(n, vdtype, 3)
+        vel = za.VelocityBuffers(vdtype, seed=11)
+        vel.buffers = [_velocity(n, vdtype, 3)]
+        vel.updates = 1
+        access = OneShardAccess(after, master=after.float())
+        snap = za.PartitionBuffers("same")
+        snap.buffers, snap.holds = [before.clone()], "shards"
+        row = za.fold_real_update(access, snap, vel, [FOLD["lr"]], FOLD["beta"], 5, moments=False, shards=True)[0]
+        sums = kernels.shard_fold_reference(after, before, ref, first=False, moments=False, **FOLD)
+        want = sums[:3] * torch.tensor([1 / FOLD["lr"], 1.0, 1 / FOLD["lr"] ** 2], dtype=torch.float64)
+        torch.testing.assert_close(row[:3], want, rtol=1e-5, atol=0)
+        got = vel.buffers[0]
+        if vdtype == "fp32":
+            torch.testing.assert_close(got.data, ref.data, rtol=2e-7, atol=0)
+        else:
+            torch.testing.assert_close(got.scale, ref.scale, rtol=1e-6, atol=0)
+            step = ref.scale.repeat_interleave(256)[:n]
+            assert bool(((got.load() - ref.load()).abs() <= step * 1.0001).all())
+
+
 # ---------------------------------------------------------------------------- RSSM
 
 def _weights(model):
@@ -424,6 +508,10 @@ class _FakeKernel:
             x, vd, vec = self.name[len("drift_shift<"):-1].split(",")
             assert len(args) == 5 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
             assert self.emu.emu_drift_shift(int(x), int(vd), int(vec == "true"), grid[0], block[0], *c) == 0
+        elif self.name.startswith("shard_fold<"):
+            x, vd, mom = self.name[len("shard_fold<"):-1].split(",")
+            assert len(args) == 11 and len(grid) == 1 and block == (kernels.SHARD_FOLD_THREADS,)
+            assert self.emu.emu_shard_fold(int(x), int(vd), int(mom == "true"), grid[0], block[0], *c) == 0
         elif self.name.startswith("held_adam_step<"):
             x, st = self.name[len("held_adam_step<"):-1].split(",")
             assert len(args) == 10 and len(grid) == 1 and block == (kernels.FUSED_UPDATE_THREADS,)
@@ -442,8 +530,7 @@ class _FakeKernel:
             raise KeyError(self.name)
 
 
-@pytest.fixture
-def emulated_cupy(emu, monkeypatch):
+def _emulate_cupy(emu, monkeypatch) -> None:
     """Route ds_hybrid.kernels' cupy path (CPU tensors included) to the emulated kernels."""
     import contextlib
 
@@ -457,6 +544,11 @@ def emulated_cupy(emu, monkeypatch):
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 2)
     monkeypatch.setattr(kernels, "resolve_backend", lambda backend, *t: "cupy")
     monkeypatch.setattr(kernels, "_module_or_fallback", lambda *a, **k: module)
+
+
+@pytest.fixture
+def emulated_cupy(emu, monkeypatch):
+    _emulate_cupy(emu, monkeypatch)
     kernels._rssm_views.clear()
     yield
     kernels._rssm_views.clear()
@@ -533,3 +625,74 @@ def test_drift_shift_dispatch_through_the_kernel(emulated_cupy, offset, vdtype):
     vel = SimpleNamespace(buffers=[buf], updates=1)
     dp._add_to_shards(vel, steps)
     assert torch.equal(_bits(shard), _bits(ref)) and kernels.LAUNCHES["drift_shift"] == before + 4
+
+
+def test_shard_fold_dispatch_through_the_kernel(emulated_cupy, monkeypatch):
+    """kernels.shard_fold launches the kernel once a partition, and zero_access.fold_real_update
+    takes it for a shard on a GPU (here told it is one) with the velocity's noise key: the
+    reference's velocity, and its sums in the row."""
+    from ds_hybrid import zero_access as za
+    n = 3001
+    after, before = _shards(n, torch.bfloat16, 4)
+    ref, got = _velocity(n, "int8", 2), _velocity(n, "int8", 2)
+    sums_ref = kernels.shard_fold_reference(after, before, ref, first=False, moments=True, **FOLD)
+    launches = kernels.LAUNCHES["shard_fold"]
+    sums = kernels.shard_fold(after, before, got, first=False, moments=True, backend="cupy", **FOLD)
+    assert kernels.LAUNCHES["shard_fold"] == launches + 1
+    assert_velocity_equal(got, ref)
+    torch.testing.assert_close(sums, sums_ref, rtol=1e-12, atol=0)
+
+    monkeypatch.setattr(za, "_shard_fold_kernel", lambda backend, shard: backend != "torch")
+    vel = za.VelocityBuffers("int8", seed=11)
+    vel.buffers, vel.updates = [_velocity(n, "int8", 2)], 1
+    snap = za.PartitionBuffers("same")
+    snap.buffers, snap.holds = [before.clone()], "shards"
+    row = za.fold_real_update(OneShardAccess(after, master=after.float()), snap, vel, [FOLD["lr"]], FOLD["beta"], 5,
+                              moments=False, shards=True, backend="auto")[0]
+    assert kernels.LAUNCHES["shard_fold"] == launches + 2 and vel.updates == 2 and snap.holds is None
+    ref = _velocity(n, "int8", 2)
+    sums = kernels.shard_fold_reference(after, before, ref, first=False, moments=False,
+                                        **{**FOLD, "key": vel.noise_key(5, 0)})
+    assert_velocity_equal(vel.buffers[0], ref)
+    want = sums[:3] * torch.tensor([1 / FOLD["lr"], 1.0, 1 / FOLD["lr"] ** 2], dtype=torch.float64)
+    torch.testing.assert_close(row[:3], want, rtol=1e-12, atol=0)
+    assert float(row[6]) == n
+
+
+def test_the_engines_shard_fold_takes_the_kernel(emu, monkeypatch):
+    """memory.fold_source: weights16 on ZeRO 2 (offload_optimizer: cpu, bf16 weights, an fp32
+    velocity), its shards taken for a GPU's: each folding real step launches the kernel once a
+    partition, and the run takes the torch fold's steps: the same phases, and at every step the
+    velocity and the masters to fp32 rounding (the kernel's fused multiply-add against torch's
+    two ops)."""
+    from ds_hybrid import zero_access as za
+    from engine_utils import Batches, ds_config, make_engine, master_copies
+    hybrid = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
+              "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
+              "predictor": {"direction": "drift"},
+              "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},
+              "memory": {"offload_predict": "device", "fold_source": "weights16", "velocity_dtype": "fp32"}}
+
+    def run(kernel: bool) -> list:
+        with monkeypatch.context() as mp:
+            if kernel:
+                _emulate_cupy(emu, mp)
+                mp.setattr(za, "_shard_fold_kernel", lambda backend, shard: backend != "torch")
+            eng = make_engine(ds_config(offload_opt="cpu", bf16=True, hybrid=hybrid, stage=2), seed=0)
+            b, out = Batches(seed=3), []
+            launches = kernels.LAUNCHES["shard_fold"]
+            for _ in range(12):
+                phase = eng.train_step(b.step()).phase
+                out.append((phase, [t.load().clone() for t in eng._velocity.buffers], master_copies(eng)))
+            folds = eng.statistics()["shard_folds"]["folded"]
+            parts = sum(1 for t in eng._velocity.buffers if t is not None)
+            assert folds >= 3 and kernels.LAUNCHES["shard_fold"] - launches == (folds * parts if kernel else 0)
+            return out
+
+    torch_run, kernel_run = run(False), run(True)
+    assert [p for p, _, _ in kernel_run] == [p for p, _, _ in torch_run] and "predict" in [p for p, _, _ in torch_run]
+    for (_, vk, mk), (_, vt, mt) in zip(kernel_run, torch_run):
+        for a, b in zip(vk, vt):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-30)
+        for a, b in zip(mk, mt):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -66,6 +66,23 @@ extern "C" int emu_held_adam_step(int x, int s, int blocks, int threads, void* x
     return 1;
 }
 
+extern "C" int emu_shard_fold(int x, int vd, int mom, int blocks, int threads, const void* after,
+                              const void* before, void* v, float* scale, double* sums, long long n, float inv_lr,
+                              float beta, float gain, int first, unsigned int key) {
+#define DSH_FOLD_CASE(X, VD, M)                                                                              \
+    if (x == X && vd == VD && mom == M) {                                                                    \
+        emu::launch(dim3(blocks), dim3(threads), 0,                                                          \
+                    [=] { shard_fold<X, VD, M>(after, before, v, scale, sums, n, inv_lr, beta, gain, first, key); }); \
+        return 0;                                                                                            \
+    }
+#define DSH_FOLD_CASE_M(X, VD) DSH_FOLD_CASE(X, VD, true) DSH_FOLD_CASE(X, VD, false)
+#define DSH_FOLD_CASE_X(X) DSH_FOLD_CASE_M(X, 0) DSH_FOLD_CASE_M(X, 1) DSH_FOLD_CASE_M(X, 2)
+    DSH_FOLD_CASE_X(0)
+    DSH_FOLD_CASE_X(1)
+    DSH_FOLD_CASE_X(2)
+    return 1;
+}
+
 static size_t rssm_smem(int D, int S, int H, int A, int HO, int threads) {
     return 4 * (size_t)(D + S + A + H + 6 * D + 2 * S + H + HO + threads);
 }
