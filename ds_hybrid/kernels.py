@@ -278,7 +278,6 @@ def _check_update_args(master, exp_avg, exp_avg_sq, lp_out, snapshot_out) -> Non
         raise ValueError(f"fused_update: snapshot_out must be float32 with {master.numel()} elements")
 
 
-@torch.no_grad()
 def _fused_module(backend: str, choice: str, fits: bool, device: torch.device, need: str):
     """``kernels/fused_update.cu``'s module for a dispatcher whose tensors resolved to ``choice``,
     or None for its torch reference: where they do not fit the kernel (``need`` says what it needs,
@@ -292,6 +291,7 @@ def _fused_module(backend: str, choice: str, fits: bool, device: torch.device, n
     return _module_or_fallback("fused_update", backend, device, FUSED_UPDATE_MODULE)
 
 
+@torch.no_grad()
 def fused_update_reference(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                            lr: float, scale: float, beta1: float, beta2: float, eps: float, step: float,
                            weight_decay: float, decoupled: bool, bias_correction: bool = True,

@@ -24,6 +24,7 @@ import os
 logger = logging.getLogger(__name__)
 
 KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 # The hybrid's own pinned buffers (``staging``), named here where the planner, which imports no
 # torch, counts them: values per buffer (``quant.CHUNK``: a chunk starts on a quantisation block
@@ -31,7 +32,6 @@ KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 STAGE_CHUNK = 1 << 22
 STAGER_BUFFERS = 2
 QUEUE_BUFFERS = 8
-ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def limit_pinned_rounding(threshold_mb: int) -> str | None:

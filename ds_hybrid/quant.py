@@ -248,21 +248,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _index_hash(key: int, start: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """32 random bits (int64) for elements ``start .. start + n`` of a draw keyed by ``key``: a hash
+    of (key, index), ``dsh_mix32(lo ^ dsh_mix32(hi ^ key))`` as ``kernels/fused_update.cu`` takes it."""
+    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return _mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF)))
+
+
 def sr_bits(key: int, start: int, n: int, device: torch.device | str) -> torch.Tensor:
     """16 random bits (int32) for elements ``start .. start + n`` of a draw keyed by ``key`` (a
     uint32): a hash of (key, index), so a rerun and a resume draw the same bits and the CUDA kernel
     (``dsh_sr_bits``) draws these exactly, with no generator state."""
-    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    return (_mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF))) & 0xFFFF).to(torch.int32)
+    return (_index_hash(key, start, n, device) & 0xFFFF).to(torch.int32)
 
 
 def sr_uniform(key: int, start: int, n: int, device: torch.device | str) -> torch.Tensor:
     """Uniform numbers in [0, 1) (fp32, 24 random bits each, exact) for elements ``start .. start +
     n`` of a draw keyed by ``key``: the hash of ``sr_bits``, so the CUDA kernel (``dsh_uniform``)
     draws these exactly; the int8 rounding of the shard fold's kernel (``kernels.shard_fold``)."""
-    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    h = _mix32((i & 0xFFFFFFFF) ^ _mix32((i >> 32) ^ (int(key) & 0xFFFFFFFF)))
-    return (h >> 8).to(torch.float32).mul_(2.0 ** -24)
+    return (_index_hash(key, start, n, device) >> 8).to(torch.float32).mul_(2.0 ** -24)
 
 
 def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, key: int, start: int = 0) -> None:

@@ -731,12 +731,15 @@ class VelocityBuffers:
         on a rerun and after a resume."""
         if self.dtype != "int8":
             return None
-        return torch.Generator(device=device).manual_seed((self.seed * 1_000_003 + step) * 1009 + i)
+        return torch.Generator(device=device).manual_seed(self._draw(step, i))
 
     def noise_key(self, step: int, i: int) -> int:
         """The same (seed, step, partition) as a uint32 key, for the shard fold's kernel, whose
         int8 noise is a hash of (key, index) (``kernels.shard_fold``)."""
-        return ((self.seed * 1_000_003 + step) * 1009 + i) & 0xFFFFFFFF
+        return self._draw(step, i) & 0xFFFFFFFF
+
+    def _draw(self, step: int, i: int) -> int:
+        return (self.seed * 1_000_003 + step) * 1009 + i
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.buffers if b is not None)
