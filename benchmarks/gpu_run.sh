@@ -45,7 +45,8 @@
 #            and a kept run's commit inside DeepSpeed's CPU Adam step, one pass (memory.fold_in_step, auto
 #            since this stage measured it the cheaper real step on 2026-11-27): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the bar: a Predict step at most 0.1x a plain
-#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-host, grad-device-half: measured
+#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-noprefetch and grad-device-inline: no
+#            host thread beside the real step's backward; grad-host, grad-device-half: measured
 #            2026-11-26; drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with
 #            a velocity that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
 #            Predict step's backward never or always recomputing the preset's checkpointed blocks, where

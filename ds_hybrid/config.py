@@ -290,6 +290,20 @@ class MemoryConfig(_Section):
     parameter). ``auto``: bf16 where the parameters are bf16 on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
     0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.)"""
 
+    gradient_prefetch: bool = True
+    """``predictor.direction: gradient`` on the device path (``offload_predict``) beside a GPU:
+    make the next run's copies of the moments on a host thread while the real step before the
+    run does its forward and backward (the cast to ``gradient_state_dtype`` on the host, through
+    pinned chunks), so the run's first step finds them made. ``false``: that step makes them
+    itself (``bookkeeping_seconds.state_upload``), and no host thread reads 8 bytes a parameter
+    beside the real step's backward, whose gradient copies and fp32 accumulation are host work
+    under ZeRO-Offload. The same copies either way, so the same run bit for bit. Where nothing
+    crosses to another device (DeepSpeed's CPU accelerator) no copy is made ahead either way.
+    (On an H200 with llama-1b the gradient arm's real steps took 410 ms in their backward, with
+    these copies and a kept run's commit on host threads beside it, against plain ZeRO-Offload's
+    349: memory-bench's ``grad-device-noprefetch`` and ``grad-device-inline`` say how much of
+    that the threads are; a GPU number, owed.)"""
+
     commit_overlap: bool | Literal["auto"] = "auto"
     """With the device-side Predict path (``offload_predict``): the masters take a kept run's
     displacement (``direction: gradient``: the 16-bit weights, and the optimizer the run's first

@@ -391,7 +391,8 @@ class PredictiveEngine(DeepSpeedEngine):
             finally:
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
                 self._commit_taken_inline()   # (memory.fold_in_step: the same, for a step that never came)
-            if self.controller.phase is Phase.PREDICT and self._gradient is not None:
+            if self.controller.phase is Phase.PREDICT and self._gradient is not None \
+                    and self.hybrid_config.memory.gradient_prefetch:
                 # a run begins next: its moments cross to the GPU behind its first forward and backward
                 self._gradient.prefetch()
         self._sync()

@@ -376,6 +376,31 @@ def test_a_runs_moments_copied_behind_the_step_before_it_train_as_copies_made_at
     assert ref.statistics()["gradient_prefetched_runs"] == 0   # (nothing crosses on this CPU)
 
 
+def test_without_gradient_prefetch_no_thread_runs_beside_the_real_step_and_the_run_is_the_same():
+    """memory.gradient_prefetch: false (memory-bench's grad-device-noprefetch): where the moments
+    would cross (declared here as above), the real step before a run starts no copies behind
+    itself; the run's first step makes them, and every step's weights, masters and moments are
+    the prefetching engine's bit for bit."""
+    ahead, inline = _paths(2)[1], _paths(2, memory={"gradient_prefetch": False})[1]
+    for eng in (ahead, inline):
+        eng._gradient._crosses = lambda parts, shards: True
+    a, b = Batches(seed=7), Batches(seed=7)
+    runs = 0
+    for _ in range(12):
+        ra, rb = ahead.train_step(a.step()), inline.train_step(b.step())
+        assert (ra.phase, ra.loss, ra.checked) == (rb.phase, rb.loss, rb.checked)
+        if inline.phase is Phase.PREDICT and rb.phase != "predict":
+            assert ahead._gradient.running and not inline._gradient.running
+            runs += 1
+        for got, want in ((full_params(inline), full_params(ahead)), (master_copies(inline), master_copies(ahead)),
+                          (_moments(inline, "exp_avg"), _moments(ahead, "exp_avg"))):
+            assert _equal(got, want)
+    assert runs >= 2
+    assert ahead.statistics()["gradient_prefetched_runs"] >= 2
+    assert inline.statistics()["gradient_prefetched_runs"] == inline.statistics()["gradient_prefetch_stale"] == 0
+    assert inline.statistics()["bookkeeping_seconds"]["state_upload"] > 0   # (made at each run's first step)
+
+
 def test_device_path_bf16_weights_within_stochastic_rounding():
     """bf16 parameters: the first Predict step of a run moves the host path's weights and the
     device path's by the same update (the same gradient and moments), rounded to nearest from the

@@ -147,6 +147,17 @@ VARIANTS: dict[str, dict | None] = {
     "grad-device-half": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.5},
                          "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
                          "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"},
+    # ... with no host thread beside the real step's backward: the next run's moments copied at its
+    # first step instead of behind the real step before it (memory.gradient_prefetch: false), and
+    # with them a kept run's commit inline before the backward (memory.commit_overlap: false).
+    # Against grad-device: what those threads cost the real step (its backward was 410 ms against
+    # plain's 349 on an H200) and what copying at the run's start costs its first Predict step.
+    **{f"grad-device-{name}": {"predictor": {"direction": "gradient"},
+                                "memory": {"offload_predict": "device", **memory}, "full_steps": 1,
+                                "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
+                                "check": "next_step"}
+       for name, memory in (("noprefetch", {"gradient_prefetch": False}),
+                            ("inline", {"gradient_prefetch": False, "commit_overlap": False}))},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},
