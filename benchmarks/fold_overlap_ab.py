@@ -8,6 +8,11 @@
 * ``during`` against ``behind`` (``memory.fold_during_run``): the real step before a Predict run
   no longer waits for its own fold; the run moves along the velocity from before that fold (one
   real step older) while the fold runs (``tests/test_fold_during_run.py``).
+* ``gradient-behind`` against ``gradient`` with ``--bf16`` (``memory.cpu_step_behind``): the bench's
+  ``predict-gradient`` arm (3 gradient Predict steps after every real step from step 50), the real
+  step before each run covered by the device's own Adam step (its moments in bf16 beside the bf16
+  weights, the weights rounded stochastically) while DeepSpeed's CPU step runs behind the run
+  (``tests/test_cpu_step_behind.py``).
 * ``weights16`` against ``inline`` with ``--bf16`` (``memory.fold_source: weights16``): the
   velocity folded from the 16-bit shards' difference on their device, each real step's update
   then rounded to bf16 twice, and the real step that commits a kept run left out of the average
@@ -25,6 +30,8 @@ accelerator ``auto`` would keep the fold inline, so the settings are forced.
     .venv/bin/python benchmarks/fold_overlap_ab.py --arms behind during --json docs/results/fold-during-run-cpu.json
     .venv/bin/python benchmarks/fold_overlap_ab.py --arms inline weights16 --bf16 --seeds 1 2 3 4 5 6 \
         --json docs/results/shard-fold-cpu.json
+    .venv/bin/python benchmarks/fold_overlap_ab.py --arms gradient gradient-behind --bf16 --seeds 1 2 3 4 5 6 \
+        --json docs/results/cpu-step-behind-cpu.json
 
 Runs go to ``--out`` (default ``/tmp/fold-overlap-ab``), two at a time with one thread each
 (the runs are deterministic: their losses do not depend on timing). The times they report are
@@ -50,12 +57,16 @@ from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 MEMORY = {"offload_predict": "device", "fold_source": "optimizer_state", "velocity_dtype": "int8"}
 STATS = ("predict_steps", "predict_accepted", "predict_rolled_back", "fold_source", "shard_folds", "fold_overlap", "fold_during_run",
-         "fold_background_seconds")
+         "fold_background_seconds", "cpu_steps_behind")
 # what each arm sets in hybrid_predict.memory
 SETTINGS = {"inline": {"fold_overlap": False, "fold_during_run": False},
         "behind": {"fold_overlap": True, "fold_during_run": False},
         "during": {"fold_overlap": True, "fold_during_run": True},
-        "weights16": {"fold_source": "weights16", "fold_overlap": False, "fold_during_run": False}}
+        "weights16": {"fold_source": "weights16", "fold_overlap": False, "fold_during_run": False},
+        # the bench's predict-gradient arm on the device path, the real step before each run taking its
+        # CPU Adam step at once or behind the run with the GPU's cover (memory.cpu_step_behind)
+        "gradient": {"_arm": "predict-gradient"},
+        "gradient-behind": {"_arm": "predict-gradient", "cpu_step_behind": True}}
 
 
 def config(arm: str, bf16: bool = False) -> dict:
@@ -64,8 +75,11 @@ def config(arm: str, bf16: bool = False) -> dict:
     cfg = deep_merge(cfg, suite.overrides)
     if bf16:
         cfg["bf16"] = {"enabled": True}
-    hybrid = json.loads(json.dumps(ARMS["predict"].hybrid))
-    hybrid["memory"] = dict(MEMORY, **SETTINGS[arm])
+    settings = dict(SETTINGS[arm])
+    base = settings.pop("_arm", "predict")
+    hybrid = json.loads(json.dumps(ARMS[base].hybrid))
+    memory = MEMORY if base == "predict" else {"offload_predict": "device"}
+    hybrid["memory"] = dict(memory, **settings)
     cfg["hybrid_predict"] = hybrid
     return cfg
 

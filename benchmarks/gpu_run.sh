@@ -45,7 +45,8 @@
 #            and a kept run's commit inside DeepSpeed's CPU Adam step, one pass (memory.fold_in_step, auto
 #            since this stage measured it the cheaper real step on 2026-11-27): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
-#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-noprefetch and grad-device-inline: no
+#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-behind: the real step's CPU Adam step
+#            behind the run, the GPU covering it; grad-device-noprefetch and grad-device-inline: no
 #            host thread beside the real step's backward; grad-host, grad-device-half: measured
 #            2026-11-26; drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with
 #            a velocity that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
@@ -160,7 +161,7 @@ print('FusedAdam, CPU Adam and the host fold (kernels/host_fold.cpp) built')" > 
       timeout -k 20 "$(smaller "${TESTS_SECONDS:-240}" "$(left 20)")" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \
         tests/test_memory_profiler.py tests/test_device_predict.py tests/test_grad_predict.py tests/test_staging.py \
         tests/test_fold_during_run.py tests/test_host_kernels.py tests/test_pinned.py tests/test_free_velocity_copy.py \
-        tests/test_step_fusion.py tests/test_grad_recompute.py tests/test_shard_fold.py \
+        tests/test_step_fusion.py tests/test_grad_recompute.py tests/test_shard_fold.py tests/test_cpu_step_behind.py \
         -rfEs > "$OUT/tests.log" 2>&1
       rc=$?; tail -25 "$OUT/tests.log"   # (the whole log, failures first in its summary, is in OUT)
       stage_rc tests $rc "$t0" ;;

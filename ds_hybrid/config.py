@@ -304,6 +304,26 @@ class MemoryConfig(_Section):
     349: memory-bench's ``grad-device-noprefetch`` and ``grad-device-inline`` say how much of
     that the threads are; a GPU number, owed.)"""
 
+    cpu_step_behind: bool = False
+    """``predictor.direction: gradient`` on the device path (``offload_predict``) under ZeRO 1 or 2
+    with ``offload_optimizer: cpu``: the real step before a Predict run does not wait for
+    DeepSpeed's CPU Adam step. The GPU takes the same Adam step itself, from the step's clipped
+    gradient and the moments from before it (copied beside the 16-bit weights, the moments'
+    arithmetic in fp32, the weights rounded stochastically in bf16), the run goes on from those
+    weights and moments, and DeepSpeed's step of the fp32 masters and host moments runs on a host
+    thread behind the run (joined at the next real step, a checkpoint or a rollback). Nothing is
+    stale: the masters and moments are DeepSpeed's, and the run's weights differ from
+    ``round(masters)`` by the GPU step's rounding only, which the run's commit carries into the
+    masters. A real step that no run follows runs the step at once. ``statistics()``:
+    ``cpu_steps_behind``, ``cpu_step_behind_seconds`` (the thread's time),
+    ``bookkeeping_seconds.cpu_step_cover`` (the GPU's step and its copies), ``cpu_step_wait`` (a
+    real step's wait for the thread) and ``cpu_step`` (the steps run at once). ``true`` refuses,
+    naming the key, other setups (ZeRO 3, the host path, another optimizer, ``fold_in_step``,
+    ``group_predict``). Why (docs/memory.md, "The CPU window"): a step left behind cost 25-67% in
+    loss on the CPU preset, a guessed cover more; this cover is exact. What it saves is a GPU
+    number, owed: up to the CPU Adam step, 441 of the gradient arm's 869 ms real step for
+    llama-1b beside an H200, less the copies of the gradient and moments to the GPU."""
+
     commit_overlap: bool | Literal["auto"] = "auto"
     """With the device-side Predict path (``offload_predict``): the masters take a kept run's
     displacement (``direction: gradient``: the 16-bit weights, and the optimizer the run's first

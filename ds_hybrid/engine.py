@@ -41,7 +41,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import checkpoint as ckpt
 from . import host_kernels, kernels
-from . import step_fusion
+from . import cpu_step_behind, step_fusion
 from . import zero_access as za
 from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
 from .device_predict import DevicePredict
@@ -105,6 +105,7 @@ class _Stats:
     steps: dict = field(default_factory=lambda: {p.value: 0 for p in Phase})
     seconds: dict = field(default_factory=lambda: {p.value: 0.0 for p in Phase})
     backward_passes: int = 0
+    steps_behind: int = 0   # memory.cpu_step_behind: real steps the GPU covered, their CPU step behind the run
     backward_skipped: int = 0
     predict_accepted: int = 0
     predict_rolled_back: int = 0
@@ -228,6 +229,9 @@ class PredictiveEngine(DeepSpeedEngine):
         self._shards: ShardFold | None = None   # ... weights16: the fold from the 16-bit shards
         self._kept_runs_at_start = 0   # DevicePredict.kept_runs when this real step began
         self._capture_shards = False   # this real step copies its shards before its optimizer step
+        # memory.cpu_step_behind resolved; this real step records DeepSpeed's CPU Adam calls; those recorded
+        self._cpu_step_behind = self._defer_step = False
+        self._deferred: list | None = None
         self._commit_overlap = False    # memory.commit_overlap resolved
         self._host_kernel = False       # memory.host_kernels resolved: the C++ fold on host masters
         self._folds: BackgroundFold | None = None   # memory.fold_overlap: the fold behind the next step
@@ -285,6 +289,9 @@ class PredictiveEngine(DeepSpeedEngine):
                     self._gradient.host_kernel = host_kernels.resolve(mem.host_kernels)   # (the commit's catch-up)
                 self._gradient.prefetch_host = self._host_masters_beside_an_accelerator()
         self._fusion = self._resolve_fold_in_step()
+        # memory.cpu_step_behind: a real step that may precede a gradient run defers DeepSpeed's CPU
+        # Adam calls (_deferred); a run covers them on the GPU and they run behind it
+        self._cpu_step_behind = self._resolve_cpu_step_behind()
         overlap = mem.commit_overlap
         self._commit_overlap = self._device_path() and self._fusion is None and (
             overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
@@ -383,12 +390,16 @@ class PredictiveEngine(DeepSpeedEngine):
                     result = self._predict_step(batches, loss_fn)
                 else:
                     result = self._full_step(batches, loss_fn, self.controller.phase)
+                    self._settle_cpu_step()
                 if self.controller.phase is Phase.PREDICT and not self._run_holds_velocity():
                     # memory.fold_overlap: a Predict step moves along the velocity, so it could only
                     # wait for this step's fold; the wait is booked to the real step whose work it is.
                     # (fold_during_run: the run moves along the copy it holds; the fold goes on.)
                     self._wait_fold()
             finally:
+                if self._deferred is not None:   # (the step raised after DeepSpeed counted it: run it now)
+                    calls, self._deferred = self._deferred, None
+                    cpu_step_behind.run_all(calls)
                 self._wait_commit()   # (joined before the optimizer step; here if the step raised first)
                 self._commit_taken_inline()   # (memory.fold_in_step: the same, for a step that never came)
             if self.controller.phase is Phase.PREDICT and self._gradient is not None \
@@ -462,6 +473,10 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["moment_parking"] = self._parking.mode
             if self._gradient is not None:   # Predict steps whose gradient was NaN/Inf on a rank: moved nothing
                 out["gradient_nonfinite_steps"] = self._gradient.nonfinite
+                # memory.cpu_step_behind: real steps covered on the GPU, and their CPU steps' time behind the runs
+                out["cpu_step_behind"] = self._cpu_step_behind
+                out["cpu_steps_behind"] = self._stats.steps_behind
+                out["cpu_step_behind_seconds"] = self._gradient.behind.background_seconds
                 # runs whose moments were copied behind the step before them (prefetch), and such copies dropped as stale
                 out["gradient_prefetched_runs"], out["gradient_prefetch_stale"] = self._gradient.prefetched
                 # ZeRO 3 shares queued into host memory: seconds the backward waited for a free buffer, and
@@ -535,6 +550,11 @@ class PredictiveEngine(DeepSpeedEngine):
 
     def _full_step(self, batches: list, loss_fn: LossFn, phase: Phase) -> StepResult:
         cfg = self.hybrid_config
+        if self._gradient is not None and self._gradient.behind.running:
+            # memory.cpu_step_behind: this step's backward writes the gradient the CPU step reads,
+            # and its check and commit read the masters it writes
+            with self._timed("cpu_step_wait"):
+                self._gradient.behind.wait()
         if self._free_velocity_copy:
             # The run (if one came before) is over: its check, commit or rollback read the host
             # velocity, so its GPU copy goes before this step's forward and backward need the memory.
@@ -581,6 +601,8 @@ class PredictiveEngine(DeepSpeedEngine):
             return redo
 
         self._step_groups = predicted
+        # (memory.cpu_step_behind: a whole step that a run may follow; Warmup never precedes one)
+        self._defer_step = self._cpu_step_behind and not predicted and phase is not Phase.WARMUP
         # (fold_source: weights16 folds on the shards' device: only a kept run's commit goes into the step)
         self._fold_in_step = self._fusion is not None and drift and not predicted and self._shards is None
         self._capture_shards = self._shards is not None and drift
@@ -590,7 +612,7 @@ class PredictiveEngine(DeepSpeedEngine):
             self._real_step(batches, loss_fn, before_backward, self._layout.cut[k] if k else None)
         finally:
             self._step_groups = frozenset()
-            self._fold_in_step = self._capture_shards = False
+            self._fold_in_step = self._capture_shards = self._defer_step = False
         loss = self._boundary_loss  # all-reduced at the boundary, with the skip decision
         applied = self.was_step_applied()
         fold_behind = drift and applied and self._folds is not None and not predicted
@@ -1162,6 +1184,11 @@ class PredictiveEngine(DeepSpeedEngine):
                         self._shards.capture(committed=self._device_predict.kept_runs != self._kept_runs_at_start)
                 if self._fusion is not None:
                     return self._fused_model_step(lr_kwargs)
+                if self._defer_step:
+                    with cpu_step_behind.deferred(self._masters.base) as proxy:
+                        out = super()._take_model_step(lr_kwargs)
+                    self._deferred = proxy.calls
+                    return out
                 return super()._take_model_step(lr_kwargs)
             self._commit_taken_inline()
             # A partial step: the predicted groups take the predicted update before the
@@ -1237,6 +1264,50 @@ class PredictiveEngine(DeepSpeedEngine):
             if fold and int(self.global_steps) != step:
                 raise RuntimeError(f"ds_hybrid: memory.fold_in_step folded step {step}, but DeepSpeed's step "
                                    f"count is {int(self.global_steps)}")
+
+    def _settle_cpu_step(self) -> None:
+        """``memory.cpu_step_behind``, after a real step that deferred DeepSpeed's CPU Adam calls:
+        a run begins next, so the GPU takes the step itself and the calls run behind the run; else
+        they run now and the stepped masters go into the 16-bit weights as DeepSpeed's step would
+        have put them (``cpu_step_behind.py``)."""
+        calls, self._deferred = self._deferred, None
+        if calls is None:
+            return   # (none deferred, or a skipped step: DeepSpeed called no update; the same on every rank)
+        # (a rank with no calls, an empty partition, still takes the collectives below)
+        if self.controller.phase is Phase.PREDICT and not self._gradient.pending:
+            with self._timed("cpu_step_cover"):
+                self._gradient.cover(calls, int(self.global_steps))
+            self._gradient.step_behind(calls)
+            self._stats.steps_behind += 1
+            return
+        with self._timed("cpu_step"):
+            cpu_step_behind.run_all(calls)
+            self._masters.lp_current = False
+            self._masters.propagate()
+
+    def _resolve_cpu_step_behind(self) -> bool:
+        """``memory.cpu_step_behind``: on, or a config error naming what this setup lacks."""
+        if not self.hybrid_config.memory.cpu_step_behind:
+            return False
+        from .config import ConfigError
+        base = self._masters.base
+        why = None
+        if self._gradient is None:
+            why = "predictor.direction is not gradient (the GPU covers the step with the gradient run's own Adam step)"
+        elif not self._gradient.on_device:
+            why = "memory.offload_predict resolved to host (the run must live beside the 16-bit weights)"
+        elif self._masters.kind != "zero1-2":
+            why = f"the optimizer is {self._masters.kind}, not ZeRO 1 or 2 (zero_optimization.stage)"
+        elif type(base).__name__ != "DeepSpeedCPUAdam" or not hasattr(base, "ds_opt_adam"):
+            why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
+                   "(zero_optimization.offload_optimizer.device: cpu)")
+        elif self._fusion is not None:
+            why = "memory.fold_in_step is on (its passes live inside the step this defers)"
+        elif self.hybrid_config.group_predict.enabled:
+            why = "group_predict is enabled (a partial step steps some groups only)"
+        if why is not None:
+            raise ConfigError(f"hybrid_predict.memory.cpu_step_behind: true, but {why}")
+        return True
 
     def _commit_taken_inline(self) -> None:
         """A kept run's commit taken for the optimizer step (``memory.fold_in_step``) that no
@@ -1318,6 +1389,8 @@ class PredictiveEngine(DeepSpeedEngine):
         and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
         self._wait_fold()     # the velocity is saved
         self._wait_commit()
+        if self._gradient is not None:
+            self._gradient.behind.wait()   # (memory.cpu_step_behind: the masters and moments are saved)
         parked = self._parking is not None and self._parking.parked
         if parked:  # DeepSpeed saves the optimizer state from where it normally lives
             self._parking.unpark(wait=True)
@@ -1342,6 +1415,8 @@ class PredictiveEngine(DeepSpeedEngine):
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
         self._wait_fold()   # before the loaded masters, moments and velocity replace what it works on
+        if self._gradient is not None:
+            self._gradient.behind.wait()   # (memory.cpu_step_behind: a step of the masters being replaced)
         if self._parking is not None:
             self._parking.unpark(wait=True)  # the loaded moments replace these; on the device until the next run
         return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs, verify=verify)

@@ -151,8 +151,13 @@ class GradientPredict(WorkerOwner):
             self._offsets.append(self._offsets[-1] + p.numel())
         self.m: list[torch.Tensor | None] | None = None
         self.v: list[torch.Tensor | None] = []
+        self.covered = False   # the run's moments are cover()'s (memory.cpu_step_behind), v not the optimizer's
         self.nonfinite = 0   # Predict steps whose gradient was NaN/Inf on some rank (they moved nothing)
         self._worker = HostWorker("gradient-commit", "commit of a kept gradient Predict run")
+        # memory.cpu_step_behind: DeepSpeed's CPU Adam step of the real step before a run, run
+        # behind the run (cpu_step_behind.py); joined (wait, behind.wait) before anything reads the
+        # masters or moments
+        self.behind = HostWorker("cpu-step", "CPU Adam step behind a gradient Predict run")
         # The moments' copies between host memory and a GPU: cast on the host, through pinned chunks
         self._stager = Stager()
         # ZeRO 3 with offload_param: cpu: each parameter's gradient share from a GPU into the sums
@@ -195,7 +200,9 @@ class GradientPredict(WorkerOwner):
         ``batch_fraction`` keeps, and the ranks, clipped as DeepSpeed clips) into the run's first
         moment. Collective. False (nothing changed) when it is not finite on some rank."""
         if not self._prefetching:   # (a prefetch goes on behind this gradient; _begin joins it)
-            self.wait()   # (a commit behind the last real step reads the state this run copies)
+            # (a commit behind the last real step reads the state this run copies; a CPU step behind
+            # the run goes on: the run's state is the GPU's)
+            self.wait(behind=False)
         batches = batch_share(batches, self.batch_fraction)
         # (predictor.gradient_checkpointing; the run's moments allocated: a measured peak holds them)
         ready = self.m is not None or self._prefetching or self._next is not None
@@ -405,6 +412,53 @@ class GradientPredict(WorkerOwner):
             if f == 2:
                 self._copy(v, part.state["exp_avg_sq"].view(-1), after, order)
 
+    @torch.no_grad()
+    def cover(self, calls: list, step: int) -> None:
+        """``memory.cpu_step_behind``: the real step's Adam step taken beside the 16-bit weights,
+        from the deferred calls' clipped gradient and moments from before the step (copied there in
+        ``state_dtype``; the moments' arithmetic in fp32), into the weights with ``held_adam_step``
+        (a bf16 weight rounded stochastically); the stepped moments become the run's state. The
+        calls' own step of the masters runs later (``step_behind``). Collective (the all-gather)."""
+        parts = list(self.access.partitions())
+        by_ptr = {call.params.data_ptr(): call for call in calls}
+        from .quant import CHUNK, scratch
+        ms: list = []
+        vs: list = []
+        for i, part in enumerate(parts):
+            call = by_ptr.get(part.master.data_ptr()) if part.master.numel() else None
+            if call is None or call.params.numel() != part.master.numel():
+                ms.append(None), vs.append(None)
+                continue
+            shard = self._shard(i)
+            m, v, g = (torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device) for _ in range(3))
+            for dst, src in ((m, call.exp_avg), (v, call.exp_avg_sq), (g, call.grads)):
+                self._copy(dst, src.view(-1))
+            w0, w1 = scratch(shard.device, 0, m.numel()), scratch(shard.device, 1, m.numel())
+            for a in range(0, m.numel(), CHUNK):
+                b = min(a + CHUNK, m.numel())
+                gf = w0[:b - a].copy_(g[a:b])
+                m[a:b].copy_(w1[:b - a].copy_(m[a:b]).mul_(call.beta1).add_(gf, alpha=1.0 - call.beta1))
+                v[a:b].copy_(w1[:b - a].copy_(v[a:b]).mul_(call.beta2).addcmul_(gf, gf, value=1.0 - call.beta2))
+            del g
+            self._held_adam(shard, m, v, lr=float(call.lr), beta1=call.beta1, beta2=call.beta2, eps=call.eps,
+                            step=call.step, weight_decay=float(call.weight_decay),
+                            bias_correction=bool(call.bias_correction),
+                            key=_round_key(self.seed, step, i, salt=0x5BD1E995))
+            ms.append(m), vs.append(v)
+        if sum(m is not None for m in ms) != len(calls):
+            raise RuntimeError("ds_hybrid: hybrid_predict.memory.cpu_step_behind: DeepSpeed's CPU Adam stepped tensors "
+                               "that are not the hybrid's master partitions; set memory.cpu_step_behind to false "
+                               "and report it")
+        self.access.gather_device_shards()
+        self.m, self.v, self._next = ms, vs, None
+        self.covered = True
+
+    def step_behind(self, calls: list) -> None:
+        """The deferred calls (DeepSpeed's step of the masters and host moments) on a host thread;
+        ``wait`` or ``behind.wait()`` join it."""
+        from .cpu_step_behind import run_all
+        self.behind.start(lambda: run_all(calls))
+
     def prefetch(self) -> None:
         """The next step begins a run (the engine calls this after the real step before it):
         make the run's copies of the moments now, on the host thread, while that step's forward
@@ -458,20 +512,24 @@ class GradientPredict(WorkerOwner):
             beta1, beta2 = g.get("betas", (0.9, 0.999))
             # the stochastic rounding's random bits: a hash of (seed, step, partition) and the index,
             # the same on a rerun and after a resume
-            key = ((self.seed * 1_000_003 + int(step)) * 1009 + i) & 0xFFFFFFFF
-            shard, kw = self._shard(i), dict(lr=float(g["lr"]), eps=g.get("eps", 1e-8), key=key)
-            wd = float(g.get("weight_decay", 0.0))
-            if self._host_step(shard, self.m[i], self.v[i]):
-                # a bf16 partition in host memory (ZeRO 3's offload_param: cpu): one C++ pass, bit
-                # for bit the torch ops (whose random bits' hash alone took seconds a step for 1B)
-                bc1, bc2 = kernels._bias_corrections(beta1, beta2, part.step, g.get("bias_correction", True))
-                decay = -kw["lr"] * wd if self.access.decoupled_decay and wd else 0.0
-                host_kernels.held_adam(shard, self.m[i], self.v[i], bc1=bc1, bc2=bc2, decay=decay, **kw)
-                continue
-            kernels.held_adam_step(shard, self.m[i], self.v[i], beta1=beta1, beta2=beta2, step=part.step,
-                                   weight_decay=wd, decoupled=self.access.decoupled_decay,
-                                   bias_correction=g.get("bias_correction", True), backend=self.backend, **kw)
+            self._held_adam(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
+                            eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
+                            bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
         self.access.gather_device_shards()
+
+    def _held_adam(self, shard: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
+                   beta2: float, eps: float, step: int, weight_decay: float, bias_correction: bool, key: int) -> None:
+        """Adam's step of ``shard`` from ``m`` and ``v`` (``kernels.held_adam_step``)."""
+        if self._host_step(shard, m, v):
+            # a bf16 partition in host memory (ZeRO 3's offload_param: cpu): one C++ pass, bit
+            # for bit the torch ops (whose random bits' hash alone took seconds a step for 1B)
+            bc1, bc2 = kernels._bias_corrections(beta1, beta2, step, bias_correction)
+            decay = -lr * weight_decay if self.access.decoupled_decay and weight_decay else 0.0
+            host_kernels.held_adam(shard, m, v, bc1=bc1, bc2=bc2, decay=decay, lr=lr, eps=eps, key=key)
+            return
+        kernels.held_adam_step(shard, m, v, beta1=beta1, beta2=beta2, step=step, weight_decay=weight_decay,
+                               decoupled=self.access.decoupled_decay, bias_correction=bias_correction,
+                               backend=self.backend, lr=lr, eps=eps, key=key)
 
     def _host_step(self, shard: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
         """``memory.host_kernels`` takes this step: a bf16 shard in host memory beside moments there
@@ -497,6 +555,7 @@ class GradientPredict(WorkerOwner):
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))] if self.on_device else []
         run, self.m, self.v = self.m, None, []
+        self.covered = False
         if background and self.on_device and not resync:
             # (the thread's copies wait for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
@@ -526,9 +585,10 @@ class GradientPredict(WorkerOwner):
         """Some moment lives on another device than its 16-bit partition (a GPU beside host masters)."""
         return any("exp_avg" in p.state and p.state["exp_avg"].device != s.device for p, s in zip(parts, shards))
 
-    def wait(self) -> None:
+    def wait(self, behind: bool = True) -> None:
         """Join a commit or a prefetch running in the background, re-raising its error (a
-        prefetch's copies are kept for the run they were made for)."""
+        prefetch's copies are kept for the run they were made for), and (``behind``) a CPU step
+        behind the run."""
         prefetching, self._prefetching = self._prefetching, False
         try:
             got = self._worker.wait()
@@ -539,6 +599,8 @@ class GradientPredict(WorkerOwner):
                 self._stager.join()
         if prefetching:
             self._next = got
+        if behind:
+            self.behind.wait()
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -548,6 +610,7 @@ class GradientPredict(WorkerOwner):
         masters from its snapshot."""
         self.wait()
         self.m, self.v = None, []
+        self.covered = False
         if self.on_device:
             self.access.lp_current = False
             self.access.propagate()
@@ -562,6 +625,8 @@ class GradientPredict(WorkerOwner):
             sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
             if self.on_device:
                 sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.m))]
+            if self.covered:   # (the run's second moment is the GPU's step of it, not the optimizer's copy)
+                sd["v"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.v]
         return sd
 
     @torch.no_grad()
@@ -571,6 +636,7 @@ class GradientPredict(WorkerOwner):
         or there was none); the loaded weights are then the last good point."""
         self.wait()
         self.m, self.v, self._next = None, [], None   # (a prefetch was made from the state being replaced)
+        self.covered = False
         if not sd:
             return None
         self.nonfinite = int(sd.get("nonfinite", 0))
@@ -598,11 +664,23 @@ class GradientPredict(WorkerOwner):
         for m, t in zip(self.m, saved):
             if m is not None:
                 m.view(-1).copy_(t.view(-1))
+        if sd.get("v") is not None and self.on_device:
+            # memory.cpu_step_behind: the run's own v, a tensor of its own (_begin may have handed
+            # it the optimizer's, where that can be read in place)
+            self.v = [None if v is None else torch.empty_like(v).copy_(t.view(-1).to(v.device))
+                      for v, t in zip(self.v, sd["v"])]
+            self.covered = True
         if self.on_device:
             for i, t in enumerate(sd["shards"]):
                 self._shard(i).copy_(t.view(-1))
             self.access.gather_device_shards()
         return None
+
+
+def _round_key(seed: int, step: int, i: int, salt: int = 0) -> int:
+    """The stochastic rounding's key for partition ``i`` at ``step``: the same on a rerun and after
+    a resume; ``salt`` sets apart the real step's own update (``cover``) from a Predict step's."""
+    return (((seed * 1_000_003 + int(step)) * 1009 + i) ^ salt) & 0xFFFFFFFF
 
 
 @torch.no_grad()

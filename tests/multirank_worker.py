@@ -59,6 +59,8 @@ parser.add_argument("--fold-in-step", default="auto", choices=["auto", "true", "
                     help="with --offload-predict: memory.fold_in_step (the fold and commit inside the CPU Adam step)")
 parser.add_argument("--direction", default="drift", choices=["drift", "gradient"],
                     help="with --offload-predict: predictor.direction")
+parser.add_argument("--cpu-step-behind", action="store_true",
+                    help="with --direction gradient --offload-predict device: memory.cpu_step_behind")
 parser.add_argument("--gradient-batch-fraction", type=float, default=1.0,
                     help="with --direction gradient: predictor.gradient_batch_fraction")
 parser.add_argument("--checkpointing", default=None, choices=["auto", "true", "false"],
@@ -97,7 +99,8 @@ if args.offload_predict:
               "memory": {"offload_predict": args.offload_predict, "fold_source": args.fold_source,
                          "fold_overlap": args.fold_overlap or "auto",
                          "fold_during_run": {"auto": "auto", "true": True, "false": False}[args.fold_during_run],
-                         "fold_in_step": {"auto": "auto", "true": True, "false": False}[args.fold_in_step]}}
+                         "fold_in_step": {"auto": "auto", "true": True, "false": False}[args.fold_in_step],
+                         **({"cpu_step_behind": True} if args.cpu_step_behind else {})}}
     offload = {"offload_opt": "cpu"}
 cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
 if args.stage == 3 and args.direction == "gradient":

@@ -212,6 +212,34 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
+def test_a_cpu_step_behind_the_run_keeps_the_ranks_together(tmp_path):
+    """memory.cpu_step_behind, ZeRO 2 under offload, 2 ranks, with the faults: each rank's GPU
+    covers its real step before a run (its shard, then the all-gather) while its CPU step runs
+    behind; both ranks take the same steps, checks and rollbacks as the engine that steps at once
+    (whose losses they match to the GPU step's rounding) and end with the same weights."""
+    runs = {}
+    for name, extra in (("now", []), ("behind", ["--cpu-step-behind"])):
+        (tmp_path / name).mkdir()
+        runs[name] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults", "--offload-predict",
+                                                       "device", "--direction", "gradient", *extra], 2, tmp_path / name)
+    cols = ("phase", "accepted", "rolled_back", "skipped", "checked")
+    want = [tuple(s[c] for c in cols) for s in runs["now"][0]["record"]]
+    for ranks in runs.values():
+        for rep in ranks:
+            assert [tuple(s[c] for c in cols) for s in rep["record"]] == want
+    behind = runs["behind"]
+    for got, mine, ref in zip(behind[1]["record"], behind[0]["record"], runs["now"][0]["record"]):
+        assert (got["loss"] is None) == (mine["loss"] is None) == (ref["loss"] is None)
+        if got["loss"] is not None:   # (the faults' NaN losses on every rank alike)
+            assert got["loss"] == pytest.approx(mine["loss"], rel=0, abs=0, nan_ok=True)
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, nan_ok=True)
+    assert behind[0]["weights_sha256"] == behind[1]["weights_sha256"]
+    for rep in behind:
+        st = rep["statistics"]
+        assert st["cpu_steps_behind"] > 0 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+
+
+@pytest.mark.slow
 def test_a_gradient_from_part_of_the_batch_keeps_the_ranks_together_on_zero_3(tmp_path):
     """predictor.gradient_batch_fraction 0.5 with 2 micro-batches a step, ZeRO 3, 2 ranks, the
     device path: every rank takes the first micro-batch alone (the rule reads only shapes), so

@@ -157,7 +157,10 @@ VARIANTS: dict[str, dict | None] = {
                                 "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
                                 "check": "next_step"}
        for name, memory in (("noprefetch", {"gradient_prefetch": False}),
-                            ("inline", {"gradient_prefetch": False, "commit_overlap": False}))},
+                            ("inline", {"gradient_prefetch": False, "commit_overlap": False}),
+                            # ... the real step before each run leaving DeepSpeed's CPU Adam step to a
+                            # host thread behind the run, the GPU taking the same step (cpu_step_behind)
+                            ("behind", {"cpu_step_behind": True}))},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

@@ -1,0 +1,190 @@
+"""``memory.cpu_step_behind``: the real step before a gradient Predict run leaves DeepSpeed's CPU
+Adam step to a host thread behind the run, the GPU (here DeepSpeed's CPU accelerator standing in)
+taking the same step itself (``ds_hybrid/cpu_step_behind.py``, ``GradientPredict.cover``)."""
+import pytest
+import torch
+
+from ds_hybrid.config import ConfigError
+from ds_hybrid.phases import Phase
+from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, master_copies
+
+GRAD = dict(EAGER, check="next_step", correction_steps=0, predictor={"direction": "gradient"})
+
+
+def _engine(stage: int = 2, behind: bool = True, bf16: bool = False, seed: int = 0, **memory):
+    hybrid = dict(GRAD, memory={"offload_predict": "device", "cpu_step_behind": behind, **memory})
+    return make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, hybrid=hybrid), seed=seed)
+
+
+def _moments(engine, key: str) -> list[torch.Tensor]:
+    return [p.state[key].detach().clone() for p in engine._masters.partitions()]
+
+
+def _close(xs, ys, tol: float) -> bool:
+    return all(torch.allclose(x.float(), y.float(), rtol=tol, atol=tol) for x, y in zip(xs, ys))
+
+
+def _equal(xs, ys) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_real_step_covered_by_the_gpu_trains_as_the_step_taken_at_once(stage):
+    """fp32 weights on ZeRO 1 and 2: the phases, checks and losses of the engine that takes the
+    step at once; after each real step the masters and moments are DeepSpeed's step (the same C++
+    op on the same tensors, run later), and the weights within the GPU step's
+    rounding of them (bit for bit until the first run's commit carries that rounding into the
+    masters); the CPU steps ran behind the runs, joined at the next real step."""
+    now, behind = _engine(stage, behind=False), _engine(stage)
+    a, b = Batches(seed=3), Batches(seed=3)
+    covered = 0
+    for _ in range(16):
+        ra, rb = now.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.checked) == (rb.phase, rb.checked)
+        assert rb.loss == pytest.approx(ra.loss, rel=1e-5)
+        assert _close(full_params(behind), full_params(now), 1e-5)
+        if behind._gradient.behind.running:
+            covered += 1
+            assert behind.phase is Phase.PREDICT and behind._gradient.covered
+            behind._gradient.behind.wait()
+            if covered == 1:   # (the masters wait at the real step's result: the run lives in the weights)
+                # the same values stepped by the same op: equal until a run's commit has carried the
+                # GPU step's rounding into the masters
+                assert _equal(master_copies(behind), master_copies(now))
+                assert _equal(_moments(behind, "exp_avg_sq"), _moments(now, "exp_avg_sq"))
+        assert _close(master_copies(behind), master_copies(now), 1e-5)
+        assert _close(_moments(behind, "exp_avg"), _moments(now, "exp_avg"), 1e-5)
+    st = behind.statistics()
+    assert covered >= 3 and st["cpu_steps_behind"] == covered and st["cpu_step_behind"]
+    assert st["cpu_step_behind_seconds"] > 0 and st["bookkeeping_seconds"]["cpu_step_cover"] > 0
+    assert now.statistics()["cpu_steps_behind"] == 0
+
+
+def test_the_gpus_step_is_adams_step_of_the_clipped_gradient():
+    """Right after a covered real step, before the thread runs: the weights are the masters from
+    before the step moved by Adam's step computed by hand from the deferred call's gradient (already
+    clipped by DeepSpeed) and moments, and the run's moments are that step's; the masters and host
+    moments are untouched until the calls have run, then equal DeepSpeed's own step."""
+    eng, ref = _engine(2), _engine(2, behind=False)
+    b, r = Batches(seed=4), Batches(seed=4)
+    eng.train_step(b.step()), ref.train_step(r.step())   # (Adam's state exists from the first step)
+    held: list = []
+    eng._gradient.step_behind = held.append   # hold the thread's calls back: the state before they run
+    while not held:
+        before = master_copies(eng)
+        m0, v0 = _moments(eng, "exp_avg"), _moments(eng, "exp_avg_sq")
+        eng.train_step(b.step()), ref.train_step(r.step())
+    calls = held[0]
+    assert _equal(master_copies(eng), before) and _equal(_moments(eng, "exp_avg"), m0)
+    assert not _equal(master_copies(ref), before)
+    for i, part in enumerate(eng._masters.partitions()):
+        call = next(c for c in calls if c.params.data_ptr() == part.master.data_ptr())
+        g, w = call.grads.view(-1), before[i].view(-1)
+        m = call.beta1 * m0[i].view(-1) + (1 - call.beta1) * g
+        v = call.beta2 * v0[i].view(-1) + (1 - call.beta2) * g * g
+        bc1, bc2 = 1 - call.beta1 ** call.step, 1 - call.beta2 ** call.step
+        want = w - call.lr * (m / bc1) / ((v / bc2).sqrt() + call.eps) - call.lr * call.weight_decay * w
+        assert torch.allclose(eng._gradient._shard(i).view(-1), want, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(eng._gradient.m[i].view(-1), m, rtol=1e-6, atol=1e-9)
+        assert torch.allclose(eng._gradient.v[i].view(-1), v, rtol=1e-6, atol=1e-12)
+    from ds_hybrid.cpu_step_behind import run_all
+    run_all(calls)   # the thread's job: DeepSpeed's own step of the masters and moments
+    assert _equal(master_copies(eng), master_copies(ref)) and _equal(_moments(eng, "exp_avg"), _moments(ref, "exp_avg"))
+
+
+def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(monkeypatch):
+    """A run the next real step's check rejects: the thread is joined, and the weights, masters and
+    moments are those of DeepSpeed's step (the engine that took it at once, rejected alike)."""
+    now, behind = _engine(2, behind=False), _engine(2)
+    a, b = Batches(seed=5), Batches(seed=5)
+    for eng, bat in ((now, a), (behind, b)):
+        while eng.phase is not Phase.PREDICT:
+            eng.train_step(bat.step())
+    assert behind._gradient.behind.running
+    for eng, bat in ((now, a), (behind, b)):
+        while eng.phase is Phase.PREDICT:
+            eng.train_step(bat.step())
+    seen = {}
+    for eng in (now, behind):
+        check = eng._check_predicted_update
+
+        def rejected(loss, batch, out, check=check, eng=eng):
+            redo = check(loss * 10, batch, out)
+            seen[id(eng)] = (full_params(eng), master_copies(eng), _moments(eng, "exp_avg"))
+            return redo
+        monkeypatch.setattr(eng, "_check_predicted_update", rejected)
+    ra, rb = now.train_step(a.step()), behind.train_step(b.step())
+    assert ra.checked is False and rb.checked is False
+    for x, y in zip(seen[id(behind)], seen[id(now)]):
+        assert _equal(x, y)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(bf16, tmp_path):
+    """Saved after the run's first step: the thread is joined (the masters saved are DeepSpeed's
+    step), the run's own second moment goes into the checkpoint with its first; a fresh engine with
+    other initial weights resumes it, and every later step equals the uninterrupted run's."""
+    ref = _engine(2, bf16=bf16)
+    b = Batches(seed=6)
+    while ref.phase is not Phase.PREDICT:
+        ref.train_step(b.step())
+    ref.train_step(b.step())
+    assert ref.phase is Phase.PREDICT and ref._gradient.covered and ref._gradient.behind.running
+    ref.save_checkpoint(str(tmp_path), tag="mid")
+    assert not ref._gradient.behind.running
+    state = b.gen.get_state()
+    resumed = _engine(2, bf16=bf16, seed=1)
+    resumed.load_checkpoint(str(tmp_path), tag="mid")
+    assert resumed._gradient.pending and resumed._gradient.covered
+    b2 = Batches(seed=6)
+    b2.gen.set_state(state)
+    for _ in range(8):
+        r1, r2 = ref.train_step(b.step()), resumed.train_step(b2.step())
+        assert (r1.phase, r1.loss, r1.checked) == (r2.phase, r2.loss, r2.checked)
+        for eng in (ref, resumed):
+            eng._gradient.behind.wait()
+        for got, want in ((full_params(resumed), full_params(ref)), (master_copies(resumed), master_copies(ref)),
+                          (_moments(resumed, "exp_avg"), _moments(ref, "exp_avg")),
+                          (_moments(resumed, "exp_avg_sq"), _moments(ref, "exp_avg_sq"))):
+            assert _equal(got, want)
+    assert ref.statistics()["cpu_steps_behind"] >= 2
+
+
+@pytest.mark.parametrize("setup, memory, why", [
+    (dict(stage=3, offload_opt="cpu"), {"offload_predict": "device"}, "not ZeRO 1 or 2"),
+    (dict(stage=2, offload_opt="cpu"), {"offload_predict": "host"}, "resolved to host"),
+    (dict(stage=2), {"offload_predict": "device"}, "not DeepSpeed's CPU Adam"),
+])
+def test_other_setups_are_refused_naming_the_key(setup, memory, why):
+    hybrid = dict(GRAD, memory={"cpu_step_behind": True, **memory})
+    with pytest.raises(ConfigError, match=f"memory.cpu_step_behind: true, but .*{why}"):
+        make_engine(ds_config(hybrid=hybrid, **setup))
+
+
+def test_the_drift_direction_is_refused_naming_the_key():
+    hybrid = dict(EAGER, check="next_step", predictor={"direction": "drift"},
+                  memory={"offload_predict": "device", "cpu_step_behind": True})
+    with pytest.raises(ConfigError, match="memory.cpu_step_behind: true, but predictor.direction is not gradient"):
+        make_engine(ds_config(stage=2, offload_opt="cpu", hybrid=hybrid))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_cover_runs_beside_the_bf16_weights_and_the_step_behind_it():
+    """bf16 weights on a GPU, offload_optimizer: cpu: a covered step leaves the run's moments on the
+    GPU in bf16, the weights within a few bf16 steps of round(masters) once the CPU step behind the
+    run has landed, and every later step of the run the same phases as the engine that steps at once."""
+    now, behind = _engine(2, behind=False, bf16=True), _engine(2, bf16=True)
+    a, b = Batches(seed=3, device=now.device), Batches(seed=3, device=behind.device)
+    covered = 0
+    for _ in range(12):
+        ra, rb = now.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.checked) == (rb.phase, rb.checked)
+        if behind._gradient.behind.running:
+            covered += 1
+            assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in behind._gradient.m if t is not None)
+            behind._gradient.behind.wait()
+            for i, part in enumerate(behind._masters.partitions()):
+                w, master = behind._gradient._shard(i).float().cpu(), part.master.view(-1).float()
+                assert torch.allclose(w, master, rtol=2 ** -6, atol=1e-6)
+    assert covered >= 2 and behind.statistics()["cpu_steps_behind"] == covered
