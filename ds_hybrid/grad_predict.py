@@ -510,8 +510,6 @@ class GradientPredict(WorkerOwner):
                 continue
             g = part.group
             beta1, beta2 = g.get("betas", (0.9, 0.999))
-            # the stochastic rounding's random bits: a hash of (seed, step, partition) and the index,
-            # the same on a rerun and after a resume
             self._held_adam(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
                             eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
                             bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
@@ -678,8 +676,9 @@ class GradientPredict(WorkerOwner):
 
 
 def _round_key(seed: int, step: int, i: int, salt: int = 0) -> int:
-    """The stochastic rounding's key for partition ``i`` at ``step``: the same on a rerun and after
-    a resume; ``salt`` sets apart the real step's own update (``cover``) from a Predict step's."""
+    """The stochastic rounding's key for partition ``i`` at ``step`` (its random bits are a hash of
+    the key and the index): the same on a rerun and after a resume; ``salt`` sets apart the real
+    step's own update (``cover``) from a Predict step's."""
     return (((seed * 1_000_003 + int(step)) * 1009 + i) ^ salt) & 0xFFFFFFFF
 
 
