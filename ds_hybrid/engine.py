@@ -106,6 +106,7 @@ class _Stats:
     seconds: dict = field(default_factory=lambda: {p.value: 0.0 for p in Phase})
     backward_passes: int = 0
     steps_behind: int = 0   # memory.cpu_step_behind: real steps the GPU covered, their CPU step behind the run
+    copies_skipped: int = 0   # memory.cpu_step_behind: DeepSpeed's copies of masters not yet stepped, dropped
     backward_skipped: int = 0
     predict_accepted: int = 0
     predict_rolled_back: int = 0
@@ -477,6 +478,7 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["cpu_step_behind"] = self._cpu_step_behind
                 out["cpu_steps_behind"] = self._stats.steps_behind
                 out["cpu_step_behind_seconds"] = self._gradient.behind.background_seconds
+                out["cpu_step_copies_skipped"] = self._stats.copies_skipped
                 # runs whose moments were copied behind the step before them (prefetch), and such copies dropped as stale
                 out["gradient_prefetched_runs"], out["gradient_prefetch_stale"] = self._gradient.prefetched
                 # ZeRO 3 shares queued into host memory: seconds the backward waited for a free buffer, and
@@ -1185,9 +1187,13 @@ class PredictiveEngine(DeepSpeedEngine):
                 if self._fusion is not None:
                     return self._fused_model_step(lr_kwargs)
                 if self._defer_step:
-                    with cpu_step_behind.deferred(self._masters.base) as proxy:
+                    # (and without DeepSpeed's copy of the masters, not yet stepped, into the weights:
+                    # the cover steps the weights as they are, _settle_cpu_step copies the stepped ones)
+                    with cpu_step_behind.deferred(self._masters.base) as proxy, \
+                            cpu_step_behind.skip_copies_into(self._masters.step_copy_targets()) as skip:
                         out = super()._take_model_step(lr_kwargs)
                     self._deferred = proxy.calls
+                    self._stats.copies_skipped += skip.skipped
                     return out
                 return super()._take_model_step(lr_kwargs)
             self._commit_taken_inline()

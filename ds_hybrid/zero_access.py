@@ -319,8 +319,23 @@ class _Zero12Access(MasterAccess):
         return _lp_shard(opt.parallel_partitioned_bit16_groups[i], opt.real_dp_process_group[i],
                          opt.single_partition_of_fp32_groups[i])
 
+    _stager = None   # (made at the first offloaded propagate)
+
     def propagate(self):
-        _propagate_lp(self, self.optimizer.bit16_groups_flat, self.optimizer.parallel_partitioned_bit16_groups)
+        opt = self.optimizer
+        if not self.lp_current and getattr(opt, "cpu_offload", False):
+            # DeepSpeed's update_lp_params copies each fp32 master straight into its 16-bit
+            # partition: across PCIe that is a pageable fp32 copy, 507 ms a propagate for llama-1b
+            # beside an H100 (docs/results/memory-gpu-1b.json, the host path's `propagate`), paid
+            # by every rollback on the device paths. Through pinned chunks cast on the host (the
+            # cast torch's, round to nearest even: the same 16-bit values), then only the gather.
+            from .staging import Stager
+            if self._stager is None:
+                self._stager = Stager()
+            for i, master in enumerate(opt.single_partition_of_fp32_groups):
+                self._stager.upload(self.device_shard(i), master)
+            self.lp_current = True
+        _propagate_lp(self, opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups)
 
     def device_shard(self, i):
         import deepspeed.comm as dist
@@ -330,6 +345,14 @@ class _Zero12Access(MasterAccess):
     def gather_device_shards(self):
         self.lp_current = True   # the partitions hold the update: only the all-gather is left
         self.propagate()
+
+    def step_copy_targets(self) -> list[torch.Tensor]:
+        """What DeepSpeed's step writes from the masters on this rank: each group's 16-bit
+        partition and, under ``offload_optimizer``, the pinned 16-bit buffer it is cast into on
+        the host first (``memory.cpu_step_behind`` drops those copies in a deferred step)."""
+        opt = self.optimizer
+        out = [self.device_shard(i) for i in range(self._count())]
+        return out + list(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None) or [])
 
     def param_slices(self, i):
         # The parameters are views into the group's flat 16-bit buffer (round-robin order), and

@@ -92,6 +92,45 @@ def test_the_gpus_step_is_adams_step_of_the_clipped_gradient():
     assert _equal(master_copies(eng), master_copies(ref)) and _equal(_moments(eng, "exp_avg"), _moments(ref, "exp_avg"))
 
 
+def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(monkeypatch):
+    """In a deferred step DeepSpeed's copies of the masters into its pinned 16-bit buffer and this
+    rank's partition (both from masters not yet stepped) are dropped: the cover starts from the
+    weights as they were, even where the masters (moved by hand here) say otherwise. (A deferred
+    step that no run follows gets the stepped masters by one copy: the first test, step by step.)"""
+    from ds_hybrid import cpu_step_behind
+
+    eng = _engine(2)
+    bat = Batches(seed=7)
+    dropped: list = []
+    plain = cpu_step_behind.skip_copies_into
+
+    class counted(plain):
+        def __exit__(self, *exc):
+            dropped.append(self.skipped)
+            return super().__exit__(*exc)
+    monkeypatch.setattr(cpu_step_behind, "skip_copies_into", counted)
+    entered: list = []
+    cover = eng._gradient.cover
+    monkeypatch.setattr(eng._gradient, "cover", lambda calls, step: (entered.append(full_params(eng)),
+                                                                     cover(calls, step)))
+    for _ in range(2):
+        while eng.phase is Phase.PREDICT or eng.controller.remaining != 1:   # (the step before a run)
+            eng.train_step(bat.step())
+        before = full_params(eng)
+        with torch.no_grad():
+            for part in eng._masters.partitions():
+                part.master.add_(1.0)
+        n = len(entered)
+        eng.train_step(bat.step())
+        if len(entered) > n:
+            break
+    assert len(entered) == n + 1, "no run followed a deferred step"
+    assert _equal(entered[-1], before)
+    parts = len(list(eng._masters.partitions()))
+    assert dropped and set(dropped) == {2 * parts}   # (the pinned buffer and the partition, per group)
+    assert eng.statistics()["cpu_step_copies_skipped"] == sum(dropped)
+
+
 def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(monkeypatch):
     """A run the next real step's check rejects: the thread is joined, and the weights, masters and
     moments are those of DeepSpeed's step (the engine that took it at once, rejected alike)."""

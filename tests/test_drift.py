@@ -331,6 +331,35 @@ def test_fused_update_writes_the_16bit_copy_and_propagate_only_gathers(stage, ex
     assert not fused._masters.lp_current
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_offloaded_propagate_goes_through_pinned_chunks_and_writes_deepspeeds_bits(stage, monkeypatch):
+    # Under offload_optimizer the masters reach the 16-bit partitions through the stager (beside
+    # a GPU: pinned chunks, the cast on the host) instead of update_lp_params' direct copy; the
+    # weights are DeepSpeed's copy bit for bit (bf16, masters moved off the bf16 grid by hand).
+    from ds_hybrid.staging import Stager
+    eng = make_engine(ds_config(stage=stage, bf16=True, offload_opt="cpu", hybrid=dict(EAGER)))
+    b = Batches()
+    for _ in range(3):
+        eng.train_step(b.step())
+    uploads = []
+    upload = Stager.upload
+    monkeypatch.setattr(Stager, "upload", lambda self, dst, src, *a, **k: (uploads.append(dst.numel()),
+                                                                            upload(self, dst, src, *a, **k)))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for part in eng._masters.partitions():
+            part.master.add_(torch.randn(part.master.shape, generator=gen) * 1e-3)
+    eng._masters.propagate()
+    ours = [p.detach().clone() for p in full_params(eng)]
+    assert uploads == [part.master.numel() for part in eng._masters.partitions()]
+    with torch.no_grad():
+        for p in eng.module.parameters():
+            p.zero_()
+    eng.optimizer.update_lp_params()
+    assert all(torch.equal(x, y) for x, y in zip(ours, full_params(eng)))
+    assert not eng._masters.lp_current
+
+
 def test_compact_buffer_work_buffers_give_the_same_bits():
     # The host path's reused work buffers (quant.scratch) and in-place quantization must
     # store and load exactly what the allocating path does.
