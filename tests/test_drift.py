@@ -336,9 +336,20 @@ def test_an_offloaded_propagate_goes_through_pinned_chunks_and_writes_deepspeeds
     # Under offload_optimizer the masters reach the 16-bit partitions through the stager (beside
     # a GPU: pinned chunks, the cast on the host) instead of update_lp_params' direct copy; the
     # weights are DeepSpeed's copy bit for bit (bf16, masters moved off the bf16 grid by hand).
+    _offloaded_propagate_matches_deepspeed(stage, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_an_offloaded_propagate_writes_deepspeeds_bits(monkeypatch):
+    # The same beside a GPU: host masters, bf16 partitions on the GPU, pinned chunks on a side stream.
+    _offloaded_propagate_matches_deepspeed(2, monkeypatch)
+
+
+def _offloaded_propagate_matches_deepspeed(stage: int, monkeypatch) -> None:
     from ds_hybrid.staging import Stager
     eng = make_engine(ds_config(stage=stage, bf16=True, offload_opt="cpu", hybrid=dict(EAGER)))
-    b = Batches()
+    b = Batches(device=eng.device)
     for _ in range(3):
         eng.train_step(b.step())
     uploads = []
