@@ -47,7 +47,9 @@
 #            per phase, bookkeeping and DeepSpeed's timers (the bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-behind: the real step's CPU Adam step
 #            behind the run, the GPU covering it; grad-device-noprefetch and grad-device-inline: no
-#            host thread beside the real step's backward; grad-host, grad-device-half: measured
+#            host thread beside the real step's backward; grad-device-quarter, grad-device-eighth: each Predict
+#            step's gradient from that share of the batch, 2 or 1 of 8 micro-batches with GRAD1B_ACCUM=8, whose loss
+#            worth the CPU study put at 0.43 and 0.19 of a real step; grad-host, grad-device-half: measured
 #            2026-11-26; drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with
 #            a velocity that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
 #            Predict step's backward never or always recomputing the preset's checkpointed blocks, where
@@ -55,7 +57,8 @@
 #            cap by its measured peak and the planner's count (its record's gradient_recompute says which);
 #            drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
 #            step: 2026-11-26 17:50), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
-#            forwards and backwards beside its CPU Adam step)
+#            forwards and backwards beside its CPU Adam step, about 3.6 s: GRAD1B_STEPS=16 RUN_SECONDS=180 keep
+#            three variants in one call), GRAD1B_STEPS the steps of each run (24)
 #                                                            -> OUT/offload-gpu-1b-grad.json
 #   prof1b   the same layout, 16 steps, plain against the drift device path's fused real step (PROF1B_VARIANTS picks
 #            others) with torch.profiler over steps 9-16 (ds-hybrid train --op-profile): per phase, each operator's
@@ -218,7 +221,7 @@ for stage in "$@"; do
       rc=$?
       stage_rc off1b $rc "$t0" ;;
     grad1b)
-      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps 24 \
+      $DSH memory-bench --preset 1b-16gb --models llama-1b --seq-len 1024 --micro-batch 4 --steps "${GRAD1B_STEPS:-24}" \
         --gpu-mem-cap 16GB --variants ${GRAD1B_VARIANTS:-full drift-int8-device-next-behind drift-int8-device-next-fused grad-device} --wall-clock \
         --run-timeout "${RUN_SECONDS:-150}" \
         --grad-accum "${GRAD1B_ACCUM:-1}" --out /tmp/grad1b \

@@ -48,6 +48,13 @@ the weights those ``N`` steps see by the update before (per unit LR, at the last
 the missing one. ``--window 0`` holds the moments from before the real step with no stale weights: what the
 moments alone cost. On a GPU the window hides the CPU step (441 ms of 847 on the H200's llama-1b) under the run.
 
+``--gradient-fraction F`` takes each gradient Predict step's gradient from the first ``round(F x batch)`` sequences
+of its batch (at least one; the engine's ``predictor.gradient_batch_fraction``, which under gradient accumulation
+takes the first micro-batches): the step still consumes its whole batch from the stream, as the engine's does. On a
+GPU under ZeRO-Offload with gradient accumulation such a step costs about ``F`` of the real step's forwards and
+backwards (the ``1b-16gb`` preset's 8 micro-batches a step: ``F = 1/8`` is one of them), for a noisier gradient;
+what that costs in step worth at a larger batch is what this measures.
+
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
 update), as a 2-bytes-a-value copy would.
 
@@ -103,7 +110,7 @@ def run_key(row: dict) -> tuple:
         return ("plain", row["seed"], row["steps"])
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
             row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"),
-            row.get("window"), row.get("window_cover"))
+            row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -116,7 +123,8 @@ def job_key(args: tuple, kw: dict) -> tuple:
     return (mode, seed, steps, F, H, start, kw.get("state_dtype", "fp32"), kw.get("weights", "fp32"), top,
             kw.get("lower", "still") if top is not None else None,
             kw.get("cut_clip", "own") if top is not None else None,
-            window, kw.get("window_cover", "none") if window is not None else None)
+            window, kw.get("window_cover", "none") if window is not None else None,
+            kw.get("gradient_fraction", 1.0))
 
 
 def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
@@ -160,11 +168,12 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           state_dtype: str = "fp32", weights: str = "fp32", batch: int = 16, model_name: str = "gpt2-tiny",
           seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95,
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
-          window: int | None = None, window_cover: str = "none") -> dict:
+          window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0) -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
-    real step by the 16-bit weights' change over the run. ``window``: see the module docstring."""
+    real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``: see the module
+    docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -178,9 +187,14 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
 
     clip_coef = [1.0]   # the last real step's clipping factor
 
-    def gradient() -> float:
+    def gradient(fraction: float = 1.0) -> float:
+        batch_in = next(stream)   # (a whole batch from the stream whatever share of it the step takes)
+        if fraction < 1.0:
+            rows = next(iter(batch_in.values())).shape[0]
+            keep = max(1, round(fraction * rows))
+            batch_in = {k: v[:keep] for k, v in batch_in.items()}
         with autocast():
-            loss = model(**next(stream)).loss
+            loss = model(**batch_in).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cut[0] and cut_clip == "last-real":
@@ -236,7 +250,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                 if window_cover == "last" and unit_before is not None:
                                     p.add_(unit_before[i], alpha=last_lr)
                     try:
-                        gradient()
+                        gradient(gradient_fraction)
                     finally:
                         cut[0] = False
                         if stale:
@@ -309,6 +323,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "top_blocks": top_blocks, "lower": lower if top_blocks is not None else None,
             "cut_clip": cut_clip if top_blocks is not None else None,
             "window": window, "window_cover": window_cover if window is not None else None,
+            "gradient_fraction": gradient_fraction if mode in GRADIENT_MODES else 1.0,
             "val_loss": val,
             "train_seconds": seconds}
 
@@ -388,7 +403,8 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
             "setup": {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "steps": args.steps,
                       "lr": args.lr, "start": args.start, "state_dtype": args.state_dtype, "weights": args.weights,
                       "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
-                      "window": args.window, "window_cover": args.window_cover, "device": args.device,
+                      "window": args.window, "window_cover": args.window_cover,
+                      "gradient_fraction": args.gradient_fraction, "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
             "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
             "plain_markdown": "\n".join(plain_lines)}
@@ -435,6 +451,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "(0: the moments alone)")
     p.add_argument("--window-cover", default="none", choices=["none", "last"],
                    help="with --window, the weights those N steps see moved by the update before, as a guess")
+    p.add_argument("--gradient-fraction", type=float, default=1.0, metavar="F",
+                   help="gradient Predict steps take their gradient from the first round(F x --batch) sequences of "
+                        "their batch (0 < F <= 1)")
     p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -456,6 +475,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--schedules: F and H at least 1; --steps above --start")
     if args.top_blocks is None and (args.lower, args.cut_clip) != ("still", "own"):
         p.error("--lower and --cut-clip say what a cut backward does: give --top-blocks too")
+    if not 0.0 < args.gradient_fraction <= 1.0:
+        p.error(f"--gradient-fraction: above 0 and at most 1 (got {args.gradient_fraction})")
+    if args.gradient_fraction < 1.0 and not set(args.modes) <= set(GRADIENT_MODES):
+        p.error(f"--gradient-fraction: the Predict steps must take a gradient, --modes among "
+                f"{', '.join(GRADIENT_MODES)} (got {' '.join(args.modes)})")
     if args.window is None and args.window_cover != "none":
         p.error("--window-cover says what the steps in the CPU window see: give --window too")
     if args.window is not None:
@@ -493,7 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
         wanted += [((seed, args.lr, args.steps, mode, F, H, args.start),
                     {**shape, "state_dtype": args.state_dtype, "weights": args.weights,
                      "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
-                     "window": args.window, "window_cover": args.window_cover})
+                     "window": args.window, "window_cover": args.window_cover,
+                     "gradient_fraction": args.gradient_fraction})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

@@ -207,13 +207,47 @@ def test_a_run_from_the_moment_before_the_real_step_hands_back_the_one_it_would_
     assert not torch.allclose(run_before, run_after, rtol=0, atol=1e-3)
 
 
+def test_a_predict_step_from_a_share_of_its_batch_takes_its_first_sequences_and_consumes_it_whole(study, monkeypatch):
+    """``--gradient-fraction``: each gradient Predict step's forward sees the first ``round(F x batch)`` sequences
+    of its batch, real steps see all of it, and the stream moves a whole batch a step either way (every forward's
+    first sequence is the whole-batch run's). The share changes the loss; 1.0 is the study's default run."""
+    seen: list[tuple[int, tuple]] = []
+    real_setup = study.setup
+
+    def setup(*a, **k):
+        net, params, opt, stream, val = real_setup(*a, **k)
+        net.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((kwargs["input_ids"].shape[0], tuple(kwargs["input_ids"][0, :16].tolist()))),
+            with_kwargs=True)
+        return net, params, opt, stream, val
+
+    monkeypatch.setattr(study, "setup", setup)
+    runs = {}
+    for fraction in (1.0, 0.5):
+        seen.clear()
+        runs[fraction] = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, gradient_fraction=fraction, **SHAPE)
+        runs[fraction]["seen"] = seen[:36]   # (the validation forwards after them hold 16 sequences)
+    # 30 real steps, a run of 3, a real step, a run cut to 2 by the end
+    assert [n for n, _ in runs[0.5]["seen"]] == [4] * 30 + [2, 2, 2, 4, 2, 2]
+    assert [n for n, _ in runs[1.0]["seen"]] == [4] * 36
+    assert [first for _, first in runs[0.5]["seen"]] == [first for _, first in runs[1.0]["seen"]]
+    assert runs[0.5]["val_loss"] != runs[1.0]["val_loss"]
+    assert (runs[0.5]["gradient_fraction"], runs[1.0]["gradient_fraction"]) == (0.5, 1.0)
+    monkeypatch.undo()
+    assert study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)["val_loss"] == runs[1.0]["val_loss"]
+    assert study.run_key(runs[0.5]) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30), dict(gradient_fraction=0.5))
+    assert study.run_key(runs[0.5]) != study.run_key(runs[1.0])
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--window-cover", "last"], "give --window too"),
     (["--window", "-1"], "--window: 0 or more"),
     (["--window", "2", "--modes", "skip", "adam-carry"], "--window: the Predict steps must take a gradient"),
     (["--window", "2", "--top-blocks", "2"], "--window and --top-blocks"),
+    (["--gradient-fraction", "0"], "--gradient-fraction: above 0"),
+    (["--gradient-fraction", "0.5", "--modes", "skip", "adam-carry"], "--gradient-fraction: the Predict steps must"),
 ])
-def test_a_window_the_study_cannot_run_is_refused_before_any_run(study, capsys, argv, says):
+def test_a_setting_the_study_cannot_run_is_refused_before_any_run(study, capsys, argv, says):
     with pytest.raises(SystemExit):
         study.main(argv + ["--seeds", "1", "--json", "/nonexistent/never-written.json"])
     assert says in capsys.readouterr().err

@@ -142,11 +142,13 @@ VARIANTS: dict[str, dict | None] = {
                                 "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
                                 "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
        for name, setting in (("recompute", True), ("plain", False))},
-    # ... each Predict step's gradient from half of its batch (predictor.gradient_batch_fraction):
-    # half its forward and backward, where those are a real step's dear part too.
-    "grad-device-half": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.5},
-                         "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
-                         "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"},
+    # ... each Predict step's gradient from half, a quarter or an eighth of its batch
+    # (predictor.gradient_batch_fraction; under accumulation its first micro-batches: at 1b-16gb's 8, an
+    # eighth is one): that share of its forwards and backwards, where those are a real step's dear part too.
+    **{f"grad-device-{name}": {"predictor": {"direction": "gradient", "gradient_batch_fraction": fraction},
+                                "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
+                                "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
+       for name, fraction in (("half", 0.5), ("quarter", 0.25), ("eighth", 0.125))},
     # ... with no host thread beside the real step's backward: the next run's moments copied at its
     # first step instead of behind the real step before it (memory.gradient_prefetch: false), and
     # with them a kept run's commit inline before the backward (memory.commit_overlap: false).
