@@ -86,6 +86,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from direction_study import add_flat, fold_velocity, schedule, setup  # noqa: E402
 from ds_hybrid.data import val_batches  # noqa: E402
+from ds_hybrid.grad_predict import batch_share  # noqa: E402
 from ds_hybrid.models import block_list, build_model  # noqa: E402
 
 MODES = ("skip", "drift", "rms", "adam-local", "adam-carry")
@@ -188,11 +189,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     clip_coef = [1.0]   # the last real step's clipping factor
 
     def gradient(fraction: float = 1.0) -> float:
-        batch_in = next(stream)   # (a whole batch from the stream whatever share of it the step takes)
-        if fraction < 1.0:
-            rows = next(iter(batch_in.values())).shape[0]
-            keep = max(1, round(fraction * rows))
-            batch_in = {k: v[:keep] for k, v in batch_in.items()}
+        # (a whole batch from the stream whatever share of it the step takes; the engine's rule cuts it)
+        (batch_in,) = batch_share([next(stream)], fraction)
         with autocast():
             loss = model(**batch_in).loss
         opt.zero_grad(set_to_none=True)
