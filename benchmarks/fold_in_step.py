@@ -6,13 +6,16 @@ commit of the run into the fp32 masters. As passes of their own (inline, or on a
 behind the step) each reads the partition again from DRAM; inside the step
 (``memory.fold_in_step``, ``ds_hybrid/step_fusion.py``) they run a chunk at a time beside each
 chunk's Adam update, while its values are in cache, or in one pass with DeepSpeed's update
-(each block of 256 values: commit, update, fold, ``host_kernels.adam_fold``). This times, on one partition of ``--values``
+(each block of 256 values: commit, update, fold, ``host_kernels.adam_fold``; the fold takes the
+block's own displacement, its weights copied before the update). This times, on one partition of ``--values``
 values, best of ``--repeat`` with the arms interleaved: DeepSpeed's CPU Adam step alone, the step
 with the fold (and the commit of a 3-step run) as passes after (before) it, and the same inside
 the step in one pass and at each ``--chunks`` size through DeepSpeed's op, each over the step
 alone, and the one pass reading the int8 noise from its table (4 bytes a value) instead of computing
-it. The velocity is int8 (the 1b-16gb and 7b presets'); each other dtype of ``--velocity``
-adds its fold after the step and inside it, in one pass. ``--no-moments``: the fold without the
+it, and the one pass reading the update back from the moments the step left (the fold after the
+step's way: three divisions and a square root a value more; the one pass's way until 2026-11-29).
+The velocity is int8 (the 1b-16gb and 7b presets'); each other dtype of ``--velocity``
+adds its fold after the step and inside it, in one pass, both ways. ``--no-moments``: the fold without the
 moment sums only the RSSM predictor reads (the default ``adam_direction`` predictor's fold).
 
 (What the GPU adds, the backward's host work beside a pass on a thread, needs a GPU: stage
@@ -60,14 +63,15 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
         return dict(step=opt.state[p]["step"], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                     eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"])
 
-    def fold_job(d: str, read_noise: bool = False) -> step_fusion.FoldJob:
+    def fold_job(d: str, read_noise: bool = False, from_moments: bool = False) -> step_fusion.FoldJob:
         job = step_fusion.FoldJob(lambda: vels[d], n, d, torch.Generator().manual_seed(1), 0.9, False, moments, True)
         job.read_noise = read_noise
+        job.displacement = not from_moments
         return job
 
-    def job(commit: bool, d: str, read_noise: bool = False) -> step_fusion.PartitionJob:
+    def job(commit: bool, d: str, read_noise: bool = False, from_moments: bool = False) -> step_fusion.PartitionJob:
         j = step_fusion.PartitionJob(0, 0, p.data)
-        j.fold = fold_job(d, read_noise)
+        j.fold = fold_job(d, read_noise, from_moments)
         j.commit = (vel, COEFS) if commit else None
         return j
 
@@ -80,11 +84,12 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
             fold_job(d).run(p.data, st["exp_avg"], st["exp_avg_sq"], 0, n, hyper())
         return run
 
-    def in_step(commit: bool, chunk: int | None, d: str = dtypes[0], read_noise: bool = False):
+    def in_step(commit: bool, chunk: int | None, d: str = dtypes[0], read_noise: bool = False,
+                from_moments: bool = False):
         def run():
             fused.one_pass = chunk is None
             fused.chunk = chunk or step_fusion.CHUNK
-            fused.arm([job(commit, d, read_noise)])
+            fused.arm([job(commit, d, read_noise, from_moments)])
             opt.step()
             assert not fused.disarm()
         return run
@@ -92,7 +97,9 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
     arms = [("DeepSpeed CPU Adam step", opt.step), ("+ fold, a pass after the step", inline(False)),
             ("+ commit and fold, passes around the step", inline(True))]
     arms += [("+ fold inside the step, one pass", in_step(False, None)),
-             ("+ commit and fold inside the step, one pass", in_step(True, None))]
+             ("+ commit and fold inside the step, one pass", in_step(True, None)),
+             ("+ fold inside the step, one pass, its update read back from the moments",
+              in_step(False, None, from_moments=True))]
     if dtypes[0] == "int8":   # the int8 noise's table values read (4 bytes a value) where the one pass computes them
         arms += [("+ fold inside the step, one pass, int8 noise read", in_step(False, None, read_noise=True))]
     for c in chunks:
@@ -100,7 +107,9 @@ def _arms(n: int, chunks: list[int], dtypes: tuple[str, ...] = ("int8",), moment
                  (f"+ commit and fold inside the step, chunks of 2^{c.bit_length() - 1}", in_step(True, c))]
     for d in dtypes[1:]:
         arms += [(f"+ fold, a pass after the step, {d} velocity", inline(False, d)),
-                 (f"+ fold inside the step, one pass, {d} velocity", in_step(False, None, d))]
+                 (f"+ fold inside the step, one pass, {d} velocity", in_step(False, None, d)),
+                 (f"+ fold inside the step, one pass, {d} velocity, its update read back from the moments",
+                  in_step(False, None, d, from_moments=True))]
     return arms
 
 

@@ -380,9 +380,12 @@ class MemoryConfig(_Section):
     ``ds_hybrid/step_fusion.py``). The fold then reads no second copy of the masters and moments
     from memory, and no host thread runs beside the next forward and backward, whose gradient
     copies and fp32 accumulation are host work under ZeRO-Offload (the fold behind the step took
-    the hybrid's real steps to 1.24x plain's on an H100 with llama-1b, 2026-11-26). Masters,
-    moments, velocity and direction statistics are those of DeepSpeed's step followed by the
-    inline fold, bit for bit; the predictor sees the statistics at the step. Whole-model steps
+    the hybrid's real steps to 1.24x plain's on an H100 with llama-1b, 2026-11-26). The fold takes
+    the step's own displacement (each block's weights copied in L1 before its update), not the
+    update rebuilt from the moments: masters, moments, velocity and direction statistics are those
+    of DeepSpeed's step followed by the inline fold from a snapshot of the masters before it
+    (``fold_source: snapshot``), bit for bit, with no snapshot; the predictor sees the statistics
+    at the step. Whole-model steps
     only (a layer-group step folds as before). With ``fold_source: weights16`` only the commit
     goes into the step (the fold is the GPU's). ``statistics()``: ``fold_in_step`` and
     ``bookkeeping_seconds.fold_in_step`` (the passes' time inside the step; in one pass it
@@ -433,7 +436,8 @@ class MemoryConfig(_Section):
     the masters taken before the step (4 bytes per parameter of the rank's partition, in the
     masters' memory: host memory under ``offload_optimizer``). ``optimizer_state``: read back
     after the step from the Adam moments and the new weights (no copy; equal up to fp32
-    rounding; Adam/AdamW without ``amsgrad``). ``weights16`` (the device-side drift path only):
+    rounding; Adam/AdamW without ``amsgrad``); with ``fold_in_step`` the step's own displacement
+    instead, block by block inside it (the snapshot's update, with no snapshot). ``weights16`` (the device-side drift path only):
     the difference of the 16-bit shards DeepSpeed's step writes, copied just before the step
     (2 bytes per parameter of the partition, on the shards' device, freed after the fold), with
     the velocity kept beside the shards: under ZeRO-Offload the fold is then one GPU kernel a

@@ -113,6 +113,8 @@ def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, befor
     ``quant.CompactBuffer`` in host memory) updated in place; returns the sums
     ``[d.v_old, v_old.v_old, d.d, w.w, sum |m|, sum sqrt(v2)]`` with ``d`` = lr x the update.
 
+    ``before``: the weights before the step (the update is ``w - before``), of the whole partition
+    or of the folded values only; None: the update is read back from the moments ``m``, ``v2``.
     ``values``: fold only the values ``[start, end)`` of the partition (``start`` a multiple of
     ``FOLD_GROUP``, ``end`` too or the partition's end), adding their sums to ``acc`` (6 fp64
     values, updated in place; the return is its new values): folding a partition range by range
@@ -136,12 +138,14 @@ def fold(w: torch.Tensor, m: torch.Tensor | None, v2: torch.Tensor | None, befor
 def adam_fold(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, adam: list[float], commit,
               coefs: list[float], vel, noise: list[torch.Tensor], chunk: int, lr: float, wd: float, beta: float,
               bc1: float, bc2: float, eps: float, first: bool, moments: bool, end: int, acc: torch.Tensor,
-              read_noise: bool = False) -> list[float]:
+              read_noise: bool = False, displacement: bool = False) -> list[float]:
     """DeepSpeed's CPU Adam step on the values ``[0, end)`` of a flat fp32 partition (``end`` a
     multiple of ``FOLD_GROUP``) with ``adam``, DeepSpeed's nine scalars for the step
     (``step_fusion.AdamScalars``), each block first taking ``commit`` (a ``quant.CompactBuffer``,
     or None) times ``coefs`` in order and then folded into ``vel`` as ``fold`` folds it from the
-    optimizer state, in one pass (see ``kernels/host_fold.cpp``); the fold's sums added to ``acc``.
+    optimizer state (or its displacement), in one pass (see ``kernels/host_fold.cpp``); the fold's sums added to ``acc``.
+    ``displacement``: fold the step's own update (each block's weights copied before it, in L1), as
+    ``fold`` folds from a snapshot, instead of reading it back from the moments.
     ``read_noise``: read a noise-table window's values instead of computing them (the same values:
     ``benchmarks/fold_in_step.py`` times the two)."""
     if end % FOLD_GROUP or not 0 <= end <= p.numel():
@@ -155,7 +159,7 @@ def adam_fold(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
                             [float(c) for c in coefs] if commit is not None else [], vel.data,
                             vel.scale if vel.dtype == "int8" else empty, noise, _offsets(noise, read_noise),
                             VDTYPES[vel.dtype], int(chunk), float(lr), float(wd), float(beta), float(bc1),
-                            float(bc2), float(eps), bool(first), bool(moments), end // 256, acc)
+                            float(bc2), float(eps), bool(first), bool(moments), end // 256, acc, bool(displacement))
 
 
 def shift(x: torch.Tensor, vel, coefs, sumsq: bool = False) -> float:

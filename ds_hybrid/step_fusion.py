@@ -13,7 +13,12 @@ accumulation), and the threads compete with it for the host's cores and memory: 
 Here they run inside DeepSpeed's step on each master partition, one pass over it: each block of
 256 values takes the commit's additions, then Adam's update, then the fold, while it is in L1
 (``host_kernels.adam_fold``). The fold then costs its arithmetic and the velocity's bytes, not a
-second read of the masters and moments, and nothing runs beside the forward and backward.
+second read of the masters and moments, and nothing runs beside the forward and backward. Its
+update is the step's own displacement: each block's weights are copied (in L1) before the update,
+so the fold is the snapshot fold's (``fold_source: snapshot``) with no snapshot, and it does not
+rebuild the update from the moments the step left (three divisions and a square root a value,
+which made the pass 2.4x DeepSpeed's step alone instead of 1.9x with the int8 velocity on this
+project's 2-core CPU; ``benchmarks/fold_in_step.py``).
 DeepSpeed's ``DeepSpeedCPUAdam.step`` is unchanged: only its C++ op (``optimizer.ds_opt_adam``) is
 wrapped, and calls for partitions with no work pass straight through.
 
@@ -30,10 +35,11 @@ Bit for bit DeepSpeed's step and the inline passes:
   its update is elementwise, a second call with the same step keeps its bias corrections, and
   its SIMD loop covers a chunk whole when the chunk is a multiple of its block.
 * The commit is elementwise; the fold's sums add up in fixed groups of values
-  (``host_kernels.fold``).
+  (``host_kernels.fold``); a chunk's fold reads the chunk's weights as they were before its call
+  (``PartitionJob.before`` copies them).
 
 So masters, moments, velocity and direction statistics are those of DeepSpeed's step followed by
-the inline fold (``tests/test_step_fusion.py``).
+the inline fold from a snapshot of the masters taken just before it (``tests/test_step_fusion.py``).
 """
 from __future__ import annotations
 
@@ -62,6 +68,7 @@ class PartitionJob:
         self.fold: FoldJob | None = None
         self.reached = False   # DeepSpeed's step called adam_update on this partition
         self.seconds = {"commit": 0.0, "fold": 0.0}
+        self._before: torch.Tensor | None = None   # a chunk's weights before its update (the fold's displacement)
 
     def before(self, a: int, b: int) -> None:
         if self.commit is not None:
@@ -69,11 +76,18 @@ class PartitionJob:
             buf, coefs = self.commit
             host_kernels.shift(self.master[a:b], buf.window(a, b), coefs)
             self.seconds["commit"] += time.perf_counter() - t0
+        if self.fold is not None and self.fold.displacement:
+            t0 = time.perf_counter()
+            if self._before is None or self._before.numel() < b - a:
+                self._before = torch.empty(b - a, dtype=self.master.dtype)
+            self._before[:b - a].copy_(self.master[a:b])   # (after the commit: the step's own move is folded)
+            self.seconds["fold"] += time.perf_counter() - t0
 
     def after(self, m: torch.Tensor, v2: torch.Tensor, a: int, b: int, hyper: dict) -> None:
         if self.fold is not None:
             t0 = time.perf_counter()
-            self.fold.run(self.master, m, v2, a, b, hyper)
+            self.fold.run(self.master, m, v2, a, b, hyper,
+                          before=self._before[:b - a] if self.fold.displacement else None)
             self.seconds["fold"] += time.perf_counter() - t0
 
     def one_pass(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, adam: list[float],
@@ -93,8 +107,9 @@ class PartitionJob:
 
 
 class FoldJob:
-    """One partition's fold from the moments the step leaves (``fold_source: optimizer_state``
-    with the C++ kernel), range by range, its sums kept as ``zero_access._fold_on_host`` adds them."""
+    """One partition's fold of the step's update (its displacement, or read back from the moments
+    the step leaves) with the C++ kernel, range by range, its sums kept as
+    ``zero_access._fold_on_host`` adds them."""
 
     def __init__(self, buffer: Callable[[], CompactBuffer], numel: int, dtype: str,
                  generator: torch.Generator | None, beta: float, first: bool, moments: bool, decoupled: bool):
@@ -109,8 +124,15 @@ class FoldJob:
         self.acc = torch.zeros(6, dtype=torch.float64)
         self.lr: float | None = None   # set by the first range folded (an LR of 0 folds nothing)
         self.read_noise = False        # (benchmarks/fold_in_step.py: the int8 noise read, not computed)
+        # The step's own displacement, each block's weights copied before its update: the snapshot
+        # fold's update, with no snapshot (False: rebuilt from the moments the step left, as the
+        # fold after the step reads it: three divisions and a square root more a value; the benchmark's arm)
+        self.displacement = True
 
-    def run(self, w: torch.Tensor, m: torch.Tensor, v2: torch.Tensor, a: int, b: int, hyper: dict) -> None:
+    def run(self, w: torch.Tensor, m: torch.Tensor, v2: torch.Tensor, a: int, b: int, hyper: dict,
+            before: torch.Tensor | None = None) -> None:
+        """The values ``[a, b)``: from ``before`` (those values' weights before the step) where
+        given, else from the moments."""
         from .kernels import _bias_corrections
         lr = hyper["lr"]
         if lr <= 0:
@@ -122,7 +144,7 @@ class FoldJob:
             self.buf = self.buffer()
         bc1, bc2 = _bias_corrections(hyper["beta1"], hyper["beta2"], hyper["step"], hyper["bias_correction"])
         wd = float(hyper["weight_decay"] or 0.0) if self.decoupled else 0.0
-        host_kernels.fold(w, m, v2, None, self.buf, self.noise, NOISE_CHUNK, lr, wd, self.beta, bc1, bc2,
+        host_kernels.fold(w, m, v2, before, self.buf, self.noise, NOISE_CHUNK, lr, wd, self.beta, bc1, bc2,
                           hyper["eps"], self.first, self.moments, values=(a, b), acc=self.acc)
         self.lr = lr
 
@@ -135,7 +157,7 @@ class FoldJob:
         wd = float(hyper["weight_decay"] or 0.0) if self.decoupled else 0.0
         host_kernels.adam_fold(p, g, m, v, adam, commit, coefs, self.buf, self.noise, NOISE_CHUNK, hyper["lr"], wd,
                                self.beta, bc1, bc2, hyper["eps"], self.first, self.moments, end, self.acc,
-                               read_noise=self.read_noise)
+                               read_noise=self.read_noise, displacement=self.displacement)
         self.lr = hyper["lr"]
 
     def add_to(self, row: torch.Tensor, numel: int) -> bool:

@@ -43,6 +43,8 @@ struct Args {
   at::BFloat16* v16;
   int8_t* v8;
   float* scale;
+  int64_t before_off = 0;   // the value ``before`` starts at (a snapshot of a range only: step_fusion's chunks)
+  bool before_block = false;   // ``before`` is each block's own copy, made just before its update (adam_fold)
   const std::vector<const float*>* noise;
   const std::vector<int64_t>* noise_off;   // per chunk: its offset in the noise table, or -1 (read ``noise``)
   int64_t n, chunk;
@@ -191,32 +193,37 @@ inline float quantize(const float* x, const float* u, int8_t* out) {
   return sc;
 }
 
+// A block's weights as they were before its update, copied by adam_fold's ``pre`` on the thread
+// that folds the block next (A.before_block): the step's exact displacement, from L1.
+alignas(64) thread_local float tl_before[kBlock];
+
 template <int VD, bool FROM_STATE, bool DECAY, bool FIRST>
 void fold_block(const Args& A, int64_t b, Sums& s) {
   const int64_t i0 = b * kBlock, len = std::min(kBlock, A.n - i0);
+  const float* before = A.before_block ? tl_before : A.before ? A.before + (i0 - A.before_off) : nullptr;
   const float v_scale = VD == 2 ? A.scale[b] : 0.0f;
   float x[kBlock];
   const void* vin = VD == 0 ? static_cast<const void*>(A.v32 + i0)
                   : VD == 1 ? static_cast<const void*>(A.v16 + i0) : static_cast<const void*>(A.v8 + i0);
   if (len == kBlock) {
     fold_values<VD, FROM_STATE, DECAY, FIRST>(A, A.w + i0, A.m ? A.m + i0 : nullptr, A.v2 ? A.v2 + i0 : nullptr,
-                                              A.before ? A.before + i0 : nullptr, vin, v_scale, x, s);
+                                              before, vin, v_scale, x, s);
   } else {   // the partition's short last block: zero-padded copies
-    float w[kBlock] = {0}, m[kBlock] = {0}, v2[kBlock] = {0}, before[kBlock] = {0}, v32[kBlock] = {0};
+    float w[kBlock] = {0}, m[kBlock] = {0}, v2[kBlock] = {0}, before_pad[kBlock] = {0}, v32[kBlock] = {0};
     at::BFloat16 v16[kBlock];
     int8_t v8[kBlock] = {0};
     for (int64_t j = 0; j < kBlock; ++j) v16[j] = at::BFloat16(0.0f);
     std::memcpy(w, A.w + i0, len * sizeof(float));
     if (A.m) std::memcpy(m, A.m + i0, len * sizeof(float));
     if (A.v2) std::memcpy(v2, A.v2 + i0, len * sizeof(float));
-    if (A.before) std::memcpy(before, A.before + i0, len * sizeof(float));
+    if (before) std::memcpy(before_pad, before, len * sizeof(float));
     if (VD == 0) std::memcpy(v32, A.v32 + i0, len * sizeof(float));
     if (VD == 1) std::memcpy(v16, A.v16 + i0, len * sizeof(at::BFloat16));
     if (VD == 2) std::memcpy(v8, A.v8 + i0, kBlock);   // (the int8 buffer is allocated in whole blocks)
     const void* pin = VD == 0 ? static_cast<const void*>(v32) : VD == 1 ? static_cast<const void*>(v16)
                                                                          : static_cast<const void*>(v8);
-    fold_values<VD, FROM_STATE, DECAY, FIRST>(A, w, A.m ? m : nullptr, A.v2 ? v2 : nullptr, before, pin, v_scale,
-                                              x, s);
+    fold_values<VD, FROM_STATE, DECAY, FIRST>(A, w, A.m ? m : nullptr, A.v2 ? v2 : nullptr, before_pad, pin,
+                                              v_scale, x, s);
     for (int64_t j = len; j < kBlock; ++j) x[j] = 0.0f;   // as the torch path's zero padding
   }
   if (VD == 0) {
@@ -269,18 +276,24 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
                               torch::Tensor vdata, torch::Tensor vscale, std::vector<torch::Tensor> noise,
                               std::vector<int64_t> noise_off, int64_t vdtype, int64_t chunk, double lr, double wd, double beta, double bc1,
                               double bc2, double eps, bool from_state, bool first, bool moments, int64_t b0,
-                              int64_t b1, torch::Tensor acc, const PreBlock* pre) {
+                              int64_t b1, torch::Tensor acc, const PreBlock* pre, bool before_block = false) {
   const int64_t n = w.numel();
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32, "host_fold: masters must be contiguous fp32");
   TORCH_CHECK(chunk % kBlock == 0, "host_fold: the chunk must be a multiple of the block");
-  for (const auto* t : {&m, &v2, &before}) {
+  for (const auto* t : {&m, &v2}) {
     TORCH_CHECK(t->numel() == 0 || (t->numel() == n && t->is_contiguous() && t->scalar_type() == torch::kFloat32),
-                "host_fold: Adam moments and the snapshot must be contiguous fp32 like the masters");
+                "host_fold: Adam moments must be contiguous fp32 like the masters");
   }
-  TORCH_CHECK(from_state ? (m.numel() == n && v2.numel() == n) : before.numel() == n,
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (b1 < 0) b1 = blocks;
+  // The snapshot: of the whole partition, or of the folded range only (its values from b0's first)
+  const int64_t range = std::min(n, b1 * kBlock) - std::min(n, b0 * kBlock);
+  TORCH_CHECK(before.numel() == 0 || ((before.numel() == n || before.numel() == range) && before.is_contiguous() &&
+                                      before.scalar_type() == torch::kFloat32),
+              "host_fold: the snapshot must be contiguous fp32, of the partition or of the folded range");
+  TORCH_CHECK(from_state ? (m.numel() == n && v2.numel() == n) : (before_block || before.numel() > 0),
               "host_fold: from_state needs the moments, else the snapshot");
   TORCH_CHECK(vdtype >= 0 && vdtype <= 2, "host_fold: velocity dtype code must be 0, 1 or 2");
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
   if (vdtype == 2) {
     TORCH_CHECK(vscale.numel() >= blocks && vdata.numel() >= blocks * kBlock, "host_fold: int8 buffer too small");
     TORCH_CHECK(static_cast<int64_t>(noise.size()) == (n + chunk - 1) / chunk, "host_fold: one noise tensor per chunk");
@@ -303,6 +316,8 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
   A.m = ptr_or_null(m);
   A.v2 = ptr_or_null(v2);
   A.before = ptr_or_null(before);
+  A.before_off = before.numel() == n ? 0 : b0 * kBlock;
+  A.before_block = before_block;
   A.v32 = vdtype == 0 ? vdata.data_ptr<float>() : nullptr;
   A.v16 = vdtype == 1 ? vdata.data_ptr<at::BFloat16>() : nullptr;
   A.v8 = vdtype == 2 ? vdata.data_ptr<int8_t>() : nullptr;
@@ -325,7 +340,6 @@ std::vector<double> fold_core(torch::Tensor w, torch::Tensor m, torch::Tensor v2
   const bool decay = from_state && wd != 0.0;
   const BlocksFn run = vdtype == 0 ? pick<0>(from_state, decay, first)
                        : vdtype == 1 ? pick<1>(from_state, decay, first) : pick<2>(from_state, decay, first);
-  if (b1 < 0) b1 = blocks;
   TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= blocks && b0 % kGroup == 0 && (b1 % kGroup == 0 || b1 == blocks),
               "host_fold: the block range must lie in the partition and start and end on a group boundary");
   TORCH_CHECK(acc.is_contiguous() && acc.scalar_type() == torch::kFloat64 && acc.numel() == 6,
@@ -566,6 +580,9 @@ void held_adam(torch::Tensor x, torch::Tensor m, torch::Tensor v, double lr, dou
 // the step, as step_fusion.AdamScalars mirrors them. The range covers whole groups only, a multiple
 // of every SIMD width: DeepSpeed's scalar tail, at a partition's end, stays with DeepSpeed.
 // The commit: ``cdata`` / ``cscale`` (dtype code ``cdtype``) with ``coefs`` in order, as shift().
+// ``displacement``: the fold takes the block's own move, its weights copied (after the commit, in L1)
+// just before the update, as fold() from a snapshot; else it rebuilds the update from the moments
+// as fold() from the state does (three divisions and a square root a value more).
 // ---------------------------------------------------------------------------------------------
 
 struct AdamScalars {
@@ -603,7 +620,7 @@ std::vector<double> adam_fold(torch::Tensor p, torch::Tensor g, torch::Tensor m,
                               std::vector<torch::Tensor> noise, std::vector<int64_t> noise_off, int64_t vdtype,
                               int64_t chunk, double lr, double wd,
                               double beta, double bc1, double bc2, double eps, bool first, bool moments,
-                              int64_t b1, torch::Tensor acc) {
+                              int64_t b1, torch::Tensor acc, bool displacement) {
   const int64_t n = p.numel();
   for (const auto* t : {&p, &g, &m, &v}) {
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == torch::kFloat32 &&
@@ -633,12 +650,13 @@ std::vector<double> adam_fold(torch::Tensor p, torch::Tensor g, torch::Tensor m,
       else if (cdtype == 1) shift_blocks<float, 1>(P, cp, cs, cf, n, b, b + 1, nullptr);
       else shift_blocks<float, 2>(P, cp, cs, cf, n, b, b + 1, nullptr);
     }
+    if (displacement) std::memcpy(tl_before, P + i0, sizeof tl_before);   // (after the commit: the step's own move)
     if (l2 != 0.0f) adam_block<true, false>(P + i0, G + i0, M + i0, V + i0, S);
     else if (w_decay != 0.0f) adam_block<false, true>(P + i0, G + i0, M + i0, V + i0, S);
     else adam_block<false, false>(P + i0, G + i0, M + i0, V + i0, S);
   };
   return fold_core(p, m, v, torch::empty({0}, p.options()), vdata, vscale, noise, noise_off, vdtype, chunk, lr, wd,
-                   beta, bc1, bc2, eps, true, first, moments, 0, b1, acc, &pre);
+                   beta, bc1, bc2, eps, !displacement, first, moments, 0, b1, acc, &pre, displacement);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

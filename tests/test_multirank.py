@@ -141,11 +141,12 @@ def test_fold_in_step_keeps_the_ranks_together_and_equals_the_inline_fold(tmp_pa
     """memory.fold_in_step, 2 ranks, ZeRO 2 under offload with the device path: each rank folds its
     partition, and commits kept runs into it, inside its CPU Adam step; through the skipped NaN
     steps (a taken commit added without a step) and rank 1's rejected run, both ranks take the
-    same steps, and the same as the inline fold and commit, bit for bit."""
+    same steps, and the same as the inline fold (from a snapshot of the masters before the step: the
+    displacement the fold in the step keeps block by block) and commit, bit for bit."""
     runs = {}
-    for in_step in ("true", "false"):
+    for in_step, source in (("true", "auto"), ("false", "snapshot")):
         runs[in_step] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults",
-                                                          "--offload-predict", "device", "--fold-source", "auto",
+                                                          "--offload-predict", "device", "--fold-source", source,
                                                           "--fold-in-step", in_step], 2, _made(tmp_path / in_step))
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped")
     records = {tuple(tuple(s[c] for c in cols) for s in rep["record"]) for ranks in runs.values() for rep in ranks}

@@ -21,11 +21,13 @@ SMALL_CHUNK = 16384   # several chunks per test partition (a multiple of the fol
 
 def _cfg(stage: str, in_step, check: str = "next_step", velocity: str = "int8", bf16: bool = False,
          **changes) -> dict:
+    """``in_step`` False: the reference, its fold a pass after the step from a snapshot of the
+    masters before it (the displacement the fold inside the step keeps block by block)."""
     mem = {"velocity_dtype": velocity, "fold_in_step": in_step, "fold_overlap": False, "fold_during_run": False,
            "commit_overlap": False, "host_kernels": "cpp"}
     extra = dict(check="forward", verify_every=1, min_predict_steps=3, max_predict_steps=3) if check == "forward" else {}
-    return ds_config(offload_opt="cpu", bf16=bf16, hybrid=_hybrid("device", fold="auto", memory=mem, **extra,
-                                                                  **changes), **STAGES[stage])
+    return ds_config(offload_opt="cpu", bf16=bf16, hybrid=_hybrid("device", fold="auto" if in_step else "snapshot",
+                                                                  memory=mem, **extra, **changes), **STAGES[stage])
 
 
 def _pair(stage: str, check: str = "next_step", bf16: bool = False, **changes):
@@ -60,7 +62,9 @@ def test_adam_step_with_commit_and_fold_inside_is_ds_step_and_the_passes_bit_for
     """DeepSpeed's CPU Adam over two param groups (other betas and decay each, so its C++ state
     takes both its pow and its multiply paths), five steps, partitions with odd tails: with a
     commit and a fold inside the step (one pass, or DeepSpeed's op in chunks) the weights, moments,
-    velocity and sums are those of the commit, DeepSpeed's own step and the fold as passes."""
+    velocity and sums are those of the commit, DeepSpeed's own step and the fold as passes, the fold
+    from a snapshot of the weights before the step (the step's displacement, which the one pass
+    keeps block by block in L1)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_hybrid.quant import CompactBuffer
     sizes = (3 * host_kernels.FOLD_GROUP + 1001, 777)
@@ -93,13 +97,14 @@ def test_adam_step_with_commit_and_fold_inside_is_ds_step_and_the_passes_bit_for
             else:
                 for job in jobs:
                     job.commit_rest()
+                before = [p.data.clone() for p in ps]   # (the snapshot the fold in the step does without)
                 opt.step()
-                for job, p in zip(jobs, ps):
+                for job, p, w0 in zip(jobs, ps, before):
                     g = opt.param_groups[job.index]
                     st = opt.state[p]
                     job.fold.run(p.data, st["exp_avg"], st["exp_avg_sq"], 0, p.numel(), dict(
                         step=st["step"], lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                        weight_decay=g["weight_decay"], bias_correction=g["bias_correction"]))
+                        weight_decay=g["weight_decay"], bias_correction=g["bias_correction"]), before=w0)
             sums.append([job.fold.acc.clone() for job in jobs])
         if fused_run:
             assert fused.passes["one_pass" if one_pass else "chunked"] == 10
@@ -241,13 +246,14 @@ def test_fold_in_step_refuses_what_it_cannot_do():
 def _fused_against_inline(copy_velocity: bool) -> None:
     """bf16 weights, ZeRO 2, the device-side drift path checked by the next real step, its memory
     settings left to auto: the fold and commit run inside DeepSpeed's CPU Adam step, no host
-    thread runs, and the losses, weights, masters and velocity are those of the inline fold and
-    commit after every real step. (Against the inline fold, not the fold behind the step: that
+    thread runs, and the losses, weights, masters and velocity are those of the inline fold (from
+    a snapshot of the masters before the step) and commit after every real step. (Against the inline fold, not the fold behind the step: that
     one gives the predictor its statistics a real step later, so its runs take other step sizes.)
     ``copy_velocity``: a velocity copy beside the shards where they share its device, as beside a GPU."""
     apart = {"fold_in_step": False, "fold_during_run": False, "commit_overlap": False, "fold_overlap": False}
     inline, fused = (make_engine(ds_config(offload_opt="cpu", bf16=True, stage=2, hybrid=_hybrid(
-        "device", fold="auto", memory={"velocity_dtype": "int8", **m})), seed=0) for m in (apart, {}))
+        "device", fold=fold, memory={"velocity_dtype": "int8", **m})), seed=0)
+        for m, fold in ((apart, "snapshot"), ({}, "auto")))
     st = fused.statistics()
     assert st["fold_in_step"] is True and st["fold_overlap"] is False and st["commit_overlap"] is False
     assert inline.statistics()["fold_in_step"] is False
@@ -290,8 +296,9 @@ def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):
     out = tmp_path / "f.json"
     result = bench.main(["--values", "70000", "--repeat", "1", "--chunks", "14", "--json", str(out)])
     arms = [r["arm"] for r in json.loads(out.read_text())["rows"]]
-    assert len(arms) == 8 and arms[0] == "DeepSpeed CPU Adam step" and "one pass" in arms[3]
-    assert arms[5] == "+ fold inside the step, one pass, int8 noise read"
+    assert len(arms) == 9 and arms[0] == "DeepSpeed CPU Adam step" and "one pass" in arms[3]
+    assert arms[5] == "+ fold inside the step, one pass, its update read back from the moments"
+    assert arms[6] == "+ fold inside the step, one pass, int8 noise read"
     assert all(r["ms"] > 0 for r in result["rows"]) and result["rows"][0]["over_cpu_adam"] == 1.0
     with pytest.raises(SystemExit, match="--chunks"):
         bench.main(["--values", "70000", "--chunks", "10"])
@@ -299,5 +306,7 @@ def test_the_benchmark_runs_small_and_writes_its_table(tmp_path):
     result = bench.main(["--values", "70000", "--repeat", "1", "--chunks", "14", "--velocity", "int8", "bf16",
                          "--no-moments"])
     arms = [r["arm"] for r in result["rows"]]
-    assert len(arms) == 10 and arms[-2:] == ["+ fold, a pass after the step, bf16 velocity",
-                                             "+ fold inside the step, one pass, bf16 velocity"]
+    assert len(arms) == 12 and arms[-3:] == ["+ fold, a pass after the step, bf16 velocity",
+                                             "+ fold inside the step, one pass, bf16 velocity",
+                                             "+ fold inside the step, one pass, bf16 velocity, its update read back "
+                                             "from the moments"]
