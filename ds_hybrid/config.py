@@ -245,8 +245,8 @@ class MemoryConfig(_Section):
     partition): ``fp32`` 4 bytes, ``bf16`` 2, ``int8`` 1 (+ one fp32 scale per 256 values,
     stochastic rounding; see ``ds_hybrid/quant.py``). Under ZeRO-Offload a real step folds its
     update into it in host memory, and int8's rounding is that fold's dearest part: inside
-    DeepSpeed's CPU Adam step (``fold_in_step``) the pass took 2.58x DeepSpeed's step alone with
-    int8, 1.54x with bf16 and 1.37x with fp32 (a 2-core CPU, ``benchmarks/fold_in_step.py
+    DeepSpeed's CPU Adam step (``fold_in_step``) the pass took 2.12x DeepSpeed's step alone with
+    int8, 1.45x with bf16 and 1.46x with fp32 (a 2-core CPU, 2026-11-29, ``benchmarks/fold_in_step.py
     --velocity``; beside a GPU owed)."""
 
     park_optimizer_states: bool = False
@@ -395,10 +395,11 @@ class MemoryConfig(_Section):
     optimizer-state fold source or the C++ kernels, and with ``fold_overlap``,
     ``fold_during_run`` or ``commit_overlap`` set true. ``auto``: on where it can be and none of
     those is set true (then ``fold_overlap``'s ``auto`` is off). Measured: on DeepSpeed's CPU
-    accelerator the one pass takes 2.59x DeepSpeed's step alone where the step and the fold after
-    it take 2.90x (2^26 values, ``benchmarks/fold_in_step.py``); beside an H200 with llama-1b
-    (2026-11-27, ``gpu_run.sh grad1b``) the hybrid's real steps took 1044 ms against 1172 ms with
-    the fold behind the step (plain ZeRO-Offload 847 ms)."""
+    accelerator the one pass takes 2.21x DeepSpeed's step alone where the step and the fold after
+    it take 3.30x, and the one pass rebuilding the update from the moments (its way until
+    2026-11-29) 2.95x (2^26 values, ``benchmarks/fold_in_step.py``); beside an H200 with
+    llama-1b (2026-11-27, ``gpu_run.sh grad1b``, the update rebuilt) the hybrid's real steps took
+    1044 ms against 1172 ms with the fold behind the step (plain ZeRO-Offload 847 ms)."""
 
     free_velocity_copy: bool = False
     """With the device-side drift path (``offload_predict``) and the 16-bit shards on a GPU: free
