@@ -57,8 +57,8 @@
 #            cap by its measured peak and the planner's count (its record's gradient_recompute says which);
 #            drift-int8-device-next, the fold during the run, and drift-int8-device, verified each
 #            step: 2026-11-26 17:50), GRAD1B_ACCUM=8 runs the 1b-16gb preset's own accumulation (a plain step then holds 8
-#            forwards and backwards beside its CPU Adam step, about 3.6 s: GRAD1B_STEPS=16 RUN_SECONDS=180 keep
-#            three variants in one call), GRAD1B_STEPS the steps of each run (24)
+#            forwards and backwards beside its CPU Adam step, about 3.6 s: GRAD1B_STEPS=16 RUN_SECONDS=150 keep
+#            three or four variants in one call), GRAD1B_STEPS the steps of each run (24)
 #                                                            -> OUT/offload-gpu-1b-grad.json
 #   prof1b   the same layout, 16 steps, plain against the drift device path's fused real step (PROF1B_VARIANTS picks
 #            others) with torch.profiler over steps 9-16 (ds-hybrid train --op-profile): per phase, each operator's
