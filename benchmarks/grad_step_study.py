@@ -53,7 +53,10 @@ of its batch (at least one; the engine's ``predictor.gradient_batch_fraction``, 
 takes the first micro-batches): the step still consumes its whole batch from the stream, as the engine's does. On a
 GPU under ZeRO-Offload with gradient accumulation such a step costs about ``F`` of the real step's forwards and
 backwards (the ``1b-16gb`` preset's 8 micro-batches a step: ``F = 1/8`` is one of them), for a noisier gradient;
-what that costs in step worth at a larger batch is what this measures.
+what that costs in step worth at a larger batch is what this measures. Beside it, each such run keeps the engine's
+estimate of the gradient noise scale (``ds_hybrid.noise_scale``: each share step's squared gradient norm paired with
+the real step's before it) and the worth it projects for a share step, ``(1 + x) / (1 + x / F)`` with
+``x = B_noise / batch``: whether the engine can tell from norms it already has what its share steps are worth.
 
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
 update), as a 2-bytes-a-value copy would.
@@ -86,7 +89,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from direction_study import add_flat, fold_velocity, schedule, setup  # noqa: E402
 from ds_hybrid.data import val_batches  # noqa: E402
-from ds_hybrid.grad_predict import batch_share  # noqa: E402
+from ds_hybrid.grad_predict import batch_samples, batch_share  # noqa: E402
+from ds_hybrid.noise_scale import NoiseScale  # noqa: E402
 from ds_hybrid.models import block_list, build_model  # noqa: E402
 
 MODES = ("skip", "drift", "rms", "adam-local", "adam-carry")
@@ -187,10 +191,14 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     embedding = model.get_input_embeddings().weight
 
     clip_coef = [1.0]   # the last real step's clipping factor
+    # The gradient noise scale from the share steps' norms and the real steps' (the engine's estimator,
+    # ds_hybrid.noise_scale): the worth it projects for a share step, beside the worth measured here
+    noise, taken_norm = NoiseScale(), [None, 0]
 
     def gradient(fraction: float = 1.0) -> float:
         # (a whole batch from the stream whatever share of it the step takes; the engine's rule cuts it)
         (batch_in,) = batch_share([next(stream)], fraction)
+        taken_norm[:] = [None, batch_samples([batch_in])]
         with autocast():
             loss = model(**batch_in).loss
         opt.zero_grad(set_to_none=True)
@@ -204,6 +212,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
             if not cut[0]:
                 clip_coef[0] = min(1.0, CLIP / (norm + 1e-6))
+                taken_norm[0] = norm
         return float(loss.detach())
 
     prev = vel = None
@@ -249,6 +258,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                     p.add_(unit_before[i], alpha=last_lr)
                     try:
                         gradient(gradient_fraction)
+                        if taken_norm[0] is not None and not stale:
+                            noise.observe(taken_norm[0] ** 2, taken_norm[1], False, t + j)
                     finally:
                         cut[0] = False
                         if stale:
@@ -293,6 +304,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         for g in opt.param_groups:
             g["lr"] = lr_at(t)
         gradient()
+        if taken_norm[0] is not None:
+            noise.observe(taken_norm[0] ** 2, taken_norm[1], True, t)
         if window is not None:
             before = [p.detach().clone() for p in params]
             if opt.state[params[0]]:
@@ -323,6 +336,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "window": window, "window_cover": window_cover if window is not None else None,
             "gradient_fraction": gradient_fraction if mode in GRADIENT_MODES else 1.0,
             "val_loss": val,
+            "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
             "train_seconds": seconds}
 
 
@@ -354,8 +368,9 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
             curves.setdefault(r["seed"], []).append((r["steps"], r["val_loss"]))
     plain_full = {r["seed"]: r["val_loss"] for r in rows if r["mode"] == "plain" and r["steps"] == args.steps}
     lines = ["| schedule (real : Predict) | mode | Predict share | val loss (mean ± sd) | gap to plain, all real | "
-             "plain steps it is worth | step worth (mean ± sd) | cost c for break-even | cost c for 0.6x |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "plain steps it is worth | step worth (mean ± sd) | worth the noise scale projects | "
+             "cost c for break-even | cost c for 0.6x |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     summary = []
     for F, H in args.schedules:
         for mode in args.modes:
@@ -381,6 +396,13 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
             for key in ("plain_steps_worth", "step_worth", "cost_for_0.6x"):
                 xs = [r[key] for r in per_seed]
                 agg[key], agg[key + "_sd"] = _mean_sd(xs) if xs else (None, None)
+            # the worth the gradient noise scale projects for a share step (each run's estimate over all its pairs)
+            xs = [r["noise_scale"]["run_share_worth"] for r in rs
+                  if (r.get("noise_scale") or {}).get("run_share_worth") is not None]
+            agg["projected_worth"], agg["projected_worth_sd"] = _mean_sd(xs) if xs else (None, None)
+            xs = [r["noise_scale"]["run_b_noise_samples"] for r in rs
+                  if (r.get("noise_scale") or {}).get("run_b_noise_samples") is not None]
+            agg["b_noise"], agg["b_noise_sd"] = _mean_sd(xs) if xs else (None, None)
             summary.append(agg)
             cell = lambda k, f: "-" if agg[k] is None else f"{agg[k]:{f}} ± {agg[k + '_sd']:{f}}"  # noqa: E731
             bound = (f" ({len(agg['bounds'])} of {len(rs)} outside the plain curve: "
@@ -388,6 +410,9 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
             lines.append(f"| {F} : {H} | {mode} | {agg['predicted_share']:.0%} | {val:.4f} ± {val_sd:.4f} | "
                          + ("-" if agg["gap_to_plain_full"] is None else f"{agg['gap_to_plain_full']:+.4f}")
                          + f" | {cell('plain_steps_worth', '.0f')}{bound} | {cell('step_worth', '.2f')} | "
+                         + (f"{cell('projected_worth', '.2f')} (B_noise {agg['b_noise']:.1f})"
+                            if agg["projected_worth"] is not None and agg["b_noise"] is not None
+                            else cell("projected_worth", ".2f")) + " | "
                          + ("-" if agg["step_worth"] is None else f"below {agg['step_worth']:.2f}")
                          + " | " + ("-" if agg["cost_for_0.6x"] is None else
                                     ("unreachable" if agg["cost_for_0.6x"] <= 0 else

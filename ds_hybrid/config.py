@@ -114,7 +114,10 @@ class PredictorConfig(_Section):
     schedule and the counters move as a real step's), so below 1 a Predict step costs about
     that share of a real step's forward and backward for a noisier gradient: what pays where
     a real step's forward and backward are dear too (gradient accumulation under
-    ZeRO-Offload, or any run on a CPU)."""
+    ZeRO-Offload, or any run on a CPU). What such a step is worth depends on the gradient
+    noise scale against the batch; the run measures it from norms it already has and reports
+    the worth it projects beside the step's cost (``statistics()["gradient_noise_scale"]``,
+    ``noise_scale.py``)."""
 
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """``direction: gradient`` with a model under activation checkpointing (transformers'

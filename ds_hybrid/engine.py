@@ -50,9 +50,10 @@ from .dist_env import ensure_distributed_env, release_cpu_allreduce_segment
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
 from .fold_overlap import BackgroundFold
-from .grad_predict import GradientPredict
+from .grad_predict import GradientPredict, batch_samples
 from .grad_recompute import Recompute, checkpointing_off
 from .judgement import DelayedJudgement
+from .noise_scale import NoiseScale
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
 from .shard_fold import ShardFold
@@ -243,6 +244,9 @@ class PredictiveEngine(DeepSpeedEngine):
         self._step_jobs: list | None = None      # ... the jobs the last optimizer step was armed with
         self._free_velocity_copy = False   # memory.free_velocity_copy: the velocity's GPU copy only during a run
         self._gradient: GradientPredict | None = None   # predictor.direction: gradient
+        # ... the gradient noise scale from its share steps' norms and the real steps': what a step from
+        # predictor.gradient_batch_fraction of the batch is worth (statistics: gradient_noise_scale)
+        self._noise = NoiseScale()
         if not self.hybrid_config.enabled:
             return
         if not za.is_adam_family(self):
@@ -486,6 +490,15 @@ class PredictiveEngine(DeepSpeedEngine):
                 out["gradient_share_wait_seconds"] = dict(self._gradient.share_wait_seconds)
                 # predictor.gradient_checkpointing: steps whose backward recomputed the checkpointed blocks, and why
                 out["gradient_recompute"] = self._gradient.recompute.statistics()
+                # What a Predict step from its share of the batch is worth in real steps (noise_scale.py),
+                # and what it cost: its mean time over a Full step's
+                noise = self._noise.summary()
+                full, pred = out["mean_step_seconds"].get(Phase.FULL.value), out["mean_step_seconds"].get(
+                    Phase.PREDICT.value)
+                noise["share_step_cost"] = pred / full if pred and full else None
+                noise["worth_per_cost"] = (noise["share_worth"] / noise["share_step_cost"]
+                                           if noise["share_worth"] is not None and noise["share_step_cost"] else None)
+                out["gradient_noise_scale"] = noise
             out["confidence"] = self.predictor.confidence()
             out["step_scale"] = self.predictor.step_scale()
             out["predictor"] = self.hybrid_config.predictor.type
@@ -664,6 +677,10 @@ class PredictiveEngine(DeepSpeedEngine):
         groups = shared[:-3].view(groups.shape)
         difficulty = float(shared[-3] / shared[-2]) if shared[-2] > 0 else None
         grad_norm = float(shared[-1]) / self._world() if float(shared[-1]) >= 0 else None
+        if self._gradient is not None and grad_norm is not None and not predicted:
+            samples = batch_samples(batches)   # (a whole step's gradient: every micro-batch, every rank)
+            if samples:
+                self._noise.observe(grad_norm * grad_norm, samples * self._world(), True, int(self.global_steps))
         with self._timed_predictor():
             predicted_loss = self.predictor.predict_loss(self.global_steps, difficulty)[0]
         label = Phase.PARTIAL if predicted else phase
@@ -813,6 +830,8 @@ class PredictiveEngine(DeepSpeedEngine):
         if gradient is not None:
             with self._guard.off():   # (its gradient is judged here, not by the next real step's skip)
                 took = gradient.take(self, batches, loss_fn, timed=self._timed)
+            if took and gradient.last_samples:
+                self._noise.observe(gradient.last_sq, gradient.last_samples, False, int(self.global_steps))
 
         @torch.no_grad()
         def predicted_update() -> None:

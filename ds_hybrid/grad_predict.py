@@ -90,6 +90,13 @@ def batch_share(batches: list, fraction: float) -> list:
     return [_cut(batches[0], size, keep)] if keep < size else batches
 
 
+def batch_samples(batches: list) -> int | None:
+    """The sequences in a step's micro-batches (their first dimensions' sum; None where one holds
+    no tensor to count by)."""
+    sizes = [_first_dim(b) for b in batches]
+    return sum(sizes) if sizes and None not in sizes else None
+
+
 def _first_dim(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
@@ -176,6 +183,10 @@ class GradientPredict(WorkerOwner):
         self._next: tuple | None = None
         self.prefetched = [0, 0]   # runs that began from a prefetch's copies; prefetches dropped as stale
         self.last_loss: float | None = None   # the last private forward's loss, mean over micro-batches and ranks
+        # the last taken gradient's squared norm (before clipping) and the sequences it came from, all
+        # ranks together: what the gradient noise scale is estimated from (noise_scale.py)
+        self.last_sq: float | None = None
+        self.last_samples: int | None = None
         # predictor.gradient_checkpointing (the engine sets it): whether the private backward recomputes
         # the model's checkpointed blocks (grad_recompute.Recompute)
         self.recompute = None
@@ -222,6 +233,8 @@ class GradientPredict(WorkerOwner):
             if laid is not None:   # (each rank holds its own share of the gradient)
                 self._all_reduce(sq)
             norm = float(sq.sqrt())   # the same on every rank: the gradient was all-reduced
+        samples = batch_samples(batches)
+        self.last_sq, self.last_samples = norm * norm, samples * self._world if samples else None
         if not math.isfinite(norm):
             self.nonfinite += 1
             self.access.release_gathered()   # (no apply follows to do it)

@@ -255,6 +255,11 @@ def test_a_gradient_from_part_of_the_batch_keeps_the_ranks_together_on_zero_3(tm
     st = ranks[0]["statistics"]
     assert st["gradient_nonfinite_steps"] == 1 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
     assert len({rep["weights_sha256"] for rep in ranks}) == 1
+    # the gradient noise scale from norms every rank shares (its step cost is each rank's own timing)
+    noise = [{k: v for k, v in rep["statistics"]["gradient_noise_scale"].items()
+              if k not in ("share_step_cost", "worth_per_cost")} for rep in ranks]
+    assert noise[0] == noise[1] and noise[0]["pairs"] > 0
+    assert (noise[0]["share_samples"], noise[0]["batch_samples"]) == (4 * 2, 4 * 2 * 2)   # (MICRO, 2 ranks, gas 2)
 
 
 @pytest.mark.slow
