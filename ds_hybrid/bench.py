@@ -97,7 +97,7 @@ def _with(base: dict, **changes: Any) -> dict:
 # budget's final loss before its end, 3-9% sooner than that budget on cpu-small
 # (benchmarks/predict_sweep.py's `plain` variant), and without them the hybrid's ratio was
 # flattered by 0.05 (docs/predicted-steps.md).
-_PLAIN_BUDGETS = (0.75, 0.875, 1.0, 1.25, 1.5)
+_PLAIN_BUDGETS = (0.75, 0.875, 1.0, 1.25, 1.5, 2.0)   # (2.0: only where a suite lists it)
 _HYBRID_BUDGETS = (1.0, 1.25, 1.5)
 
 ARMS: dict[str, Arm] = {a.name: a for a in [
@@ -113,6 +113,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("predict-gradient-half", "the same, each Predict step's gradient from half of its batch "
         "(`predictor.gradient_batch_fraction: 0.5`: half a real step's forward and backward)",
         _with(_GRADIENT, predictor__gradient_batch_fraction=0.5), budgets=_HYBRID_BUDGETS),
+    # A quarter of the batch, 7 after every real step: grad_step_study's best worth per cost (at its
+    # batch 64, 1 : 7, each worth 0.48 +- 0.02 of a real step). Its real steps are 1 in 8, so it may
+    # reach plain's final loss only past plain's budget: it runs up to twice that.
+    Arm("predict-gradient-quarter", "each Predict step's gradient from a quarter of its batch "
+        "(`predictor.gradient_batch_fraction: 0.25`), 7 after every real step from step 50",
+        _with(_GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=7, max_predict_steps=7),
+        budgets=(1.0, 1.5, 2.0)),
     Arm("groups", "layer-group Predict chosen by the planner (`group_predict`), no whole-model runs", _GROUPS,
         budgets=(1.0,)),
     Arm("groups-pinned", "the lower 2 of 4 layer groups predicted on 3 of every 4 Full steps",
@@ -663,8 +670,9 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
                 engine._gradient = None
                 gradient.discard()   # (each timed step begins its run: the moment's copy included)
         kinds["predict_gradient"] = lambda: predict_gradient(1.0)
-        # ... from half of its batch (the predict-gradient-half arm's)
+        # ... from half and a quarter of its batch (the predict-gradient-half and -quarter arms')
         kinds["predict_gradient_f0.5"] = lambda: predict_gradient(0.5)
+        kinds["predict_gradient_f0.25"] = lambda: predict_gradient(0.25)
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for fn in kinds.values():

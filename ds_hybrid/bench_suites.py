@@ -61,6 +61,8 @@ SUITES: dict[str, Suite] = {
         model="gpt2-tiny", config="tiny-cpu", steps=300, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
         arms=("baseline", "predict", "predict-gradient", "zenflow"), launcher="deepspeed",
+        # (2.0: the predict-gradient-quarter arm's longest run, and plain DeepSpeed's and ZenFlow's beside it)
+        budgets=(0.75, 0.875, 1.0, 1.25, 1.5, 2.0),
         overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
     # ZeRO-Infinity's layout on the host: ZeRO 3 with the optimizer and the 16-bit parameters in CPU
     # memory (the 7b-24gb preset's), where the gradient Predict step lays each parameter's gradient

@@ -259,6 +259,14 @@ def test_arm_configs():
                                                       "pinned": 2, "step_scale": 0.0}
     cfg, plain = bench.arm_config(base, bench.ARMS["zenflow"], quick=False)
     assert plain and "zenflow" in cfg["zero_optimization"]
+    # A quarter of the batch, 7 Predict steps a real one; it and the offload suite's plain arms run up to 2x
+    cfg, plain = bench.arm_config(base, bench.ARMS["predict-gradient-quarter"], quick=False)
+    hp = cfg["hybrid_predict"]
+    assert not plain and hp["predictor"] == {"direction": "gradient", "gradient_batch_fraction": 0.25}
+    assert (hp["full_steps"], hp["min_predict_steps"], hp["max_predict_steps"]) == (1, 7, 7)
+    assert 2.0 in bench.SUITES["offload"].budgets and 2.0 not in bench.SUITES["cpu-small"].budgets
+    assert {a: 2.0 in bench.ARMS[a].budgets for a in ("baseline", "zenflow", "predict-gradient-quarter", "predict")} \
+        == {"baseline": True, "zenflow": True, "predict-gradient-quarter": True, "predict": False}
     # Every arm's section parses.
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench.ARMS.values():
