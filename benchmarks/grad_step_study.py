@@ -58,6 +58,9 @@ estimate of the gradient noise scale (``ds_hybrid.noise_scale``: each share step
 the real step's before it) and the worth it projects for a share step, ``(1 + x) / (1 + x / F)`` with
 ``x = B_noise / batch``: whether the engine can tell from norms it already has what its share steps are worth.
 
+``--gradient-lr-scale S`` gives each gradient Predict step ``S`` times the schedule's LR (its decay scaled with
+it; the engine's ``predictor.gradient_lr_scale``): whether a noisier share step pays more at a lower rate.
+
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
 update), as a 2-bytes-a-value copy would.
 
@@ -115,7 +118,8 @@ def run_key(row: dict) -> tuple:
         return ("plain", row["seed"], row["steps"])
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
             row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"),
-            row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0))
+            row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0),
+            row.get("gradient_lr_scale", 1.0))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -129,7 +133,7 @@ def job_key(args: tuple, kw: dict) -> tuple:
             kw.get("lower", "still") if top is not None else None,
             kw.get("cut_clip", "own") if top is not None else None,
             window, kw.get("window_cover", "none") if window is not None else None,
-            kw.get("gradient_fraction", 1.0))
+            kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0))
 
 
 def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
@@ -173,12 +177,13 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           state_dtype: str = "fp32", weights: str = "fp32", batch: int = 16, model_name: str = "gpt2-tiny",
           seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95,
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
-          window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0) -> dict:
+          window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0,
+          gradient_lr_scale: float = 1.0) -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
-    real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``: see the module
-    docstring."""
+    real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``,
+    ``gradient_lr_scale``: see the module docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -245,7 +250,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             for j in range(H):
                 if t + j >= steps:
                     break
-                step_lr = lr_at(t + j)
+                step_lr = lr_at(t + j) * (gradient_lr_scale if mode in GRADIENT_MODES else 1.0)
                 if mode in GRADIENT_MODES:
                     cut[0] = top_blocks is not None
                     stale = behind and j < window
@@ -335,6 +340,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "cut_clip": cut_clip if top_blocks is not None else None,
             "window": window, "window_cover": window_cover if window is not None else None,
             "gradient_fraction": gradient_fraction if mode in GRADIENT_MODES else 1.0,
+            "gradient_lr_scale": gradient_lr_scale if mode in GRADIENT_MODES else 1.0,
             "val_loss": val,
             "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
             "train_seconds": seconds}
@@ -427,7 +433,8 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
                       "lr": args.lr, "start": args.start, "state_dtype": args.state_dtype, "weights": args.weights,
                       "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                       "window": args.window, "window_cover": args.window_cover,
-                      "gradient_fraction": args.gradient_fraction, "device": args.device,
+                      "gradient_fraction": args.gradient_fraction,
+                      "gradient_lr_scale": args.gradient_lr_scale, "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
             "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
             "plain_markdown": "\n".join(plain_lines)}
@@ -477,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gradient-fraction", type=float, default=1.0, metavar="F",
                    help="gradient Predict steps take their gradient from the first round(F x --batch) sequences of "
                         "their batch (0 < F <= 1)")
+    p.add_argument("--gradient-lr-scale", type=float, default=1.0, metavar="S",
+                   help="gradient Predict steps take S times the schedule's LR (and its weight decay)")
     p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -502,6 +511,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--gradient-fraction: above 0 and at most 1 (got {args.gradient_fraction})")
     if args.gradient_fraction < 1.0 and not set(args.modes) <= set(GRADIENT_MODES):
         p.error(f"--gradient-fraction: the Predict steps must take a gradient, --modes among "
+                f"{', '.join(GRADIENT_MODES)} (got {' '.join(args.modes)})")
+    if args.gradient_lr_scale <= 0.0:
+        p.error(f"--gradient-lr-scale: above 0 (got {args.gradient_lr_scale})")
+    if args.gradient_lr_scale != 1.0 and not set(args.modes) <= set(GRADIENT_MODES):
+        p.error(f"--gradient-lr-scale: the Predict steps must take a gradient, --modes among "
                 f"{', '.join(GRADIENT_MODES)} (got {' '.join(args.modes)})")
     if args.window is None and args.window_cover != "none":
         p.error("--window-cover says what the steps in the CPU window see: give --window too")
@@ -541,7 +555,8 @@ def main(argv: list[str] | None = None) -> dict:
                     {**shape, "state_dtype": args.state_dtype, "weights": args.weights,
                      "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                      "window": args.window, "window_cover": args.window_cover,
-                     "gradient_fraction": args.gradient_fraction})
+                     "gradient_fraction": args.gradient_fraction,
+                     "gradient_lr_scale": args.gradient_lr_scale})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

@@ -119,6 +119,16 @@ class PredictorConfig(_Section):
     the worth it projects beside the step's cost (``statistics()["gradient_noise_scale"]``,
     ``noise_scale.py``)."""
 
+    gradient_lr_scale: float = Field(1.0, gt=0.0)
+    """``direction: gradient``: the share of the schedule's learning rate (and of AdamW's decay,
+    which scales with it) a Predict step takes; real steps take the whole. A gradient from a
+    small share of the batch (``gradient_batch_fraction``) is noisy, and a lower rate can pay:
+    measured in ``benchmarks/grad_step_study.py`` (3 seeds a setting, 7 Predict steps a real
+    one), 0.7 took an eighth of a 64-sequence batch from 0.26 to 0.31 of a real step's worth,
+    a quarter of 16 from 0.42 to 0.45, but a quarter of 64 and a half of 16 lost 0.02-0.05,
+    and Adam's square-root rule (the fraction's square root) gained nowhere (docs/memory.md,
+    "A share step's learning rate"). So the default is the schedule's rate."""
+
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """``direction: gradient`` with a model under activation checkpointing (transformers'
     ``gradient_checkpointing``): whether a Predict step's own backward recomputes each
@@ -638,6 +648,11 @@ class HybridPredictConfig(_Section):
             raise ValueError(f"predictor.gradient_batch_fraction ({self.predictor.gradient_batch_fraction}) is the "
                              "share of a batch a gradient Predict step takes its gradient from; predictor.direction "
                              f"{self.predictor.direction!r} takes none (set direction 'gradient' or leave it at 1)")
+        elif self.predictor.gradient_lr_scale != 1.0:
+            raise ValueError(f"predictor.gradient_lr_scale ({self.predictor.gradient_lr_scale}) is the share of the "
+                             "learning rate a gradient Predict step takes; predictor.direction "
+                             f"{self.predictor.direction!r} takes no gradient (set direction 'gradient' or leave it "
+                             "at 1)")
         if self.memory.park_optimizer_states and self.predictor.direction in ("adam", "gradient"):
             raise ValueError(f"memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
                              f"with direction {self.predictor.direction!r} read the moments it would move off "

@@ -1683,11 +1683,13 @@ class PredictiveEngine(DeepSpeedEngine):
             if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
                                                       and shard.dtype == torch.bfloat16):
                 dtype = torch.bfloat16
+        pred = self.hybrid_config.predictor
         try:
             return GradientPredict(self._masters, self.gradient_clipping(), self._all_reduce_in_place, self._world(),
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
                                    seed=self.hybrid_config.dynamics.seed,
-                                   batch_fraction=self.hybrid_config.predictor.gradient_batch_fraction)
+                                   batch_fraction=pred.gradient_batch_fraction,
+                                   lr_scale=pred.gradient_lr_scale)
         except NotImplementedError as err:
             raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None

@@ -132,9 +132,11 @@ class GradientPredict(WorkerOwner):
 
     def __init__(self, access: MasterAccess, clip: float, all_reduce: Callable[[torch.Tensor], None], world: int,
                  on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 seed: int = 0, batch_fraction: float = 1.0):
+                 seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0):
         self.access = access
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
+        # predictor.gradient_lr_scale resolved: the share of the schedule's LR (and decay) a step takes
+        self.lr_scale = lr_scale
         self.clip = float(clip or 0.0)   # the ds_config's gradient_clipping, as DeepSpeed applies it
         self._all_reduce, self._world = all_reduce, world
         self.on_device = on_device
@@ -515,7 +517,8 @@ class GradientPredict(WorkerOwner):
         parameters see it (the host path's propagate, the device path's all-gather). Collective."""
         if not self.on_device:
             from .zero_access import apply_predicted_update
-            apply_predicted_update(self.access, 1.0, backend=self.backend, first_moments=self.m)
+            apply_predicted_update(self.access, 1.0, backend=self.backend, first_moments=self.m,
+                                   lr_scale=self.lr_scale)
             self.access.propagate()
             return
         for i, part in enumerate(self.access.partitions()):
@@ -523,7 +526,8 @@ class GradientPredict(WorkerOwner):
                 continue
             g = part.group
             beta1, beta2 = g.get("betas", (0.9, 0.999))
-            self._held_adam(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
+            self._held_adam(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]) * self.lr_scale,
+                            beta1=beta1, beta2=beta2,
                             eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
                             bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
         self.access.gather_device_shards()

@@ -25,6 +25,8 @@ README = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     ({"predictor": {"type": "lstm"}}, "hybrid_predict.predictor.type"),
     ({"predictor": {"step_scale": 0}}, "hybrid_predict.predictor.step_scale"),
     ({"min_predict_steps": 5, "max_predict_steps": 2}, "min_predict_steps"),
+    ({"predictor": {"direction": "gradient", "gradient_lr_scale": 0}}, "hybrid_predict.predictor.gradient_lr_scale"),
+    ({"predictor": {"gradient_lr_scale": 0.5}}, "predictor.gradient_lr_scale"),
 ])
 def test_bad_section_names_the_key(section, key):
     with pytest.raises(ConfigError) as err:

@@ -42,15 +42,18 @@ def _moments(engine, key: str) -> list[torch.Tensor]:
     return [p.state[key].detach().clone() for p in engine._masters.partitions()]
 
 
-@pytest.mark.parametrize("gas, fraction, used", [(1, 1.0, None), (2, 0.5, "first micro-batch"),
-                                                 (1, 0.5, "first half of the sequences"),
-                                                 (4, 0.6, "first 2 micro-batches")])
-def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_moment_held(gas, fraction, used):
+@pytest.mark.parametrize("gas, fraction, used, scale", [(1, 1.0, None, 1.0), (2, 0.5, "first micro-batch", 1.0),
+                                                        (1, 0.5, "first half of the sequences", 1.0),
+                                                        (4, 0.6, "first 2 micro-batches", 1.0),
+                                                        (2, 0.5, "first micro-batch", 0.7),
+                                                        (1, 1.0, None, 0.3)])
+def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_moment_held(gas, fraction, used, scale):
     """ZeRO 0 fp32, where the masters are the parameters: one gradient Predict step, computed by
     hand from the step's batch (clipped as DeepSpeed clips; with ``gradient_batch_fraction`` from
-    the share of it that says), the optimizer's first moment, its second moment and step count
-    untouched."""
-    hybrid = dict(GRAD, predictor={"direction": "gradient", "gradient_batch_fraction": fraction})
+    the share of it that says, at ``gradient_lr_scale``'s share of the LR and decay), the
+    optimizer's first moment, its second moment and step count untouched."""
+    hybrid = dict(GRAD, predictor={"direction": "gradient", "gradient_batch_fraction": fraction,
+                                   "gradient_lr_scale": scale})
     engine = _engine(SETUPS["z0"], hybrid, gas=gas)
     batches = Batches()
     _until(engine, batches, Phase.PREDICT, gas=gas)
@@ -72,6 +75,7 @@ def test_a_predict_step_is_adams_step_with_its_own_gradient_and_the_second_momen
     coef = max((norm + 1e-6) / 1.0, 1.0)   # ds_config gradient_clipping 1.0
     beta1, beta2 = group["betas"]
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    lr *= scale
     r = engine.train_step(batch)
     assert r.phase == "predict" and r.backward_ran and r.loss == pytest.approx(float(loss), rel=1e-6)
     assert engine.micro_steps == gas * engine.global_steps, "the step stands for its whole batch"
@@ -306,6 +310,25 @@ def test_device_path_matches_the_host_path_bit_for_bit(stage, gas, offload_param
     assert phases.count("predict") >= 6 and st["predict_accepted"] == host.statistics()["predict_accepted"] >= 4
     assert "snapshot" not in st["bookkeeping_seconds"] and "snapshot" in host.statistics()["bookkeeping_seconds"]
     assert st["snapshot_bytes"] == 0
+
+
+@pytest.mark.parametrize("stage, offload_param", [(2, None), (3, "cpu")])
+def test_a_share_of_the_learning_rate_is_taken_alike_on_both_paths(stage, offload_param):
+    """``predictor.gradient_lr_scale`` 0.5: the device path's step (on ZeRO 3 with ``offload_param:
+    cpu`` the host kernel's) takes half the LR and decay as the host path's fused update does,
+    bit for bit, and the weights are not those of the whole LR."""
+    half = dict(predictor={"direction": "gradient", "gradient_lr_scale": 0.5})
+    host, dev = _paths(stage, offload_param=offload_param, **half)
+    (whole,) = _paths(stage, offload_param=offload_param)[:1]
+    bh, bd, bw = Batches(seed=3), Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(14):
+        rh, rd, rw = host.train_step(bh.step()), dev.train_step(bd.step()), whole.train_step(bw.step())
+        assert (rh.phase, rh.loss) == (rd.phase, rd.loss)
+        assert _equal(full_params(host), full_params(dev))
+        phases.append(rd.phase)
+    assert phases.count("predict") >= 4 and dev._gradient.lr_scale == 0.5
+    assert not _equal(full_params(host), full_params(whole))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

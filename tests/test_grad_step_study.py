@@ -239,6 +239,33 @@ def test_a_predict_step_from_a_share_of_its_batch_takes_its_first_sequences_and_
     assert study.run_key(runs[0.5]) != study.run_key(runs[1.0])
 
 
+def test_a_share_of_the_lr_moves_a_predict_step_that_share_of_adams_step(study, monkeypatch):
+    """``--gradient-lr-scale``: a gradient Predict step moves each weight by that share of Adam's step and its
+    decay; real steps take the whole LR. 30 real steps, then one Predict step at step 30, the last: against the
+    ``skip`` run (the weights before that step), half the LR moves the weights half as far as the whole."""
+    final = {}
+    real_setup = study.setup
+
+    def setup(*a, **k):
+        out = real_setup(*a, **k)
+        final["params"] = out[1]
+        return out
+
+    monkeypatch.setattr(study, "setup", setup)
+    runs, weights = {}, {}
+    for mode, scale in (("skip", 1.0), ("adam-carry", 1.0), ("adam-carry", 0.5)):
+        runs[mode, scale] = study.train(1, 2e-3, 31, mode, 30, 1, start=30, gradient_lr_scale=scale, **SHAPE)
+        weights[mode, scale] = torch.cat([p.detach().flatten() for p in final["params"]])
+    before = weights["skip", 1.0]
+    whole, half = weights["adam-carry", 1.0] - before, weights["adam-carry", 0.5] - before
+    assert float(whole.abs().max()) > 1e-4
+    torch.testing.assert_close(half, 0.5 * whole, rtol=1e-3, atol=1e-6)   # (fp32 rounding of w - w0)
+    assert runs["adam-carry", 0.5]["gradient_lr_scale"] == 0.5 and runs["skip", 1.0]["gradient_lr_scale"] == 1.0
+    assert study.run_key(runs["adam-carry", 0.5]) == study.job_key((1, 2e-3, 31, "adam-carry", 30, 1, 30),
+                                                                   dict(gradient_lr_scale=0.5))
+    assert study.run_key(runs["adam-carry", 0.5]) != study.run_key(runs["adam-carry", 1.0])
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--window-cover", "last"], "give --window too"),
     (["--window", "-1"], "--window: 0 or more"),
@@ -246,6 +273,8 @@ def test_a_predict_step_from_a_share_of_its_batch_takes_its_first_sequences_and_
     (["--window", "2", "--top-blocks", "2"], "--window and --top-blocks"),
     (["--gradient-fraction", "0"], "--gradient-fraction: above 0"),
     (["--gradient-fraction", "0.5", "--modes", "skip", "adam-carry"], "--gradient-fraction: the Predict steps must"),
+    (["--gradient-lr-scale", "0"], "--gradient-lr-scale: above 0"),
+    (["--gradient-lr-scale", "0.7", "--modes", "drift"], "--gradient-lr-scale: the Predict steps must"),
 ])
 def test_a_setting_the_study_cannot_run_is_refused_before_any_run(study, capsys, argv, says):
     with pytest.raises(SystemExit):
