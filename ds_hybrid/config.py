@@ -126,8 +126,9 @@ class PredictorConfig(_Section):
     measured in ``benchmarks/grad_step_study.py`` (3 seeds a setting, 7 Predict steps a real
     one), 0.7 took an eighth of a 64-sequence batch from 0.26 to 0.31 of a real step's worth,
     a quarter of 16 from 0.42 to 0.45, but a quarter of 64 and a half of 16 lost 0.02-0.05,
-    and Adam's square-root rule (the fraction's square root) gained nowhere (docs/memory.md,
-    "A share step's learning rate"). So the default is the schedule's rate."""
+    and Adam's square-root rule (the fraction's square root) gained nothing beyond the seeds'
+    spread (docs/memory.md, "A share step's learning rate"). So the default is the schedule's
+    rate."""
 
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """``direction: gradient`` with a model under activation checkpointing (transformers'

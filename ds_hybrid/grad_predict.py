@@ -135,7 +135,7 @@ class GradientPredict(WorkerOwner):
                  seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0):
         self.access = access
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
-        # predictor.gradient_lr_scale resolved: the share of the schedule's LR (and decay) a step takes
+        # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
         self.clip = float(clip or 0.0)   # the ds_config's gradient_clipping, as DeepSpeed applies it
         self._all_reduce, self._world = all_reduce, world
