@@ -60,6 +60,8 @@ the real step's before it) and the worth it projects for a share step, ``(1 + x)
 
 ``--gradient-lr-scale S`` gives each gradient Predict step ``S`` times the schedule's LR (its decay scaled with
 it; the engine's ``predictor.gradient_lr_scale``): whether a noisier share step pays more at a lower rate.
+``--gradient-beta1 B`` decays the Predict steps' first moment by ``B`` instead of AdamW's 0.9 (the SDE scaling
+rule for Adam takes ``1 - F (1 - 0.9)`` at a share ``F``: a noisier gradient weighs less in the moment).
 
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
 update), as a 2-bytes-a-value copy would.
@@ -119,7 +121,7 @@ def run_key(row: dict) -> tuple:
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
             row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"),
             row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0),
-            row.get("gradient_lr_scale", 1.0))
+            row.get("gradient_lr_scale", 1.0), row.get("gradient_beta1"))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -133,7 +135,7 @@ def job_key(args: tuple, kw: dict) -> tuple:
             kw.get("lower", "still") if top is not None else None,
             kw.get("cut_clip", "own") if top is not None else None,
             window, kw.get("window_cover", "none") if window is not None else None,
-            kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0))
+            kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0), kw.get("gradient_beta1"))
 
 
 def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
@@ -178,12 +180,12 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95,
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
           window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0,
-          gradient_lr_scale: float = 1.0) -> dict:
+          gradient_lr_scale: float = 1.0, gradient_beta1: float | None = None) -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
     real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``,
-    ``gradient_lr_scale``: see the module docstring."""
+    ``gradient_lr_scale``, ``gradient_beta1``: see the module docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -284,7 +286,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                 d = p.grad
                             else:
                                 g = p.grad if p.grad is not None else torch.zeros_like(p)   # (--lower coast)
-                                m_loc[i] = m_loc[i].mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0]).to(held).float()
+                                beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1
+                                m_loc[i] = m_loc[i].mul_(beta1).add_(g, alpha=1 - beta1).to(held).float()
                                 d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
                             p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
                             if sixteen:
@@ -341,6 +344,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "window": window, "window_cover": window_cover if window is not None else None,
             "gradient_fraction": gradient_fraction if mode in GRADIENT_MODES else 1.0,
             "gradient_lr_scale": gradient_lr_scale if mode in GRADIENT_MODES else 1.0,
+            "gradient_beta1": gradient_beta1 if mode in ("adam-local", "adam-carry") else None,
             "val_loss": val,
             "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
             "train_seconds": seconds}
@@ -434,7 +438,8 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
                       "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                       "window": args.window, "window_cover": args.window_cover,
                       "gradient_fraction": args.gradient_fraction,
-                      "gradient_lr_scale": args.gradient_lr_scale, "device": args.device,
+                      "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
+                      "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
             "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
             "plain_markdown": "\n".join(plain_lines)}
@@ -486,6 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "their batch (0 < F <= 1)")
     p.add_argument("--gradient-lr-scale", type=float, default=1.0, metavar="S",
                    help="gradient Predict steps take S times the schedule's LR (and its weight decay)")
+    p.add_argument("--gradient-beta1", type=float, default=None, metavar="B",
+                   help="adam-local/adam-carry: the Predict steps' first moment decays by B (default: AdamW's 0.9)")
     p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -517,6 +524,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gradient_lr_scale != 1.0 and not set(args.modes) <= set(GRADIENT_MODES):
         p.error(f"--gradient-lr-scale: the Predict steps must take a gradient, --modes among "
                 f"{', '.join(GRADIENT_MODES)} (got {' '.join(args.modes)})")
+    if args.gradient_beta1 is not None:
+        if not 0.0 <= args.gradient_beta1 < 1.0:
+            p.error(f"--gradient-beta1: from 0 to below 1 (got {args.gradient_beta1})")
+        if not set(args.modes) <= {"adam-local", "adam-carry"}:
+            p.error(f"--gradient-beta1: the Predict steps must keep a first moment, --modes among adam-local, "
+                    f"adam-carry (got {' '.join(args.modes)})")
+        if args.window is not None:
+            p.error("--gradient-beta1 and --window: one at a time (the window rebases the moment by AdamW's beta1)")
     if args.window is None and args.window_cover != "none":
         p.error("--window-cover says what the steps in the CPU window see: give --window too")
     if args.window is not None:
@@ -556,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                      "window": args.window, "window_cover": args.window_cover,
                      "gradient_fraction": args.gradient_fraction,
-                     "gradient_lr_scale": args.gradient_lr_scale})
+                     "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

@@ -266,6 +266,18 @@ def test_a_share_of_the_lr_moves_a_predict_step_that_share_of_adams_step(study, 
     assert study.run_key(runs["adam-carry", 0.5]) != study.run_key(runs["adam-carry", 1.0])
 
 
+def test_the_predict_steps_first_moment_decays_by_its_own_beta1(study):
+    """``--gradient-beta1``: AdamW's 0.9 given is the default run bit for bit; another decay moves the weights
+    elsewhere and the runs are told apart."""
+    kw = dict(start=30, **SHAPE)
+    default = study.train(1, 2e-3, 36, "adam-carry", 1, 3, **kw)
+    same = study.train(1, 2e-3, 36, "adam-carry", 1, 3, gradient_beta1=0.9, **kw)
+    slow = study.train(1, 2e-3, 36, "adam-carry", 1, 3, gradient_beta1=0.99, **kw)
+    assert same["val_loss"] == default["val_loss"] and slow["val_loss"] != default["val_loss"]
+    assert slow["gradient_beta1"] == 0.99 and study.run_key(slow) != study.run_key(default)
+    assert study.run_key(slow) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30), dict(gradient_beta1=0.99))
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--window-cover", "last"], "give --window too"),
     (["--window", "-1"], "--window: 0 or more"),
@@ -275,6 +287,9 @@ def test_a_share_of_the_lr_moves_a_predict_step_that_share_of_adams_step(study, 
     (["--gradient-fraction", "0.5", "--modes", "skip", "adam-carry"], "--gradient-fraction: the Predict steps must"),
     (["--gradient-lr-scale", "0"], "--gradient-lr-scale: above 0"),
     (["--gradient-lr-scale", "0.7", "--modes", "drift"], "--gradient-lr-scale: the Predict steps must"),
+    (["--gradient-beta1", "1"], "--gradient-beta1: from 0 to below 1"),
+    (["--gradient-beta1", "0.99", "--modes", "rms"], "--gradient-beta1: the Predict steps must keep"),
+    (["--gradient-beta1", "0.99", "--modes", "adam-carry", "--window", "1"], "--gradient-beta1 and --window"),
 ])
 def test_a_setting_the_study_cannot_run_is_refused_before_any_run(study, capsys, argv, says):
     with pytest.raises(SystemExit):
