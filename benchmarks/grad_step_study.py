@@ -198,6 +198,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     embedding = model.get_input_embeddings().weight
 
     clip_coef = [1.0]   # the last real step's clipping factor
+    beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1   # the Predict steps' first-moment decay
     # The gradient noise scale from the share steps' norms and the real steps' (the engine's estimator,
     # ds_hybrid.noise_scale): the worth it projects for a share step, beside the worth measured here
     noise, taken_norm = NoiseScale(), [None, 0]
@@ -286,7 +287,6 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                 d = p.grad
                             else:
                                 g = p.grad if p.grad is not None else torch.zeros_like(p)   # (--lower coast)
-                                beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1
                                 m_loc[i] = m_loc[i].mul_(beta1).add_(g, alpha=1 - beta1).to(held).float()
                                 d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
                             p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
