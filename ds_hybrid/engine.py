@@ -1461,7 +1461,7 @@ class PredictiveEngine(DeepSpeedEngine):
                       planner=None if self._planner is None else self._planner.state_dict(),
                       difficulty=None if self._difficulty is None else self._difficulty.state_dict(),
                       judge=None if self._judge is None else self._judge.state_dict(),
-                      judge_stopped=self._judge_stopped,
+                      judge_stopped=self._judge_stopped, noise=self._noise.state_dict(),
                       device_predict=None if self._device_predict is None else self._device_predict.state_dict())
         return sd
 
@@ -1495,6 +1495,8 @@ class PredictiveEngine(DeepSpeedEngine):
         if self._judge is not None and sd.get("judge") is not None:
             self._judge.load_state_dict(sd["judge"])
         self._judge_stopped = bool(sd.get("judge_stopped", False))
+        if sd.get("noise") is not None:   # (checkpoints before it: the estimate starts over, as it did)
+            self._noise.load_state_dict(sd["noise"])
         self._saved_device_run = sd.get("device_predict")   # applied with the rank state (it needs the velocity)
 
     def rank_state_dict(self) -> dict:

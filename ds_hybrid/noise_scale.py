@@ -19,7 +19,7 @@ same on every rank (all-reduced norms), so the estimate is too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -111,6 +111,19 @@ class NoiseScale:
             return f
         x = b_noise / self.big
         return (1.0 + x) / (1.0 + x / f)
+
+    def state_dict(self) -> dict:
+        """Everything ``observe`` has gathered, so a resumed run's estimate goes on from the same
+        pairs (it travels in the engine's ``hybrid_state_dict``)."""
+        return {"decay": self.decay, "max_age": self.max_age, "big": self.big, "small": self.small,
+                "last": None if self._last is None else list(self._last), "true_sq": asdict(self._true_sq),
+                "trace": asdict(self._trace), "run": list(self._run), "real_observed": self.real_observed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.decay, self.max_age, self.big, self.small = sd["decay"], sd["max_age"], sd["big"], sd["small"]
+        self._last = None if sd["last"] is None else (float(sd["last"][0]), int(sd["last"][1]))
+        self._true_sq, self._trace = _Mean(**sd["true_sq"]), _Mean(**sd["trace"])
+        self._run, self.real_observed = [float(x) for x in sd["run"]], int(sd["real_observed"])
 
     def summary(self) -> dict:
         return {"b_noise_samples": self.b_noise(), "share_worth": self.share_worth(),

@@ -97,3 +97,43 @@ def test_the_engine_pairs_each_share_steps_norm_with_the_last_real_steps_deepspe
     assert st["pairs"] == len(share_norms) and st["batch_samples"] == 2 * MICRO and st["share_samples"] == MICRO
     assert 0.5 <= st["share_worth"] <= 1.0 and 0.5 <= st["run_share_worth"] <= 1.0
     assert st["share_step_cost"] > 0 and st["worth_per_cost"] == pytest.approx(st["share_worth"] / st["share_step_cost"])
+
+
+def test_a_resumed_run_goes_on_from_the_same_pairs(tmp_path):
+    """The estimate travels in the checkpoint: saved in the middle of a gradient run under
+    ZeRO-Offload and resumed in a fresh engine, the same steps give the same estimate, float for
+    float, as the run never interrupted (before, a resume started it over from no pairs)."""
+    hybrid = dict(EAGER, check="next_step", predictor={"direction": "gradient", "gradient_batch_fraction": 0.5})
+
+    def build():
+        return make_engine(ds_config(stage=2, offload_opt="cpu", gas=2, hybrid=hybrid))
+    keys = ("b_noise_samples", "share_worth", "run_b_noise_samples", "run_share_worth", "batch_samples",
+            "share_samples", "real_observed", "pairs")
+    engine, batches = build(), Batches()
+    for _ in range(10):
+        engine.train_step(batches.step(2))
+    assert engine._noise.pairs > 0
+    engine.save_checkpoint(tmp_path, "mid")
+    consumed = engine.global_steps
+    for _ in range(6):
+        engine.train_step(batches.step(2))
+    want = engine.statistics()["gradient_noise_scale"]
+    resumed, replay = build(), Batches()
+    resumed.load_checkpoint(tmp_path, "mid")
+    for _ in range(consumed):
+        replay.step(2)
+    for _ in range(6):
+        resumed.train_step(replay.step(2))
+    got = resumed.statistics()["gradient_noise_scale"]
+    assert want["pairs"] > 0 and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+
+
+def test_its_state_round_trips_and_observes_on_alike():
+    a = NoiseScale(decay=0.9, max_age=8)
+    for step, (sq, n, real) in enumerate([(1.0, 64, True), (2.0, 16, False), (1.8, 16, False), (0.9, 64, True)]):
+        a.observe(sq, n, real, step)
+    b = NoiseScale()
+    b.load_state_dict(a.state_dict())
+    for x in (a, b):
+        x.observe(1.7, 16, False, 4)
+    assert b.summary() == a.summary() and b.pairs == 3
