@@ -602,7 +602,10 @@ class HybridPredictConfig(_Section):
 
     log_to_monitor: bool = True
     """Write the per-step scalars through DeepSpeed's monitor (TensorBoard / CSV / W&B
-    sections of the ds_config) when it is enabled."""
+    sections of the ds_config) when it is enabled: ``Hybrid/phase``, ``confidence``,
+    ``step_time_s``, ``backward_skipped_pct``, ``loss``, ``predicted_loss``, and with
+    ``predictor.direction: gradient`` ``share_worth`` and ``gradient_noise_scale`` (the
+    noise-scale estimate of what a share step is worth, and ``B_noise`` in sequences)."""
 
     kernels: Literal["auto", "cupy", "torch"] = "auto"
     """Where the predictor's hot paths run (fused predicted update, the device path's drift step

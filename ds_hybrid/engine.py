@@ -1878,6 +1878,12 @@ class PredictiveEngine(DeepSpeedEngine):
                 events.append(("Hybrid/loss", r.loss, self.global_samples))
             if r.predicted_loss is not None and math.isfinite(r.predicted_loss):
                 events.append(("Hybrid/predicted_loss", r.predicted_loss, self.global_samples))
+            # direction: gradient: what a share step is worth in real steps by the noise scale, once a pair
+            # gave one (noise_scale.py), so a run's plot says whether its share steps pay as it goes
+            for name, value in (("share_worth", self._noise.share_worth()),
+                                ("gradient_noise_scale", self._noise.b_noise())):
+                if value is not None:
+                    events.append((f"Hybrid/{name}", value, self.global_samples))
             self.monitor.write_events(events)
 
 

@@ -137,3 +137,21 @@ def test_its_state_round_trips_and_observes_on_alike():
     for x in (a, b):
         x.observe(1.7, 16, False, 4)
     assert b.summary() == a.summary() and b.pairs == 3
+
+
+def test_the_estimate_reaches_deepspeeds_monitor(tmp_path):
+    """With a monitor on, each step after the first pair writes the projected worth and B_noise
+    (the CSV monitor here): the last row is the run's figure at its last step."""
+    hybrid = dict(EAGER, check="next_step", predictor={"direction": "gradient", "gradient_batch_fraction": 0.5})
+    cfg = ds_config(stage=2, offload_opt="cpu", gas=2, hybrid=hybrid,
+                    csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"})
+    engine, batches = make_engine(cfg), Batches()
+    for _ in range(12):
+        engine.train_step(batches.step(2))
+    files = {p.name: p for p in tmp_path.rglob("*.csv")}
+    rows = {name: files[f"Hybrid_{name}.csv"].read_text().strip().splitlines()[1:]
+            for name in ("share_worth", "gradient_noise_scale")}
+    assert engine._noise.pairs > 0 and rows["share_worth"]
+    assert float(rows["share_worth"][-1].split(",")[1]) == pytest.approx(engine._noise.share_worth())
+    assert float(rows["gradient_noise_scale"][-1].split(",")[1]) == pytest.approx(engine._noise.b_noise())
+    assert int(rows["share_worth"][-1].split(",")[0]) == engine.global_samples
