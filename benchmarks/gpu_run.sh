@@ -87,7 +87,8 @@
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
 #            wall_clock_breakdown. About 25 min of runs: it stops itself after OFFBENCH_SECONDS
 #            (560) or what is left of the call (CALL_SECONDS, 570, less a minute for its tar) and resumes
-#            (--reuse) when called again on the same warm machine; in a later session, unpack
+#            (--reuse) when called again on the same warm machine (OFFBENCH_ARMS, e.g. "predict-gradient-quarter-15
+#            zenflow", runs those systems and plain ZeRO-Offload only); in a later session, unpack
 #            offload-gpu-runs.tgz into runs/bench here and name runs/bench/offload-gpu in the call's carry
 #                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz
 #   train7b llama-7b on the 7b-24gb-z2 preset (ZeRO 2, optimizer in CPU memory, bf16 weights on the
@@ -251,8 +252,9 @@ for stage in "$@"; do
       launcher=python; command -v numactl >/dev/null && launcher=deepspeed
       echo "launcher: $launcher"
       # (what is left of the call, less a minute for the tar: after `ops` in the same call too)
+      # (OFFBENCH_ARMS: the suite's systems this call runs, plain DeepSpeed always among them)
       timeout -k 20 "$(smaller "${OFFBENCH_SECONDS:-560}" "$(left 60)")" $DSH bench --suite offload-gpu --launcher "$launcher" \
-        --out runs/bench/offload-gpu --reuse > "$OUT/offbench.log" 2>&1
+        ${OFFBENCH_ARMS:+--arms $OFFBENCH_ARMS} --out runs/bench/offload-gpu --reuse > "$OUT/offbench.log" 2>&1
       rc=$?; tail -5 "$OUT/offbench.log"
       pkill -f "ds_hybrid.train" 2>/dev/null; pkill -f "deepspeed.launcher" 2>/dev/null  # a run cut off by the timeout
       tar czf "$OUT/offload-gpu-runs.tgz" --exclude="*.pt" -C runs/bench offload-gpu

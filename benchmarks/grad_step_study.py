@@ -75,6 +75,13 @@ the hybrid reaches its loss in ``(n_real + c x n_predict) / n_eq`` of plain Adam
 ``adam-local`` it is the forward and backward over a plain ZeRO-Offload step (DeepSpeed's ``wall_clock_breakdown``
 in ``benchmarks/gpu_run.sh off1b``); for ``drift``, the drift kernel's pass.
 
+``--eval-every N`` (from step ``--eval-from``) records each run's validation loss along the way, and
+``--target-steps N`` then reads the goal's own question the way the bench's budget frontier does: the time each
+hybrid run takes to first reach plain AdamW's final loss after ``N`` steps, over plain's shortest time to it over
+all its runs, longer plain schedules included (a longer schedule can cross that loss before step ``N``). The
+hybrid's time is ``--real-cost r`` per real step and ``c`` per Predict step for each ``--predict-cost c``, in plain
+steps: arithmetic on GPU timers, not a measurement of time.
+
     .venv/bin/python benchmarks/grad_step_study.py --json docs/results/grad-step-study.json   # ~35 min on 2 cores
     .venv/bin/python benchmarks/grad_step_study.py --seeds 1 --schedules 1:3 --modes rms skip --json /tmp/g.json
 
@@ -180,12 +187,13 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           seq_len: int = 128, device: str = "cpu", bf16: bool = False, drift_beta: float = 0.95,
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
           window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0,
-          gradient_lr_scale: float = 1.0, gradient_beta1: float | None = None) -> dict:
+          gradient_lr_scale: float = 1.0, gradient_beta1: float | None = None, eval_every: int | None = None,
+          eval_from: int = 0) -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
     real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``,
-    ``gradient_lr_scale``, ``gradient_beta1``: see the module docstring."""
+    ``gradient_lr_scale``, ``gradient_beta1``, ``eval_every``, ``eval_from``: see the module docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -196,6 +204,20 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     rounding = torch.Generator(device=device).manual_seed(seed)
     cut = cut_backward(model, top_blocks) if top_blocks is not None else [False]
     embedding = model.get_input_embeddings().weight
+
+    # --eval-every: the validation loss along the run (the final one's batches; no dropout, no generator
+    # touched, so the run is the same with or without it), with the steps of each kind taken so far
+    curve: list[dict] = []
+    eval_seconds = [0.0]
+
+    def evaluate(done: int, real_n: int, predicted_n: int) -> None:
+        if not eval_every or done < eval_from or done >= steps or done % eval_every:
+            return
+        t_eval = time.perf_counter()
+        with torch.no_grad(), autocast():
+            v = sum(float(model(**b).loss) for b in vb) / len(vb)
+        curve.append({"step": done, "real": real_n, "predicted": predicted_n, "val": v})
+        eval_seconds[0] += time.perf_counter() - t_eval
 
     clip_coef = [1.0]   # the last real step's clipping factor
     beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1   # the Predict steps' first-moment decay
@@ -295,6 +317,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                 p.copy_(w16[i].float())
                 predicted += 1
                 taken += 1
+                evaluate(t + j + 1, real, predicted)
             if mode == "adam-carry":
                 for i, (p, m) in enumerate(zip(params, m_loc)):
                     if behind:   # the run's gradients on top of the real step's m, not the m before it
@@ -331,9 +354,10 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             w = flat()
             vel, prev = fold_velocity(vel, w, prev, lr_at(t), drift_beta), w
         t, real, since = t + 1, real + 1, since + 1
+        evaluate(t, real, predicted)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - eval_seconds[0]
     with torch.no_grad(), autocast():
         val = sum(float(model(**b).loss) for b in vb) / len(vb)
     return {"seed": seed, "lr": lr, "steps": steps, "mode": mode or "plain", "F": F if mode else 0,
@@ -347,7 +371,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "gradient_beta1": gradient_beta1 if mode in ("adam-local", "adam-carry") else None,
             "val_loss": val,
             "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
-            "train_seconds": seconds}
+            "curve": curve if eval_every else None, "train_seconds": seconds}
 
 
 def steps_worth(val: float, curve: list[tuple[int, float]]) -> tuple[float | None, str]:
@@ -361,6 +385,90 @@ def steps_worth(val: float, curve: list[tuple[int, float]]) -> tuple[float | Non
         if min(v0, v1) <= val <= max(v0, v1):
             return (float(n0) if v0 == v1 else n0 + (n1 - n0) * (v0 - val) / (v0 - v1)), ""
     return None, "above"
+
+
+def first_reach(points: list[tuple[float, float, float]], target: float) -> tuple[float, float] | None:
+    """Where a run's validation loss first reaches ``target``: ``points`` are (step, cost, val) in step order
+    (its curve, then its final loss). The step and the cost there, linear between the point before and the
+    first at or below the target (the first point itself where it is the first); None where none is."""
+    before = None
+    for step, cost, val in points:
+        if val <= target:
+            if before is None or before[2] == val:
+                return step, cost
+            w = (before[2] - target) / (before[2] - val)
+            return before[0] + w * (step - before[0]), before[1] + w * (cost - before[1])
+        before = (step, cost, val)
+    return None
+
+
+def run_points(row: dict, real_cost: float = 1.0, predict_cost: float = 0.0) -> list[tuple[float, float, float]]:
+    """(step, cost, val) along a run: its curve (``--eval-every``; none for a run without one) and its final
+    loss, a real step costing ``real_cost`` and a Predict step ``predict_cost``, in plain steps."""
+    pts = [(p["step"], p["real"] * real_cost + p["predicted"] * predict_cost, p["val"])
+           for p in row.get("curve") or []]
+    pts.append((row["steps"], row["real_steps"] * real_cost + row["predicted_steps"] * predict_cost,
+                row["val_loss"]))
+    return pts
+
+
+def time_to_target(rows: list[dict], args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """``--target-steps N``: per (schedule, mode), the time each seed's hybrid run takes to reach plain AdamW's
+    final loss after N steps, over plain's own shortest time to it: the bench's budget-frontier rule, where
+    every run of a system counts (plain's longer schedules too: one may cross that loss before step N) and a
+    run's time to a loss is where its curve first reaches it. Plain's time is in its steps; the hybrid's is
+    ``real_cost x`` its real steps plus ``c x`` its Predict steps at that point, for each ``--predict-cost c``
+    (arithmetic on timers measured elsewhere, as the worth columns' costs are)."""
+    target_of = {r["seed"]: r["val_loss"] for r in rows if r["mode"] == "plain" and r["steps"] == args.target_steps}
+    costs = args.predict_cost or []
+    out, lines = [], []
+    if not target_of:
+        return out, lines
+    plain_time = {}
+    for seed, target in target_of.items():
+        reached = [first_reach(run_points(r), target) for r in rows if r["mode"] == "plain" and r["seed"] == seed]
+        plain_time[seed] = min((x[1] for x in reached if x is not None), default=None)
+    lines = [f"| schedule (real : Predict) | mode | seeds reaching plain's final loss at {args.target_steps} steps | "
+             "plain steps to it (its shortest over its runs) | hybrid steps to it (real / Predict) | "
+             + " | ".join(f"time over plain's (c = {c:g}, r = {args.real_cost:g})" for c in costs) + " |",
+             "|---|---|---|---|---|" + "---|" * len(costs)]
+    for F, H in args.schedules:
+        for mode in args.modes:
+            rs = [r for r in rows if r["mode"] == mode and (r["F"], r["H"]) == (F, H) and r["seed"] in target_of]
+            if not rs:
+                continue
+            per_seed = []
+            for r in rs:
+                target = target_of[r["seed"]]
+                at = first_reach(run_points(r, 1.0, 0.0), target)   # (step, real steps)
+                rec = {"seed": r["seed"], "target": target, "plain_steps": plain_time[r["seed"]],
+                       "plain_runs_curved": sum(1 for q in rows if q["mode"] == "plain" and q["seed"] == r["seed"]
+                                                and q.get("curve")),
+                       "curved": bool(r.get("curve")), "step": None, "real": None, "predicted": None, "ratio": {}}
+                if at is not None:
+                    step, real = at
+                    rec.update(step=step, real=real, predicted=step - real)
+                    for c in costs:
+                        _, cost = first_reach(run_points(r, args.real_cost, c), target)
+                        rec["ratio"][f"{c:g}"] = cost / plain_time[r["seed"]]
+                per_seed.append(rec)
+            hit = [x for x in per_seed if x["step"] is not None]
+            agg = {"F": F, "H": H, "mode": mode, "target_steps": args.target_steps, "real_cost": args.real_cost,
+                   "seeds": per_seed, "reached": len(hit), "runs": len(per_seed)}
+            plain_ms = _mean_sd([x["plain_steps"] for x in per_seed if x["plain_steps"] is not None] or [float("nan")])
+            cells = [f"{F} : {H}", mode, f"{len(hit)} of {len(per_seed)}", f"{plain_ms[0]:.0f} ± {plain_ms[1]:.0f}"]
+            if hit:
+                re_, pr_ = _mean_sd([x["real"] for x in hit]), _mean_sd([x["predicted"] for x in hit])
+                cells.append(f"{re_[0]:.0f} ± {re_[1]:.0f} / {pr_[0]:.0f} ± {pr_[1]:.0f}")
+                for c in costs:
+                    m, sd = _mean_sd([x["ratio"][f"{c:g}"] for x in hit])
+                    agg[f"ratio_c{c:g}"], agg[f"ratio_c{c:g}_sd"] = m, sd
+                    cells.append(f"{m:.2f} ± {sd:.2f}x" + ("" if len(hit) == len(per_seed) else " (seeds reaching it)"))
+            else:
+                cells += ["not reached"] + ["-"] * len(costs)
+            out.append(agg)
+            lines.append("| " + " | ".join(cells) + " |")
+    return out, lines
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -431,6 +539,7 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
     for n in sorted({r["steps"] for r in rows if r["mode"] == "plain"}):
         v, sd = _mean_sd([r["val_loss"] for r in rows if r["mode"] == "plain" and r["steps"] == n])
         plain_lines.append(f"| {n} | {v:.4f} ± {sd:.4f} |")
+    frontier, frontier_lines = time_to_target(rows, args) if args.target_steps else ([], [])
     return {"command": "benchmarks/grad_step_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds, 1), "complete": complete,
             "setup": {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "steps": args.steps,
@@ -440,9 +549,12 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
                       "gradient_fraction": args.gradient_fraction,
                       "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
                       "device": args.device,
-                      "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads},
+                      "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads,
+                      "eval_every": args.eval_every, "eval_from": args.eval_from, "target_steps": args.target_steps,
+                      "real_cost": args.real_cost, "predict_cost": args.predict_cost},
             "rows": rows, "summary": summary, "table_markdown": "\n".join(lines),
-            "plain_markdown": "\n".join(plain_lines)}
+            "plain_markdown": "\n".join(plain_lines),
+            "time_to_target": frontier, "time_to_target_markdown": "\n".join(frontier_lines)}
 
 
 def _init(threads: int) -> None:
@@ -493,6 +605,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="gradient Predict steps take S times the schedule's LR (and its weight decay)")
     p.add_argument("--gradient-beta1", type=float, default=None, metavar="B",
                    help="adam-local/adam-carry: the Predict steps' first moment decays by B (default: AdamW's 0.9)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="the runs this invocation trains (not those taken from --reuse) record their validation "
+                        "loss every N steps (from --eval-from on)")
+    p.add_argument("--eval-from", type=int, default=0, metavar="S", help="with --eval-every, the first step to record")
+    p.add_argument("--target-steps", type=int, default=None, metavar="N",
+                   help="report each hybrid's time to plain AdamW's final loss after N steps (a plain run of N "
+                        "steps must be among the runs) over plain's shortest time to it over all its runs")
+    p.add_argument("--predict-cost", type=float, nargs="+", default=None, metavar="C",
+                   help="with --target-steps, a Predict step's cost in plain steps (one column each)")
+    p.add_argument("--real-cost", type=float, default=1.0, metavar="R",
+                   help="with --target-steps, a hybrid real step's cost in plain steps")
     p.add_argument("--model", default="gpt2-tiny", help="a name from ds_hybrid.models (vocabulary 256)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -549,7 +672,19 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"{e} (--model {args.model})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here")
-    shape = dict(batch=args.batch, model_name=args.model, seq_len=args.seq_len, device=args.device, bf16=args.bf16)
+    if args.eval_every is not None and args.eval_every < 1:
+        p.error(f"--eval-every: at least 1 step (got {args.eval_every})")
+    if args.eval_from and args.eval_every is None:
+        p.error("--eval-from says where the curve starts: give --eval-every too")
+    if (args.predict_cost or args.real_cost != 1.0) and args.target_steps is None:
+        p.error("--predict-cost and --real-cost price the time to a target: give --target-steps too")
+    if args.predict_cost and min(args.predict_cost) < 0 or args.real_cost <= 0:
+        p.error(f"--predict-cost: 0 or more, --real-cost: above 0 (got {args.predict_cost}, {args.real_cost})")
+    if args.target_steps is not None and not any(round(f * args.steps) == args.target_steps for f in args.plain_steps):
+        p.error(f"--target-steps {args.target_steps}: no plain run of that length among --plain-steps "
+                f"{' '.join(map(str, args.plain_steps))} (fractions of --steps {args.steps})")
+    shape = dict(batch=args.batch, model_name=args.model, seq_len=args.seq_len, device=args.device, bf16=args.bf16,
+                 eval_every=args.eval_every, eval_from=args.eval_from)
     lengths = sorted({real_steps(args.steps, F, H, args.start) for F, H in args.schedules}
                      | {round(f * args.steps) for f in args.plain_steps})
     want = {"model": args.model, "batch": f"{args.batch} x {args.seq_len}", "lr": args.lr, "bf16": args.bf16,
@@ -603,6 +738,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = report(args, argv, rows, time.time() - t0, complete=True)
     print(result["plain_markdown"])
     print(result["table_markdown"])
+    if result["time_to_target_markdown"]:
+        print(result["time_to_target_markdown"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

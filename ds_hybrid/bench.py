@@ -120,6 +120,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         "(`predictor.gradient_batch_fraction: 0.25`), 7 after every real step from step 50",
         _with(_GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=7, max_predict_steps=7),
         budgets=(1.0, 1.5, 2.0)),
+    # The same share, 15 after every real step, up to 3x plain's budget: grad_step_study's first setting to
+    # reach plain AdamW's final loss (batch 64, 3 seeds, a 3x schedule) in under 0.6x plain's time by the
+    # H200's timers (docs/memory.md, "Toward plain's final loss"). Its real steps are 1 in 16.
+    Arm("predict-gradient-quarter-15", "each Predict step's gradient from a quarter of its batch, 15 after every "
+        "real step from step 50, up to 3x plain's budget",
+        _with(_GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=15, max_predict_steps=15),
+        budgets=(1.0, 2.0, 3.0)),
     Arm("groups", "layer-group Predict chosen by the planner (`group_predict`), no whole-model runs", _GROUPS,
         budgets=(1.0,)),
     Arm("groups-pinned", "the lower 2 of 4 layer groups predicted on 3 of every 4 Full steps",

@@ -267,6 +267,14 @@ def test_arm_configs():
     assert 2.0 in bench.SUITES["offload"].budgets and 2.0 not in bench.SUITES["cpu-small"].budgets
     assert {a: 2.0 in bench.ARMS[a].budgets for a in ("baseline", "zenflow", "predict-gradient-quarter", "predict")} \
         == {"baseline": True, "zenflow": True, "predict-gradient-quarter": True, "predict": False}
+    # The same share, 15 a real one, up to 3x: the offload-gpu suite runs it, plain DeepSpeed up to 2x beside it
+    cfg, plain = bench.arm_config(base, bench.ARMS["predict-gradient-quarter-15"], quick=False)
+    hp = cfg["hybrid_predict"]
+    assert not plain and hp["predictor"]["gradient_batch_fraction"] == 0.25
+    assert (hp["full_steps"], hp["min_predict_steps"], hp["max_predict_steps"]) == (1, 15, 15)
+    gpu = bench.SUITES["offload-gpu"]
+    assert "predict-gradient-quarter-15" in gpu.arms and 3.0 in gpu.budgets
+    assert 3.0 not in bench.ARMS["baseline"].budgets and 2.0 in bench.ARMS["baseline"].budgets
     # Every arm's section parses.
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench.ARMS.values():

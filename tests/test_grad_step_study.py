@@ -147,6 +147,62 @@ def test_the_study_reports_step_worth_and_reuses_plain_runs(study, tmp_path, cap
     assert "--reuse" in capsys.readouterr().err
 
 
+def test_a_curve_along_the_run_changes_nothing_in_it_and_counts_each_kind_of_step(study):
+    """``eval_every``: the validation loss every 4 steps from step 28 on, each point with the real and Predict
+    steps taken so far (30 real steps, then a run of 3 at once and one after every real step); the run ends
+    where it would have
+    without the curve, float for float, its last point being the one before its final loss."""
+    torch.set_num_threads(2)
+    bare = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, **SHAPE)
+    curved = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=30, eval_every=4, eval_from=28, **SHAPE)
+    assert curved["val_loss"] == bare["val_loss"] and bare["curve"] is None
+    assert [(p["step"], p["real"], p["predicted"]) for p in curved["curve"]] == [(28, 28, 0), (32, 30, 2)]
+    assert all(p["val"] > 0 for p in curved["curve"])
+    plain = study.train(1, 2e-3, 36, None, eval_every=12, **SHAPE)
+    assert [(p["step"], p["real"], p["predicted"]) for p in plain["curve"]] == [(12, 12, 0), (24, 24, 0)]
+
+
+def test_the_time_to_a_target_is_where_a_curve_first_reaches_it(study):
+    """Linear between the point before and the first at or below the target, the cost likewise; a run that
+    never reaches it has no time; a hybrid's cost prices its real and Predict steps apart."""
+    assert study.first_reach([(10, 10, 3.0), (20, 20, 2.0), (30, 30, 1.0)], 1.5) == (25.0, 25.0)
+    assert study.first_reach([(10, 10, 3.0), (20, 20, 2.0)], 1.5) is None
+    assert study.first_reach([(10, 10, 1.0), (20, 20, 0.5)], 1.5) == (10, 10)   # already there at its first point
+    row = {"steps": 40, "real_steps": 10, "predicted_steps": 30, "val_loss": 1.0,
+           "curve": [{"step": 20, "real": 5, "predicted": 15, "val": 2.0}]}
+    assert study.run_points(row, 1.0, 0.1) == [(20, 5 + 1.5, 2.0), (40, 10 + 3.0, 1.0)]
+    assert study.first_reach(study.run_points(row, 1.0, 0.1), 1.5) == (30.0, pytest.approx(9.75))
+
+
+def test_the_study_reads_each_hybrids_time_to_plains_final_loss_over_every_plain_run(study, tmp_path, capsys):
+    """End to end at 36 steps with ``--target-steps``: plain's time to its own final loss after 32 steps is the
+    shortest over its runs (the 36-step schedule's curve may cross it first, never later than 32), the hybrid's
+    is priced by ``--predict-cost``; a target with no plain run of its length, or a cost with no target, is
+    refused naming the flag."""
+    common = ["--steps", "36", "--start", "30", "--seeds", "1", "--schedules", "1:3", "--batch", "4",
+              "--seq-len", "64", "--jobs", "1", "--threads", "2", "--modes", "adam-carry"]
+    res = study.main([*common, "--plain-steps", "0.8888888888888888", "1.0", "--eval-every", "2", "--eval-from", "20",
+                      "--target-steps", "32", "--predict-cost", "0", "0.5", "--json", str(tmp_path / "t.json")])
+    plain = {r["steps"]: r for r in res["rows"] if r["mode"] == "plain"}
+    target = plain[32]["val_loss"]
+    (agg,) = res["time_to_target"]
+    (seed,) = agg["seeds"]
+    assert seed["target"] == target and seed["plain_steps"] <= 32
+    expect = min(x[1] for x in (study.first_reach(study.run_points(r), target) for r in plain.values()) if x)
+    assert seed["plain_steps"] == pytest.approx(expect)
+    if seed["step"] is not None:   # priced: c = 0 counts the real steps only
+        assert seed["ratio"]["0"] == pytest.approx(seed["real"] / seed["plain_steps"])
+        assert seed["ratio"]["0.5"] == pytest.approx((seed["real"] + 0.5 * seed["predicted"]) / seed["plain_steps"])
+    assert "seeds reaching plain's final loss at 32 steps" in res["time_to_target_markdown"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        study.main([*common, "--target-steps", "33", "--json", "/nonexistent/never-written.json"])
+    assert "--target-steps 33: no plain run of that length" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main([*common, "--predict-cost", "0.1", "--json", "/nonexistent/never-written.json"])
+    assert "give --target-steps too" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (2, "cpu"), (3, None), (3, "cpu")])
 def test_a_private_backward_through_the_module_leaves_deepspeeds_gradient_path_alone(stage, offload):
     """What a gradient Predict step on the GPU would rest on: on ZeRO 1-3 (optimizer offloaded or not; on ZeRO 3
