@@ -101,6 +101,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from direction_study import add_flat, fold_velocity, schedule, setup  # noqa: E402
 from ds_hybrid.data import val_batches  # noqa: E402
+from ds_hybrid.frontier import time_to_target as crossing  # noqa: E402
 from ds_hybrid.grad_predict import batch_samples, batch_share  # noqa: E402
 from ds_hybrid.noise_scale import NoiseScale  # noqa: E402
 from ds_hybrid.models import block_list, build_model  # noqa: E402
@@ -210,13 +211,15 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     curve: list[dict] = []
     eval_seconds = [0.0]
 
+    def val_loss() -> float:
+        with torch.no_grad(), autocast():
+            return sum(float(model(**b).loss) for b in vb) / len(vb)
+
     def evaluate(done: int, real_n: int, predicted_n: int) -> None:
         if not eval_every or done < eval_from or done >= steps or done % eval_every:
             return
         t_eval = time.perf_counter()
-        with torch.no_grad(), autocast():
-            v = sum(float(model(**b).loss) for b in vb) / len(vb)
-        curve.append({"step": done, "real": real_n, "predicted": predicted_n, "val": v})
+        curve.append({"step": done, "real": real_n, "predicted": predicted_n, "val": val_loss()})
         eval_seconds[0] += time.perf_counter() - t_eval
 
     clip_coef = [1.0]   # the last real step's clipping factor
@@ -358,8 +361,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0 - eval_seconds[0]
-    with torch.no_grad(), autocast():
-        val = sum(float(model(**b).loss) for b in vb) / len(vb)
+    val = val_loss()
     return {"seed": seed, "lr": lr, "steps": steps, "mode": mode or "plain", "F": F if mode else 0,
             "H": H if mode else 0, "start": start,
             "real_steps": real, "predicted_steps": predicted, "state_dtype": state_dtype, "weights": weights,
@@ -391,15 +393,10 @@ def first_reach(points: list[tuple[float, float, float]], target: float) -> tupl
     """Where a run's validation loss first reaches ``target``: ``points`` are (step, cost, val) in step order
     (its curve, then its final loss). The step and the cost there, linear between the point before and the
     first at or below the target (the first point itself where it is the first); None where none is."""
-    before = None
-    for step, cost, val in points:
-        if val <= target:
-            if before is None or before[2] == val:
-                return step, cost
-            w = (before[2] - target) / (before[2] - val)
-            return before[0] + w * (step - before[0]), before[1] + w * (cost - before[1])
-        before = (step, cost, val)
-    return None
+    if points and points[0][2] <= target:
+        return points[0][0], points[0][1]
+    step = crossing([(s, v) for s, _, v in points], target)   # (the bench's rule; linear, so both alike)
+    return None if step is None else (step, crossing([(c, v) for _, c, v in points], target))
 
 
 def run_points(row: dict, real_cost: float = 1.0, predict_cost: float = 0.0) -> list[tuple[float, float, float]]:
