@@ -64,6 +64,23 @@ SUITES: dict[str, Suite] = {
         # (2.0: the predict-gradient-quarter arm's longest run, and plain DeepSpeed's and ZenFlow's beside it)
         budgets=(0.75, 0.875, 1.0, 1.25, 1.5, 2.0),
         overrides={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+    # The offload suite at grad_step_study's batch (64 sequences, AdamW's swept LR there 4e-3 at the
+    # centre of this sweep), where a quarter of the batch at 15 Predict steps a real one reached plain
+    # AdamW's final loss within a 3x schedule on every seed: the engine's own run of that setting,
+    # timed beside plain ZeRO-Offload. Its Predict step costs a quarter's forward and backward (on
+    # this CPU about 0.23 of a plain step; beside a GPU about 0.12 by the H200's timers).
+    "offload-b64": Suite(
+        name="offload-b64",
+        doc="optimizer in CPU memory (ZeRO-Offload), 64 sequences a step: a quarter of the batch at 15 Predict "
+            "steps a real one against ZeRO-Offload",
+        model="gpt2-tiny", config="tiny-cpu", steps=600, seq_len=128, seeds=(1, 2, 3),
+        lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
+        arms=("baseline", "predict-gradient-quarter-15"), launcher="deepspeed",
+        # (3.0: the quarter's long run; plain DeepSpeed's longer schedules up to 1.5, where at this batch
+        # they reached its own final loss as soon as a 2x one would: grad_step_study, 571 and 569 steps)
+        budgets=(1.0, 1.25, 1.5, 3.0),
+        overrides={"train_micro_batch_size_per_gpu": 64, "optimizer": {"params": {"lr": 4e-3}},
+                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
     # ZeRO-Infinity's layout on the host: ZeRO 3 with the optimizer and the 16-bit parameters in CPU
     # memory (the 7b-24gb preset's), where the gradient Predict step lays each parameter's gradient
     # on this rank's share as the backward produces it. No ZenFlow arm: DeepSpeed 0.19.8's ZenFlow

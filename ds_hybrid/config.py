@@ -319,8 +319,8 @@ class MemoryConfig(_Section):
     that the threads are; a GPU number, owed.)"""
 
     cpu_step_behind: bool = False
-    """``predictor.direction: gradient`` on the device path (``offload_predict``) under ZeRO 1 or 2
-    with ``offload_optimizer: cpu``: the real step before a Predict run does not wait for
+    """``predictor.direction: gradient`` on the device path (``offload_predict``) under ZeRO 1, 2
+    or 3 with ``offload_optimizer: cpu``: the real step before a Predict run does not wait for
     DeepSpeed's CPU Adam step. The GPU takes the same Adam step itself, from the step's clipped
     gradient and the moments from before it (copied beside the 16-bit weights, the moments'
     arithmetic in fp32, the weights rounded stochastically in bf16), the run goes on from those
@@ -332,8 +332,10 @@ class MemoryConfig(_Section):
     ``cpu_steps_behind``, ``cpu_step_behind_seconds`` (the thread's time),
     ``bookkeeping_seconds.cpu_step_cover`` (the GPU's step and its copies), ``cpu_step_wait`` (a
     real step's wait for the thread) and ``cpu_step`` (the steps run at once). ``true`` refuses,
-    naming the key, other setups (ZeRO 3, the host path, another optimizer, ``fold_in_step``,
-    ``group_predict``). Why (docs/memory.md, "The CPU window"): a step left behind cost 25-67% in
+    naming the key, other setups (ZeRO 0, ZeRO 3 with NVMe or an ``offload_optimizer.ratio`` below
+    1, the host path, another optimizer, ``fold_in_step``, ``group_predict``). Under ZeRO 3 with
+    ``offload_param: cpu`` the 16-bit partitions, and so the cover's step, are in host memory:
+    there the cover takes on the host the step it moves off the real step. Why (docs/memory.md, "The CPU window"): a step left behind cost 25-67% in
     loss on the CPU preset, a guessed cover more; this cover is exact. What it saves is a GPU
     number, owed: up to the CPU Adam step, 441 of the gradient arm's 869 ms real step for
     llama-1b beside an H200, less the copies of the gradient and moments to the GPU."""

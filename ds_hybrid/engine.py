@@ -1321,8 +1321,15 @@ class PredictiveEngine(DeepSpeedEngine):
             why = "predictor.direction is not gradient (the GPU covers the step with the gradient run's own Adam step)"
         elif not self._gradient.on_device:
             why = "memory.offload_predict resolved to host (the run must live beside the 16-bit weights)"
-        elif self._masters.kind != "zero1-2":
-            why = f"the optimizer is {self._masters.kind}, not ZeRO 1 or 2 (zero_optimization.stage)"
+        elif self._masters.kind not in ("zero1-2", "zero3"):
+            why = f"the optimizer is {self._masters.kind}, not ZeRO 1, 2 or 3 (zero_optimization.stage)"
+        elif self._masters.kind == "zero3" and (getattr(self.optimizer, "swap_optimizer", False)
+                                                or None in self.optimizer.fp16_partitioned_groups_flat):
+            # (the deferred calls would read moments swapped out, or step partitions not in memory)
+            why = "ZeRO 3 keeps the optimizer state or the parameters on NVMe (offload_optimizer/offload_param.device)"
+        elif self._masters.kind == "zero3" and getattr(self.optimizer, "partial_offload", 1.0) != 1.0:
+            # (those sub-groups step on the accelerator at once, and their copy into the weights is dropped)
+            why = "zero_optimization.offload_optimizer.ratio is below 1 (some sub-groups step on the accelerator)"
         elif type(base).__name__ != "DeepSpeedCPUAdam" or not hasattr(base, "ds_opt_adam"):
             why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
                    "(zero_optimization.offload_optimizer.device: cpu)")

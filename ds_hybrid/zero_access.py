@@ -447,6 +447,12 @@ class _Zero3Access(MasterAccess):
     def trained_params(self):
         return [p for sub_group in self.optimizer.fp16_groups for p in sub_group]
 
+    def step_copy_targets(self) -> list[torch.Tensor]:
+        """What DeepSpeed's step writes from the masters on this rank: each sub-group's 16-bit
+        partition (on the accelerator, or in host memory under ``offload_param``), with no pinned
+        buffer between (``memory.cpu_step_behind`` drops those copies in a deferred step)."""
+        return [t for t in self.optimizer.fp16_partitioned_groups_flat if t is not None]
+
     def release_gathered(self):
         # What DeepSpeed's step does around itself: a module whose inputs need no gradient (the
         # embedding) never runs its post-backward hook, so its parameters stay gathered and

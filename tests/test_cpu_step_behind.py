@@ -11,9 +11,11 @@ from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, ma
 GRAD = dict(EAGER, check="next_step", correction_steps=0, predictor={"direction": "gradient"})
 
 
-def _engine(stage: int = 2, behind: bool = True, bf16: bool = False, seed: int = 0, **memory):
+def _engine(stage: int = 2, behind: bool = True, bf16: bool = False, seed: int = 0, offload_param: str | None = None,
+            **memory):
     hybrid = dict(GRAD, memory={"offload_predict": "device", "cpu_step_behind": behind, **memory})
-    return make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, hybrid=hybrid), seed=seed)
+    return make_engine(ds_config(stage=stage, offload_opt="cpu", offload_param=offload_param, bf16=bf16, hybrid=hybrid),
+                       seed=seed)
 
 
 def _moments(engine, key: str) -> list[torch.Tensor]:
@@ -28,14 +30,15 @@ def _equal(xs, ys) -> bool:
     return all(torch.equal(x, y) for x, y in zip(xs, ys))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_real_step_covered_by_the_gpu_trains_as_the_step_taken_at_once(stage):
-    """fp32 weights on ZeRO 1 and 2: the phases, checks and losses of the engine that takes the
+@pytest.mark.parametrize("stage, param", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_a_real_step_covered_by_the_gpu_trains_as_the_step_taken_at_once(stage, param):
+    """fp32 weights on ZeRO 1, 2 and 3 (and ZeRO 3 with its 16-bit partitions in host memory,
+    ``offload_param: cpu``, where the cover steps them there): the phases, checks and losses of the engine that takes the
     step at once; after each real step the masters and moments are DeepSpeed's step (the same C++
     op on the same tensors, run later), and the weights within the GPU step's
     rounding of them (bit for bit until the first run's commit carries that rounding into the
     masters); the CPU steps ran behind the runs, joined at the next real step."""
-    now, behind = _engine(stage, behind=False), _engine(stage)
+    now, behind = _engine(stage, behind=False, offload_param=param), _engine(stage, offload_param=param)
     a, b = Batches(seed=3), Batches(seed=3)
     covered = 0
     for _ in range(16):
@@ -92,14 +95,15 @@ def test_the_gpus_step_is_adams_step_of_the_clipped_gradient():
     assert _equal(master_copies(eng), master_copies(ref)) and _equal(_moments(eng, "exp_avg"), _moments(ref, "exp_avg"))
 
 
-def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(stage, monkeypatch):
     """In a deferred step DeepSpeed's copies of the masters into its pinned 16-bit buffer and this
-    rank's partition (both from masters not yet stepped) are dropped: the cover starts from the
+    rank's partition (both from masters not yet stepped; ZeRO 3 has the partition only) are dropped: the cover starts from the
     weights as they were, even where the masters (moved by hand here) say otherwise. (A deferred
     step that no run follows gets the stepped masters by one copy: the first test, step by step.)"""
     from ds_hybrid import cpu_step_behind
 
-    eng = _engine(2)
+    eng = _engine(stage)
     bat = Batches(seed=7)
     dropped: list = []
     plain = cpu_step_behind.skip_copies_into
@@ -127,14 +131,16 @@ def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(monkeypatch):
     assert len(entered) == n + 1, "no run followed a deferred step"
     assert _equal(entered[-1], before)
     parts = len(list(eng._masters.partitions()))
-    assert dropped and set(dropped) == {2 * parts}   # (the pinned buffer and the partition, per group)
+    # (ZeRO 1/2: the pinned buffer and the partition, per group; ZeRO 3: the partition, per sub-group)
+    assert dropped and set(dropped) == {(2 if stage == 2 else 1) * parts}
     assert eng.statistics()["cpu_step_copies_skipped"] == sum(dropped)
 
 
-def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(stage, monkeypatch):
     """A run the next real step's check rejects: the thread is joined, and the weights, masters and
     moments are those of DeepSpeed's step (the engine that took it at once, rejected alike)."""
-    now, behind = _engine(2, behind=False), _engine(2)
+    now, behind = _engine(stage, behind=False), _engine(stage)
     a, b = Batches(seed=5), Batches(seed=5)
     for eng, bat in ((now, a), (behind, b)):
         while eng.phase is not Phase.PREDICT:
@@ -158,12 +164,12 @@ def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(monkeypatch):
         assert _equal(x, y)
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(bf16, tmp_path):
+@pytest.mark.parametrize("stage, bf16", [(2, False), (2, True), (3, False), (3, True)])
+def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(stage, bf16, tmp_path):
     """Saved after the run's first step: the thread is joined (the masters saved are DeepSpeed's
     step), the run's own second moment goes into the checkpoint with its first; a fresh engine with
     other initial weights resumes it, and every later step equals the uninterrupted run's."""
-    ref = _engine(2, bf16=bf16)
+    ref = _engine(stage, bf16=bf16)
     b = Batches(seed=6)
     while ref.phase is not Phase.PREDICT:
         ref.train_step(b.step())
@@ -172,7 +178,7 @@ def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(bf16, tmp_pat
     ref.save_checkpoint(str(tmp_path), tag="mid")
     assert not ref._gradient.behind.running
     state = b.gen.get_state()
-    resumed = _engine(2, bf16=bf16, seed=1)
+    resumed = _engine(stage, bf16=bf16, seed=1)
     resumed.load_checkpoint(str(tmp_path), tag="mid")
     assert resumed._gradient.pending and resumed._gradient.covered
     b2 = Batches(seed=6)
@@ -190,7 +196,9 @@ def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(bf16, tmp_pat
 
 
 @pytest.mark.parametrize("setup, memory, why", [
-    (dict(stage=3, offload_opt="cpu"), {"offload_predict": "device"}, "not ZeRO 1 or 2"),
+    (dict(stage=3, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                                        "ratio": 0.5}}),
+     {"offload_predict": "device"}, "ratio is below 1"),
     (dict(stage=2, offload_opt="cpu"), {"offload_predict": "host"}, "resolved to host"),
     (dict(stage=2), {"offload_predict": "device"}, "not DeepSpeed's CPU Adam"),
 ])

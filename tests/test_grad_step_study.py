@@ -1,23 +1,19 @@
 """benchmarks/grad_step_study.py: Predict steps that take their gradient on the GPU with the optimizer state frozen
 at the last real step. Tiny runs (36 steps of GPT-2 0.84M at 4 x 64 bytes) check the study's mechanics; its numbers
 are in docs/results/grad-step-study.json."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+
+from bench_scripts import load
 
 SHAPE = dict(batch=4, seq_len=64)
 
 
 @pytest.fixture(scope="module")
 def study():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "grad_step_study.py"
-    spec = importlib.util.spec_from_file_location("grad_step_study", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("grad_step_study")
 
 
 def test_real_steps_counts_the_steps_before_start_and_F_of_every_F_plus_H(study):

@@ -213,16 +213,18 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
-def test_a_cpu_step_behind_the_run_keeps_the_ranks_together(tmp_path):
-    """memory.cpu_step_behind, ZeRO 2 under offload, 2 ranks, with the faults: each rank's GPU
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_cpu_step_behind_the_run_keeps_the_ranks_together(stage, tmp_path):
+    """memory.cpu_step_behind, ZeRO 2 and 3 under offload, 2 ranks, with the faults: each rank's GPU
     covers its real step before a run (its shard, then the all-gather) while its CPU step runs
     behind; both ranks take the same steps, checks and rollbacks as the engine that steps at once
     (whose losses they match to the GPU step's rounding) and end with the same weights."""
     runs = {}
     for name, extra in (("now", []), ("behind", ["--cpu-step-behind"])):
         (tmp_path / name).mkdir()
-        runs[name] = run_ranks("multirank_worker.py", ["--stage", "2", "--steps", "16", "--faults", "--offload-predict",
-                                                       "device", "--direction", "gradient", *extra], 2, tmp_path / name)
+        runs[name] = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
+                                                       "--offload-predict", "device", "--direction", "gradient", *extra],
+                               2, tmp_path / name)
     cols = ("phase", "accepted", "rolled_back", "skipped", "checked")
     want = [tuple(s[c] for c in cols) for s in runs["now"][0]["record"]]
     for ranks in runs.values():
