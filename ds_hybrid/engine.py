@@ -297,6 +297,9 @@ class PredictiveEngine(DeepSpeedEngine):
         # memory.cpu_step_behind: a real step that may precede a gradient run defers DeepSpeed's CPU
         # Adam calls (_deferred); a run covers them on the GPU and they run behind it
         self._cpu_step_behind = self._resolve_cpu_step_behind()
+        # the steps' CUDA kernels compiled here, before the first step, not inside the first Predict
+        # step that launches one (kernels.prebuild: seconds of NVRTC on a machine's first run)
+        self._kernels_prebuilt = self._masters_on_cuda and kernels.prebuild(self.hybrid_config.kernels, self.device)
         overlap = mem.commit_overlap
         self._commit_overlap = self._device_path() and self._fusion is None and (
             overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))

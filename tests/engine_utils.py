@@ -16,14 +16,17 @@ SEQ = 16
 MICRO = 4
 
 
+LR = 3e-3   # ds_config's peak learning rate (AdamW, WarmupLR to it over 10 steps)
+
+
 def ds_config(stage: int = 2, bf16: bool = False, offload_opt: str | None = None, offload_param: str | None = None,
               gas: int = 1, hybrid: dict | None = None, nvme_path: str | None = None, **extra) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
                                                      "warmup_num_steps": 10}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},

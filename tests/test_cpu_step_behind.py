@@ -6,7 +6,7 @@ import torch
 
 from ds_hybrid.config import ConfigError
 from ds_hybrid.phases import Phase
-from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, master_copies
+from engine_utils import EAGER, LR, Batches, ds_config, full_params, make_engine, master_copies
 
 GRAD = dict(EAGER, check="next_step", correction_steps=0, predictor={"direction": "gradient"})
 
@@ -232,6 +232,13 @@ def test_on_a_gpu_the_cover_runs_beside_the_bf16_weights_and_the_step_behind_it(
             assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in behind._gradient.m if t is not None)
             behind._gradient.behind.wait()
             for i, part in enumerate(behind._masters.partitions()):
-                w, master = behind._gradient._shard(i).float().cpu(), part.master.view(-1).float()
-                assert torch.allclose(w, master, rtol=2 ** -6, atol=1e-6)
+                w, master = behind._gradient._shard(i).float().cpu(), part.master.view(-1).float().detach()
+                # The GPU's step takes Adam's update from bf16 moments, the CPU's from fp32 ones: the
+                # two updates differ by a few bf16 roundings of an update of at most about the LR, an
+                # absolute difference that near zero is not within a relative bound (the 2026-11-30
+                # H200 run failed rtol 2^-6 with atol 1e-6 there).
+                atol = LR * 2 ** -5
+                err = (w - master).abs() - (atol + 2 ** -6 * master.abs())
+                assert err.max() <= 0, (f"partition {i}: |w - master| over the bound at {int(err.argmax())}: "
+                                        f"w {w[err.argmax()].item():.6g}, master {master[err.argmax()].item():.6g}")
     assert covered >= 2 and behind.statistics()["cpu_steps_behind"] == covered

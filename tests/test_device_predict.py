@@ -381,6 +381,8 @@ def test_device_path_on_gpu_moves_the_shards_and_commits_the_masters(stage):
     from ds_hybrid import kernels
     dev = make_engine(ds_config(offload_opt="cpu", bf16=True, hybrid=_hybrid("auto"), **STAGES[stage]), seed=0)
     assert dev.statistics()["offload_predict"] == "device"
+    # the step's kernels compiled at set-up (kernels.prebuild), not in the first Predict step
+    assert dev._kernels_prebuilt == (kernels.cupy_available() and stage != "z3")
     b = Batches(seed=3, device=dev.device)
     while dev.controller.phase.value != "predict":
         dev.train_step(b.step())

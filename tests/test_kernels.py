@@ -214,6 +214,25 @@ def test_build_failure_falls_back_under_auto_and_raises_under_cupy(fake_cupy, ca
         kernels._module_or_fallback("rssm", "cupy", torch.device("cuda", 0))
 
 
+def test_prebuild_compiles_the_module_a_step_launches(fake_cupy, monkeypatch):
+    """kernels.prebuild (the engine's set-up, where its work is on a GPU): the one module every step
+    kernel comes from, compiled once and then the very module a launch asks for; nothing for torch
+    or a CPU device; under auto a failed build is the torch reference, under cupy an error."""
+    cuda = torch.device("cuda", 0)
+    assert not kernels.prebuild("torch", cuda) and not kernels.prebuild("auto", torch.device("cpu"))
+    assert _FakeRawModule.built == []
+    monkeypatch.setattr(kernels, "_resolve_for", lambda backend, devices: "cupy")   # (no GPU here)
+    assert kernels.prebuild("auto", cuda)
+    (mod,) = _FakeRawModule.built
+    assert mod.names == kernels.FUSED_UPDATE_MODULE
+    assert kernels._fused_module("auto", "cupy", True, cuda, "") is mod and len(_FakeRawModule.built) == 1
+    kernels._reset_cupy_state()
+    _FakeRawModule.fail_with = "kernels/fused_update.cu(3): error"
+    assert not kernels.prebuild("auto", cuda)
+    with pytest.raises(kernels.KernelBuildError, match="fused_update.cu"):
+        kernels.prebuild("cupy", cuda)
+
+
 # ---------------------------------------------------------------------------- GPU: kernel against reference
 
 gpu = pytest.mark.gpu

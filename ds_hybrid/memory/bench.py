@@ -149,6 +149,13 @@ VARIANTS: dict[str, dict | None] = {
                                 "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
                                 "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
        for name, fraction in (("half", 0.5), ("quarter", 0.25), ("eighth", 0.125))},
+    # ... an eighth with its backward recomputing the checkpointed blocks whatever auto would decide
+    # (auto kept their activations at llama-1b's one micro-batch, near the 16 GB cap).
+    "grad-device-eighth-recompute": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.125,
+                                                   "gradient_checkpointing": True},
+                                     "memory": {"offload_predict": "device"}, "full_steps": 1,
+                                     "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
+                                     "check": "next_step"},
     # ... with no host thread beside the real step's backward: the next run's moments copied at its
     # first step instead of behind the real step before it (memory.gradient_prefetch: false), and
     # with them a kept run's commit inline before the backward (memory.commit_overlap: false).
