@@ -72,12 +72,12 @@ SUITES: dict[str, Suite] = {
     "offload-b64": Suite(
         name="offload-b64",
         doc="optimizer in CPU memory (ZeRO-Offload), 64 sequences a step: a quarter of the batch at 15 Predict "
-            "steps a real one against ZeRO-Offload",
+            "steps a real one against ZeRO-Offload and DeepSpeed's ZenFlow",
         model="gpt2-tiny", config="tiny-cpu", steps=600, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "predict-gradient-quarter-15"), launcher="deepspeed",
-        # (3.0: the quarter's long run; plain DeepSpeed's longer schedules up to 1.5, where at this batch
-        # they reached its own final loss as soon as a 2x one would: grad_step_study, 571 and 569 steps)
+        arms=("baseline", "predict-gradient-quarter-15", "zenflow"), launcher="deepspeed",
+        # (3.0: the quarter's long run; plain DeepSpeed's and ZenFlow's longer schedules up to 1.5, where at
+        # this batch plain reached its own final loss as soon as a 2x one would: grad_step_study, 571 and 569 steps)
         budgets=(1.0, 1.25, 1.5, 3.0),
         overrides={"train_micro_batch_size_per_gpu": 64, "optimizer": {"params": {"lr": 4e-3}},
                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
