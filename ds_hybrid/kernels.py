@@ -233,9 +233,7 @@ def prebuild(backend: str, device: torch.device) -> bool:
     H200 with an empty CuPy disk cache, 2026-11-30; a later process reads that cache, about 0.2 s).
     True when the module is ready; False where the steps will use the torch reference (``torch``,
     a device that is not CUDA, or ``auto`` without CuPy or a build); ``cupy`` raises as a launch would."""
-    if backend == "torch" or device.type != "cuda":
-        return False
-    if _resolve_for(backend, {device}) != "cupy":
+    if device.type != "cuda" or _resolve_for(backend, {device}) != "cupy":
         return False
     return _module_or_fallback("fused_update", backend, device, FUSED_UPDATE_MODULE) is not None
 

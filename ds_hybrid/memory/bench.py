@@ -53,6 +53,15 @@ DEFAULT_MODELS = {
 }
 
 
+def _gradient_run(offload_predict: str = "device", memory: dict | None = None, **predictor) -> dict:
+    """A variant of Predict steps that take their own gradient, 1 real : 3 of them, each run checked
+    by the next real step; ``predictor`` and ``memory`` add to its sections."""
+    return {"predictor": {"direction": "gradient", **predictor},
+            "memory": {"offload_predict": offload_predict, **(memory or {})},
+            "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
+            "check": "next_step"}
+
+
 # name -> hybrid_predict settings over the preset's (None: plain DeepSpeed, every step Full).
 VARIANTS: dict[str, dict | None] = {
     "full": None,
@@ -130,41 +139,26 @@ VARIANTS: dict[str, dict | None] = {
     # under offload_optimizer on the host path (the masters moved, the gradient brought to them)
     # and on the device path (the run beside the 16-bit weights on the GPU, the masters caught up
     # once per kept run).
-    "grad-host": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "host"},
-                  "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
-                  "check": "next_step"},
-    "grad-device": {"predictor": {"direction": "gradient"}, "memory": {"offload_predict": "device"},
-                    "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
-                    "check": "next_step"},
+    "grad-host": _gradient_run("host"),
+    "grad-device": _gradient_run(),
     # ... with its backward recomputing the checkpointed blocks as a real step's does, or never
     # (predictor.gradient_checkpointing true / false; grad-device's auto keeps their activations where they fit).
-    **{f"grad-device-{name}": {"predictor": {"direction": "gradient", "gradient_checkpointing": setting},
-                                "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
-                                "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
+    **{f"grad-device-{name}": _gradient_run(gradient_checkpointing=setting)
        for name, setting in (("recompute", True), ("plain", False))},
     # ... each Predict step's gradient from half, a quarter or an eighth of its batch
     # (predictor.gradient_batch_fraction; under accumulation its first micro-batches: at 1b-16gb's 8, an
     # eighth is one): that share of its forwards and backwards, where those are a real step's dear part too.
-    **{f"grad-device-{name}": {"predictor": {"direction": "gradient", "gradient_batch_fraction": fraction},
-                                "memory": {"offload_predict": "device"}, "full_steps": 1, "min_predict_steps": 3,
-                                "max_predict_steps": 3, "correction_steps": 0, "check": "next_step"}
+    **{f"grad-device-{name}": _gradient_run(gradient_batch_fraction=fraction)
        for name, fraction in (("half", 0.5), ("quarter", 0.25), ("eighth", 0.125))},
     # ... an eighth with its backward recomputing the checkpointed blocks whatever auto would decide
     # (auto kept their activations at llama-1b's one micro-batch, near the 16 GB cap).
-    "grad-device-eighth-recompute": {"predictor": {"direction": "gradient", "gradient_batch_fraction": 0.125,
-                                                   "gradient_checkpointing": True},
-                                     "memory": {"offload_predict": "device"}, "full_steps": 1,
-                                     "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
-                                     "check": "next_step"},
+    "grad-device-eighth-recompute": _gradient_run(gradient_batch_fraction=0.125, gradient_checkpointing=True),
     # ... with no host thread beside the real step's backward: the next run's moments copied at its
     # first step instead of behind the real step before it (memory.gradient_prefetch: false), and
     # with them a kept run's commit inline before the backward (memory.commit_overlap: false).
     # Against grad-device: what those threads cost the real step (its backward was 410 ms against
     # plain's 349 on an H200) and what copying at the run's start costs its first Predict step.
-    **{f"grad-device-{name}": {"predictor": {"direction": "gradient"},
-                                "memory": {"offload_predict": "device", **memory}, "full_steps": 1,
-                                "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
-                                "check": "next_step"}
+    **{f"grad-device-{name}": _gradient_run(memory=memory)
        for name, memory in (("noprefetch", {"gradient_prefetch": False}),
                             ("inline", {"gradient_prefetch": False, "commit_overlap": False}),
                             # ... the real step before each run leaving DeepSpeed's CPU Adam step to a
