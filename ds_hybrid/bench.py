@@ -58,6 +58,10 @@ class Arm:
     doc: str
     hybrid: dict | str | None    # the hybrid_predict section; None: plain DeepSpeed; "preset": the preset's own
     budgets: tuple[float, ...] | None = None   # None: every budget of the suite
+    # Another system's baseline (ZenFlow) tunes its own LR, as plain DeepSpeed's is tuned: swept at the
+    # full budget on the first seed around plain's best. The hybrid's arms keep plain's LR, so that a
+    # predicted step is never credited with what a better LR would have done.
+    own_lr: bool = False
 
 
 # Predicted steps everywhere they are allowed, so the frontier shows what they are worth.
@@ -149,7 +153,7 @@ ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflo
                       {"__ds__": {"zero_optimization": {"zenflow": {
                           "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
                           "select_interval": 100, "full_warm_up_rounds": 0, "overlap_step": False}}}},
-                      budgets=_PLAIN_BUDGETS)
+                      budgets=_PLAIN_BUDGETS, own_lr=True)
 
 QUICK = dict(model="gpt2-test", steps=40, seq_len=32, seeds=(1, 2), lr_multipliers=(1.0, 2.0), eval_every=10,
              val_batches=2, budgets=(0.75, 1.0, 1.25))
@@ -331,7 +335,9 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
     budgets_of = {a.name: [b for b in suite.budgets
                            if a.budgets is None or b in a.budgets or (suite.budgets_for_all and a.hybrid != "preset")]
                   for a in arms}
-    runner.total = len(suite.lr_multipliers) + len(suite.seeds) * sum(len(b) for b in budgets_of.values()) - 1
+    # (an own_lr arm's sweep adds two runs to its full-budget one on the first seed)
+    runner.total = len(suite.lr_multipliers) + len(suite.seeds) * sum(len(b) for b in budgets_of.values()) - 1 \
+        + 2 * sum(a.own_lr for a in arms)
 
     def run_of(arm: Arm, seed: int, budget: float, lr: float, name: str | None = None) -> Run:
         cfg, baseline = arm_config(base_cfg, arm, quick)
@@ -394,16 +400,27 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
     rows["baseline"] = {str(seed): {"1": r} for seed, r in tie_break.get(best_m, {first: sweep[best_m]}).items()} \
         if "baseline" in rows else {}
     errors: dict[str, str] = {}
+    lr_of = {a.name: best_lr for a in arms}
+    own_sweeps: dict[str, dict[float, dict]] = {}
+    for arm in (a for a in arms if a.own_lr):
+        try:
+            own_sweeps[arm.name], m = _own_sweep(arm, best_m, runner, run_of, first, base_lr)
+        except RuntimeError as err:   # e.g. ZenFlow without a GPU: say so, go on
+            errors[arm.name] = str(err).splitlines()[0]
+            print(f"      {arm.name} did not run: {errors[arm.name]}", flush=True)
+            continue
+        lr_of[arm.name] = base_lr * m
+        rows[arm.name][str(first)] = {"1": own_sweeps[arm.name][m]}   # its sweep's best is its full-budget run
     # Interleaved: every budget of every seed runs each system in turn.
     for seed in suite.seeds:
         for budget in sorted(suite.budgets, reverse=True):
             for arm in arms:
                 if budget not in budgets_of[arm.name] or arm.name in errors:
                     continue
-                if arm.name == "baseline" and budget == 1.0 and "1" in rows["baseline"].get(str(seed), {}):
+                if budget == 1.0 and "1" in rows[arm.name].get(str(seed), {}):
                     continue   # the sweep's best run (or the tie-break's)
                 try:
-                    row = runner(run_of(arm, seed, budget, best_lr))
+                    row = runner(run_of(arm, seed, budget, lr_of[arm.name]))
                 except RuntimeError as err:
                     if ARMS[arm.name].hybrid is None:
                         raise
@@ -414,8 +431,38 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
     return {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sweep.items())}, "best_lr_multiplier": best_m,
             "sweep_tie_break": {f"{m:g}": {str(seed): r["final_val_loss"] for seed, r in by_seed.items()}
                                 for m, by_seed in tie_break.items()},
-            "best_lr": best_lr, "rows": rows, "errors": errors, "base_config": base_cfg, "init": init,
+            "best_lr": best_lr, "own_lr": {name: {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sw.items())},
+                                                  "best_lr": lr_of[name]} for name, sw in own_sweeps.items()},
+            "rows": rows, "errors": errors, "base_config": base_cfg, "init": init,
             "bench_seconds": time.time() - runner.t_start, "reused_runs": runner.reused}
+
+
+def _own_sweep(arm: Arm, best_m: float, runner: "Runner", run_of, seed: int,
+               base_lr: float) -> tuple[dict[float, dict], float]:
+    """An ``own_lr`` arm's LR sweep at the full budget on the first seed: half, once and twice plain's
+    best multiplier, extended past an edge at most twice as plain's is. Its run at plain's LR keeps
+    the name of its full-budget run, so a ``--reuse`` of a suite run before it had a sweep runs
+    only the new LRs. Returns the sweep (multiplier -> row) and the best multiplier."""
+    def run(m: float) -> dict:
+        name = f"{arm.name}-b1-s{seed}" if m == best_m else f"{arm.name}-lr{m:g}-s{seed}"
+        return runner(run_of(arm, seed, 1.0, base_lr * m, name))
+
+    sweep = {m: run(m) for m in (best_m / 2, best_m, best_m * 2)}
+
+    def best() -> float:
+        finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
+        if not finite:
+            raise RuntimeError(f"every run of {arm.name}'s LR sweep diverged")
+        return min(finite, key=lambda m: finite[m]["final_val_loss"])
+    m = best()
+    for _ in range(2):
+        if m not in (min(sweep), max(sweep)):
+            break
+        edge = m * 2 if m == max(sweep) else m / 2
+        runner.total += 1
+        sweep[edge] = run(edge)
+        m = best()
+    return sweep, m
 
 
 def _slim(row: dict) -> dict:
@@ -814,7 +861,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "command": "ds-hybrid bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick, "data": data, "init": raw["init"],
         "sweep": raw["sweep"], "best_lr_multiplier": raw["best_lr_multiplier"], "best_lr": raw["best_lr"],
-        "sweep_tie_break": raw["sweep_tie_break"], "analysis": analysis, "profile": profile, "bench_seconds": raw["bench_seconds"], "errors": raw["errors"],
+        "sweep_tie_break": raw["sweep_tie_break"], "own_lr": raw["own_lr"], "analysis": analysis, "profile": profile, "bench_seconds": raw["bench_seconds"], "errors": raw["errors"],
         "reused_runs": raw["reused_runs"],
         "host": f"{platform.machine()} {os.cpu_count()} CPU cores" + _gpu_name(),
         "date": time.strftime("%Y-%m-%d"),

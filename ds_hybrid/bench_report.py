@@ -61,6 +61,19 @@ def _tie_break(result: dict) -> str:
     return f"; within 1% of the best there, so run on every seed, mean final loss {means}"
 
 
+def _own_lrs(result: dict) -> str:
+    """The LR each ``own_lr`` arm (another system's baseline) picked from its own sweep."""
+    own = result.get("own_lr") or {}
+    if not own:
+        return "every system runs at that LR. "
+    base = result["best_lr"] / result["best_lr_multiplier"]
+    parts = []
+    for name, o in own.items():
+        sweep = ", ".join(f"x{m}: {r['final_val_loss']:.4f}" for m, r in o["sweep"].items())
+        parts.append(f"`{name}` tunes its own the same way, {sweep} (x{o['best_lr'] / base:g} = lr {o['best_lr']:g})")
+    return f"the hybrid runs at that LR; {'; '.join(parts)}. "
+
+
 def markdown(result: dict) -> str:
     s, an = result["suite"], result["analysis"]
     sweep = ", ".join(f"x{m}: {r['final_val_loss']:.4f}" for m, r in result["sweep"].items())
@@ -68,8 +81,8 @@ def markdown(result: dict) -> str:
     lines = [f"Suite `{s['name']}`: {s['doc']}. Model `{s['model']}`, {s['steps']} steps of {s['seq_len']}-byte "
              f"sequences at the full budget, budgets {budgets} of it (each with its own full warmup-cosine "
              f"schedule), seeds {', '.join(map(str, s['seeds']))}. Plain DeepSpeed's LR sweep at the full budget: "
-             f"{sweep}{_tie_break(result)} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); every "
-             f"system runs at that LR. "
+             f"{sweep}{_tie_break(result)} (x{result['best_lr_multiplier']:g} = lr {result['best_lr']:g}); "
+             f"{_own_lrs(result)}"
              f"Targets per seed: plain DeepSpeed's final validation loss at the full budget, and 1% and 2% above it. "
              f"Ratio = the system's least time to reach the target at any budget over plain DeepSpeed's "
              f"(`ds_hybrid/frontier.py`); under 1 is faster.", ""]

@@ -88,6 +88,40 @@ def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(t
     assert calls.count("baseline-b1-s2") == 1 and calls.count("baseline-b1-s3") == 1
 
 
+def test_zenflow_tunes_its_own_lr_and_runs_every_budget_at_it(tmp_path, monkeypatch):
+    """Another system's baseline is tuned as plain DeepSpeed's is: ZenFlow sweeps its own LR around
+    plain's best (extended past an edge), its best sweep run is its full-budget row on the first seed,
+    every other run takes that LR, and its run at plain's LR keeps the name a suite run before the
+    sweep gave it (so ``--reuse`` runs only the new LRs)."""
+    import dataclasses
+    from ds_hybrid import bench_report
+    plain = {0.5: 1.33, 1.0: 1.24, 2.0: 1.67}
+    zen = {0.5: 2.0, 1.0: 1.9, 2.0: 1.8, 4.0: 1.85}
+    calls = []
+
+    def fake(self, run):
+        calls.append(run.name)
+        m = run.lr / 4e-3
+        loss = (zen if run.arm == "zenflow" else plain).get(m, 1.0) + 0.001 * run.seed
+        return {"final_val_loss": loss, "train_seconds": 1.0, "run": run.name, "lr": run.lr}
+    monkeypatch.setattr(bench.Runner, "__call__", fake)
+    suite = dataclasses.replace(bench.SUITES["offload-b64"], arms=("baseline", "zenflow"), budgets=(1.25, 1.0))
+    raw = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path)
+    assert raw["best_lr_multiplier"] == 1.0
+    assert raw["own_lr"]["zenflow"]["best_lr"] == pytest.approx(8e-3)
+    assert list(raw["own_lr"]["zenflow"]["sweep"]) == ["0.5", "1", "2", "4"]
+    assert calls[3:7] == ["zenflow-lr0.5-s1", "zenflow-b1-s1", "zenflow-lr2-s1", "zenflow-lr4-s1"]
+    assert raw["rows"]["zenflow"]["1"]["1"]["run"] == "zenflow-lr2-s1"
+    zen_runs = [c for c in calls[7:] if c.startswith("zenflow")]
+    assert sorted(zen_runs) == ["zenflow-b1-s2", "zenflow-b1-s3", "zenflow-b1.25-s1", "zenflow-b1.25-s2",
+                                "zenflow-b1.25-s3"]
+    assert all(raw["rows"]["zenflow"][s][b]["lr"] == pytest.approx(8e-3) for s in ("1", "2", "3") for b in ("1", "1.25"))
+    assert all(raw["rows"]["baseline"][s][b]["lr"] == pytest.approx(4e-3) for s in ("1", "2", "3") for b in ("1", "1.25"))
+    line = bench_report._own_lrs({**raw, "own_lr": raw["own_lr"]})
+    assert "`zenflow` tunes its own the same way, x0.5: 2.0010, x1: 1.9010, x2: 1.8010, x4: 1.8510 (x2 = lr 0.008)" in line
+    assert bench_report._own_lrs({"best_lr": 4e-3, "best_lr_multiplier": 1.0}) == "every system runs at that LR. "
+
+
 def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     """A real step that lazy_bookkeeping left bare is a ``real_idle`` step; plain runs stay plain."""
     from ds_hybrid.compare import step_kinds
