@@ -42,7 +42,7 @@ def find_preset(name_or_path: str, flag: str = "--config") -> Path:
 def resolve_config(name_or_path: str, flag: str = "--config") -> tuple[dict, Path]:
     """A ds_config dict from a path or a preset name, read as DeepSpeed reads it (JSON or
     hjson, duplicate keys rejected); a missing or unreadable file exits naming ``flag``."""
-    from .engine import load_ds_config
+    from .ds_config import load_ds_config
     try:
         path = find_preset(name_or_path, flag)
         return load_ds_config(path), path

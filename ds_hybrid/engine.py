@@ -39,20 +39,21 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from . import checkpoint as ckpt
 from . import host_kernels, kernels
 from . import cpu_step_behind, step_fusion
 from . import zero_access as za
-from .config import HybridPredictConfig, fold_from_optimizer_state, offload_predict_on_device, parse_hybrid_config
+from .config import HybridPredictConfig, parse_hybrid_config
 from .device_predict import DevicePredict
-from .device_predict import unsupported as device_unsupported
 from .dist_env import ensure_distributed_env, release_cpu_allreduce_segment
+from .ds_config import load_ds_config
 from .dynamics.batchstats import BatchDifficulty
 from .dynamics.encoder import Observation
+from .engine_state import EngineState
 from .fold_overlap import BackgroundFold
 from .grad_predict import GradientPredict, batch_samples
 from .grad_recompute import Recompute, checkpointing_off
 from .judgement import DelayedJudgement
+from .memory_paths import MemoryPaths
 from .noise_scale import NoiseScale
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
@@ -201,7 +202,7 @@ def _instance_attrs(obj: Any, **attrs: Any):
                 setattr(obj, k, v)
 
 
-class PredictiveEngine(DeepSpeedEngine):
+class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
     """A ``DeepSpeedEngine`` that cycles Warmup -> Full -> Predict -> Correct."""
 
     def __init__(self, *args, **kwargs):
@@ -1313,37 +1314,6 @@ class PredictiveEngine(DeepSpeedEngine):
             self._masters.lp_current = False
             self._masters.propagate()
 
-    def _resolve_cpu_step_behind(self) -> bool:
-        """``memory.cpu_step_behind``: on, or a config error naming what this setup lacks."""
-        if not self.hybrid_config.memory.cpu_step_behind:
-            return False
-        from .config import ConfigError
-        base = self._masters.base
-        why = None
-        if self._gradient is None:
-            why = "predictor.direction is not gradient (the GPU covers the step with the gradient run's own Adam step)"
-        elif not self._gradient.on_device:
-            why = "memory.offload_predict resolved to host (the run must live beside the 16-bit weights)"
-        elif self._masters.kind not in ("zero1-2", "zero3"):
-            why = f"the optimizer is {self._masters.kind}, not ZeRO 1, 2 or 3 (zero_optimization.stage)"
-        elif self._masters.kind == "zero3" and (getattr(self.optimizer, "swap_optimizer", False)
-                                                or None in self.optimizer.fp16_partitioned_groups_flat):
-            # (the deferred calls would read moments swapped out, or step partitions not in memory)
-            why = "ZeRO 3 keeps the optimizer state or the parameters on NVMe (offload_optimizer/offload_param.device)"
-        elif self._masters.kind == "zero3" and getattr(self.optimizer, "partial_offload", 1.0) != 1.0:
-            # (those sub-groups step on the accelerator at once, and their copy into the weights is dropped)
-            why = "zero_optimization.offload_optimizer.ratio is below 1 (some sub-groups step on the accelerator)"
-        elif type(base).__name__ != "DeepSpeedCPUAdam" or not hasattr(base, "ds_opt_adam"):
-            why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
-                   "(zero_optimization.offload_optimizer.device: cpu)")
-        elif self._fusion is not None:
-            why = "memory.fold_in_step is on (its passes live inside the step this defers)"
-        elif self.hybrid_config.group_predict.enabled:
-            why = "group_predict is enabled (a partial step steps some groups only)"
-        if why is not None:
-            raise ConfigError(f"hybrid_predict.memory.cpu_step_behind: true, but {why}")
-        return True
-
     def _commit_taken_inline(self) -> None:
         """A kept run's commit taken for the optimizer step (``memory.fold_in_step``) that no
         fused step will add: added now, whole."""
@@ -1416,191 +1386,6 @@ class PredictiveEngine(DeepSpeedEngine):
             return _instance_attrs(opt, step=lambda *args, **kwargs: None, overflow=True)
         raise TypeError(f"ds_hybrid: cannot skip a step of optimizer wrapper {name}")
 
-    # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False):
-        """DeepSpeed's checkpoint plus ds_hybrid's state, published atomically: written
-        into ``save_dir/.staging-<tag>``, renamed to ``save_dir/<tag>`` when complete,
-        and only then named in ``save_dir/latest``. Collective. See ``ds_hybrid/checkpoint.py``."""
-        self._wait_fold()     # the velocity is saved
-        self._wait_commit()
-        if self._gradient is not None:
-            self._gradient.behind.wait()   # (memory.cpu_step_behind: the masters and moments are saved)
-        parked = self._parking is not None and self._parking.parked
-        if parked:  # DeepSpeed saves the optimizer state from where it normally lives
-            self._parking.unpark(wait=True)
-        try:
-            ckpt.save_atomic(self, super().save_checkpoint, save_dir, tag, dict(client_state or {}), save_latest,
-                             exclude_frozen_parameters)
-        finally:
-            if parked:
-                self._parking.park()
-        return True
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, verify=True):
-        """DeepSpeed's load (``tag=None``: the one ``latest`` names) after checking the files
-        against the checkpoint's manifest (sizes and content digests), then ds_hybrid's shared and
-        per-rank state. Returns ``(load_path, client_state)``; ``(None, None)`` when there is no
-        ``latest``. Raises ``CheckpointError`` naming the file for a truncated, corrupt or
-        mismatched checkpoint, or one with no manifest. ``verify=False`` (ds_hybrid's addition):
-        skip the content digests and load a folder with no manifest (a plain DeepSpeed
-        checkpoint), with a warning."""
-        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                      custom_load_fn=custom_load_fn)
-        self._wait_fold()   # before the loaded masters, moments and velocity replace what it works on
-        if self._gradient is not None:
-            self._gradient.behind.wait()   # (memory.cpu_step_behind: a step of the masters being replaced)
-        if self._parking is not None:
-            self._parking.unpark(wait=True)  # the loaded moments replace these; on the device until the next run
-        return ckpt.load_verified(self, super().load_checkpoint, load_dir, tag, kwargs, verify=verify)
-
-    def hybrid_state_dict(self) -> dict:
-        """State every rank shares (it goes into DeepSpeed's ``client_state``): the phase
-        controller, the predictor, the pending Predict steps, the statistics, and
-        ``micro_steps``, which DeepSpeed does not save."""
-        sd = {"format": ckpt.FORMAT_VERSION, "enabled": self.hybrid_config.enabled,
-              "stats": asdict(self._stats), "micro_steps": int(self.micro_steps)}
-        if self.hybrid_config.enabled:
-            sd.update(controller=self.controller.state_dict(), predictor=self.predictor.state_dict(),
-                      pending=self._pending, verifications=self._verifications, max_lr=self._max_lr,
-                      progress_log=list(self.progress_log), next_groups=self._next_groups,
-                      check_groups=None if self._check_groups is None else sorted(self._check_groups),
-                      check_run=self._check_run,
-                      planner=None if self._planner is None else self._planner.state_dict(),
-                      difficulty=None if self._difficulty is None else self._difficulty.state_dict(),
-                      judge=None if self._judge is None else self._judge.state_dict(),
-                      judge_stopped=self._judge_stopped, noise=self._noise.state_dict(),
-                      device_predict=None if self._device_predict is None else self._device_predict.state_dict())
-        return sd
-
-    def load_hybrid_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
-        """Restore ``hybrid_state_dict()``. Without one (a plain DeepSpeed checkpoint) the
-        phase cycle starts again from Warmup, with a warning."""
-        if sd is None:
-            logger.warning(f"{source}: no ds_hybrid state in this checkpoint; the phase cycle restarts from Warmup")
-            return
-        self._stats = _Stats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in sd["stats"].items()})
-        self.micro_steps = sd["micro_steps"]
-        if not self.hybrid_config.enabled:
-            return
-        if not sd["enabled"]:
-            logger.warning(f"{source}: saved with hybrid_predict disabled; the phase cycle starts from Warmup")
-            return
-        self.controller.load_state_dict(sd["controller"])
-        self.predictor.load_state_dict(sd["predictor"])
-        self._pending = sd["pending"]
-        self._verifications = sd.get("verifications", 0)
-        self._max_lr = sd.get("max_lr", 0.0)
-        self.progress_log = [tuple(x) for x in sd.get("progress_log", [])]
-        self._next_groups = int(sd.get("next_groups", 0)) if self._planner is not None else 0
-        pending = sd.get("check_groups")
-        self._check_groups = frozenset(pending) if pending is not None else None
-        self._check_run = bool(sd.get("check_run", False))
-        if self._planner is not None and sd.get("planner") is not None:
-            self._planner.load_state_dict(sd["planner"])
-        if self._difficulty is not None and sd.get("difficulty") is not None:
-            self._difficulty.load_state_dict(sd["difficulty"])
-        if self._judge is not None and sd.get("judge") is not None:
-            self._judge.load_state_dict(sd["judge"])
-        self._judge_stopped = bool(sd.get("judge_stopped", False))
-        if sd.get("noise") is not None:   # (checkpoints before it: the estimate starts over, as it did)
-            self._noise.load_state_dict(sd["noise"])
-        self._saved_device_run = sd.get("device_predict")   # applied with the rank state (it needs the velocity)
-
-    def rank_state_dict(self) -> dict:
-        """This rank's own state: its RNG states and, in the middle of a Predict run, the
-        rollback snapshot (its shard of the masters at the last good point)."""
-        return {"format": ckpt.FORMAT_VERSION, "rank": int(self.global_rank), "world_size": int(self.dp_world_size),
-                "rng": ckpt.rng_state(), "snapshot": self._snapshot_to_save(),
-                "velocity": self._velocity.state_dict() if self._velocity is not None else None,
-                # memory.fold_overlap: the last fold's sums, which the next real step observes
-                "fold": self._folds.state_dict() if self._folds is not None else None,
-                # direction: gradient: the Predict run's own first moment on this rank's partitions
-                "gradient": self._gradient.state_dict() if self._gradient is not None else None,
-                # memory.fold_during_run: the velocity copy the pending run moves along
-                "held_velocity": (self._device_predict.held_state_dict() if self._device_predict is not None
-                                  else None)}
-
-    def load_rank_state_dict(self, sd: dict | None, source: Any = "checkpoint") -> None:
-        """Restore ``rank_state_dict()``. None (a universal checkpoint, another world size):
-        a snapshot still needed is retaken from the loaded masters, with a warning."""
-        if sd is not None:
-            ckpt.set_rng_state(sd["rng"])
-        if self.hybrid_config.enabled and self._velocity is not None:
-            saved_v = None if sd is None else sd.get("velocity")
-            if saved_v is not None:
-                self._velocity.load_state_dict(saved_v, self._masters)
-            else:
-                logger.warning(f"{source}: no drift velocity for this rank in the checkpoint; it is rebuilt from "
-                               "the next real steps")
-            if self._folds is not None:
-                self._folds.load_state_dict(None if sd is None else sd.get("fold"))
-        if self.hybrid_config.enabled and self._gradient is not None:
-            why = self._gradient.load_state_dict(None if sd is None else sd.get("gradient"))
-            if why is not None:
-                logger.warning(f"{source}: saved in the middle of a gradient Predict run, which cannot be taken up "
-                               f"as it was: {why}")
-        if self.hybrid_config.enabled and self._load_device_run(sd, source):
-            return
-        if not self.hybrid_config.enabled or not self._snapshot_needed():
-            return
-        saved = None if sd is None else sd.get("snapshot")
-        za.capture_weights(self._masters, self._snapshot)  # allocates the buffers on the right device
-        shapes = [tuple(b.shape) for b in self._snapshot.buffers]
-        if saved is not None and [tuple(b.shape) for b in saved] == shapes:
-            for buf, value in zip(self._snapshot.buffers, saved):
-                buf.copy_(value)
-            return
-        logger.warning(f"{source}: saved in the middle of a Predict run, but this rank's rollback snapshot does "
-                       f"not apply here; the loaded weights become the last good point ({self._pending} unverified "
-                       "Predict steps can no longer be rolled back)")
-
-    def _load_device_run(self, sd: dict | None, source: Any) -> bool:
-        """A Predict run saved or loaded on the device path (``memory.offload_predict``). The
-        loaded masters are its last good point; True when nothing else is left to restore."""
-        saved, self._saved_device_run = self._saved_device_run, None
-        pending = (saved or {}).get("pending") or []
-        held = None if sd is None else sd.get("held_velocity")
-        if self._device_predict is not None:
-            self._device_predict.load_state_dict(saved, held, self._velocity)
-            if pending:   # the 16-bit copies from the masters, then the run's updates again
-                self._device_predict.replay(self._velocity)
-            elif sd is not None and sd.get("snapshot") is not None:
-                logger.warning(f"{source}: saved in the middle of a host-path Predict run; on the device path the "
-                               f"loaded weights become the last good point ({self._pending} unverified Predict "
-                               "steps can no longer be rolled back)")
-            return True
-        if not pending:
-            return False
-        # Saved by a device-side run, loaded on the host path: the masters are the rollback
-        # snapshot, then they take the run, which is where the host path would hold them.
-        run = DevicePredict(self._masters, backend=self.hybrid_config.kernels)
-        run.host_kernel = self._host_kernel
-        run.load_state_dict(saved, held, self._velocity)
-        rest = run.pending[run.verified:]
-        run.pending = run.pending[:run.verified]
-        run.commit(self._velocity)   # its verified steps: the last good point
-        za.capture_weights(self._masters, self._snapshot)
-        run.pending = rest
-        run.commit(self._velocity)
-        self._masters.lp_current = False
-        self._masters.propagate()
-        return True
-
-    def _offload_pins_memory(self) -> bool:
-        """DeepSpeed's ``offload_optimizer.pin_memory`` as it parsed it (true where nothing is
-        offloaded: then the velocity is not in host memory anyway)."""
-        oo = self._config.zero_config.offload_optimizer
-        return True if oo is None else bool(oo.pin_memory)
-
-    def _host_masters_beside_an_accelerator(self) -> bool:
-        """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""
-        zo = self._config._param_dict.get("zero_optimization") or {}
-        device = (zo.get("offload_optimizer") or {}).get("device", "none")
-        return device in ("cpu", "nvme") and self.device.type != "cpu"
-
     def _snapshot_needed(self) -> bool:
         # Inside a Predict run the snapshot is the last good point a rejection returns to, and
         # after a partial step it is the predicted groups' rollback point until the next step's
@@ -1611,212 +1396,10 @@ class PredictiveEngine(DeepSpeedEngine):
         return (self.controller.phase is Phase.PREDICT and self.controller.predict_index > 0) \
             or self._check_groups is not None
 
-    def _resolve_fold_source(self) -> bool:
-        """``memory.fold_source``: True where real steps read their update back from the Adam
-        state instead of a pre-step copy of the masters."""
-        setting = self.hybrid_config.memory.fold_source
-        if not fold_from_optimizer_state(setting, self._device_predict is not None):
-            return False
-        amsgrad = any(g.get("amsgrad") for g in self._masters.base.param_groups)
-        if amsgrad and setting == "optimizer_state":
-            raise ValueError("hybrid_predict.memory.fold_source: optimizer_state reads the update back from Adam's "
-                             "moments, which amsgrad's max does not allow; set it to snapshot")
-        return not amsgrad
-
-    def _resolve_shard_fold(self) -> ShardFold | None:
-        """``memory.fold_source: weights16``: the fold from the 16-bit shards, or a config error
-        naming what this setup lacks."""
-        from .config import ConfigError
-        cfg = self.hybrid_config
-        if cfg.memory.fold_source != "weights16":
-            return None
-        why = None
-        if cfg.predictor.direction != "drift":
-            why = f"predictor.direction is {cfg.predictor.direction!r} (there is no drift velocity to fold)"
-        elif self._device_predict is None:
-            why = ("the Predict steps are not on the device-side drift path (memory.offload_predict: device, or auto "
-                   "with zero_optimization.offload_optimizer beside a GPU): the shards would hold each run")
-        elif cfg.group_predict.enabled:
-            why = "group_predict is on (a layer-group step's fold keeps its snapshot: its rollback point)"
-        else:
-            between = cfg.correction_steps if cfg.correction_steps > 0 else cfg.full_steps
-            key = "correction_steps" if cfg.correction_steps > 0 else "full_steps"
-            if between == 1:
-                why = (f"{key} is 1: the one real step between two Predict runs commits the first and takes no "
-                       "fold (shard_fold.py), so the velocity would stop at the first kept run; set it to 2 or more")
-        if why is not None:
-            raise ConfigError(f"hybrid_predict.memory.fold_source: weights16, but {why}")
-        return ShardFold(self._masters, backend=self.hybrid_config.kernels)
-
-    def _make_device_predict(self) -> "DevicePredict | None":
-        """``memory.offload_predict``: the device-side Predict path, or None (the host path)."""
-        setting = self.hybrid_config.memory.offload_predict
-        if self.hybrid_config.predictor.direction == "gradient":
-            return None   # (its own device path: grad_predict.GradientPredict)
-        if not offload_predict_on_device(setting, self._host_masters_beside_an_accelerator()):
-            return None
-        why = device_unsupported(self._masters, self.hybrid_config.predictor.direction)
-        if why is None:
-            return DevicePredict(self._masters, backend=self.hybrid_config.kernels)
-        if setting == "device":
-            raise ValueError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
-        if self.global_rank == 0:
-            logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
-        return None
-
-    def _make_gradient_predict(self) -> GradientPredict:
-        """``predictor.direction: gradient``: where each master partition lies in the model's
-        parameters and where the run's state lives (``memory.offload_predict``), or a config
-        error naming what this layout lacks."""
-        from .config import ConfigError
-        if not self._masters.decoupled_decay and any(g.get("weight_decay") for g in self._masters.base.param_groups):
-            raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
-                              "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
-                              "L2 decay would have to go into the gradient")
-        zc = self._config.zero_config
-        on_nvme = [f"zero_optimization.{k}.device" for k in ("offload_optimizer", "offload_param")
-                   if getattr(getattr(zc, k, None), "device", None) == "nvme"]
-        if on_nvme:   # (ZeRO-Infinity swaps each sub-group in and out; the run's state would have to follow)
-            raise ConfigError(f"{' and '.join(on_nvme)}: nvme; hybrid_predict.predictor.direction 'gradient' needs "
-                              "the masters, the Adam state and the 16-bit partitions in memory (cpu or the GPU)")
-        mem = self.hybrid_config.memory
-        on_device = offload_predict_on_device(mem.offload_predict, self._host_masters_beside_an_accelerator())
-        if on_device and self._masters.kind not in ("zero1-2", "zero3"):
-            why = (f"the device path keeps the run beside ZeRO 1-3's 16-bit partitions; this optimizer is "
-                   f"{self._masters.kind}")
-            if mem.offload_predict == "device":
-                raise ConfigError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
-            if self.global_rank == 0:
-                logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
-            on_device = False
-        dtype = torch.float32
-        if on_device:
-            shard = self._masters.device_shard(0)
-            if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
-                                                      and shard.dtype == torch.bfloat16):
-                dtype = torch.bfloat16
-        pred = self.hybrid_config.predictor
-        try:
-            return GradientPredict(self._masters, self.gradient_clipping(), self._all_reduce_in_place, self._world(),
-                                   on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
-                                   seed=self.hybrid_config.dynamics.seed,
-                                   batch_fraction=pred.gradient_batch_fraction,
-                                   lr_scale=pred.gradient_lr_scale)
-        except NotImplementedError as err:
-            raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
-                              f"(zero_optimization.stage, bf16.enabled): {err}") from None
-
     def _device_path(self) -> bool:
         """Predict runs leave the masters at the last good point (``memory.offload_predict``
         resolved to the device path, for the drift or the gradient direction)."""
         return self._device_predict is not None or (self._gradient is not None and self._gradient.on_device)
-
-    def _resolve_fold_overlap(self) -> bool:
-        """``memory.fold_overlap``: whether real steps fold on a host thread behind the next step."""
-        setting = self.hybrid_config.memory.fold_overlap
-        if self._fusion is not None:
-            return False   # (memory.fold_in_step: the fold runs inside the optimizer step; true refused there)
-        if setting is False or self._velocity is None:
-            if setting is True:
-                raise ValueError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
-                                 "no velocity to fold with the Adam direction)")
-            return False
-        zo = self._config._param_dict.get("zero_optimization") or {}
-        why = None
-        if self._shards is not None:
-            why = "memory.fold_source is weights16 (the fold is a few kernels on the shards' device after the step)"
-        elif not self._fold_from_state:
-            why = ("memory.fold_source is snapshot: the next step's copy of the masters would overwrite what the "
-                   "fold reads; set fold_source to optimizer_state")
-        elif self._learns_from_every_step():
-            why = ("group_predict, predictor.type: rssm and dynamics.trajectory_path read every real step's "
-                   "direction statistics at that step")
-        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
-            why = ("offload_optimizer.device is nvme: reading the masters would swap them in on the fold's thread, "
-                   "beside DeepSpeed's own swapper")
-        if setting == "auto":
-            return why is None and self._host_masters_beside_an_accelerator()
-        if why is not None:
-            raise ValueError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
-        return True
-
-    def _resolve_fold_in_step(self) -> "step_fusion.FusedCpuAdam | None":
-        """``memory.fold_in_step``: DeepSpeed's CPU Adam op wrapped so that real steps fold (and
-        kept runs commit) inside its step, or None."""
-        mem = self.hybrid_config.memory
-        setting = mem.fold_in_step
-        if setting is False:
-            return None
-        base = self._masters.base
-        zo = self._config._param_dict.get("zero_optimization") or {}
-        behind = [k for k in ("fold_overlap", "fold_during_run", "commit_overlap") if getattr(mem, k) is True]
-        why = None
-        if behind:
-            why = (f"memory.{behind[0]} is true (that work runs behind the step on a host thread; "
-                   f"set one of the two to false)")
-        elif self._velocity is None:
-            why = "predictor.direction is not drift (there is no velocity to fold)"
-        elif type(base).__name__ != "DeepSpeedCPUAdam":
-            why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
-                   "(zero_optimization.offload_optimizer.device: cpu)")
-        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
-            why = "zero_optimization.offload_optimizer.device is nvme (DeepSpeed swaps the partitions in for its step)"
-        elif not self._fold_from_state and self._shards is None:
-            why = "memory.fold_source is snapshot (the fold reads a copy of the masters from before the step)"
-        elif not self._host_kernel:
-            why = "memory.host_kernels is torch (the fold by ranges is the C++ kernel's)"
-        elif not getattr(base, "fp32_optimizer_states", True):
-            why = "DeepSpeed's CPU Adam keeps its moments in 16 bits here (the fold reads fp32 moments)"
-        if why is not None:
-            if setting is True:
-                raise ValueError(f"hybrid_predict.memory.fold_in_step: true, but {why}")
-            return None
-        # auto takes it beside a GPU too: there it made the real steps cheaper than the fold behind
-        # the step (H200, llama-1b, 2026-11-27: 1044 against 1172 ms; gpu_run.sh grad1b).
-        return step_fusion.install(base)
-
-    def _resolve_fold_during_run(self) -> bool:
-        """``memory.fold_during_run``: whether a drift run holds a copy of the velocity from before
-        the last real step's fold, which then runs during the run."""
-        setting = self.hybrid_config.memory.fold_during_run
-        why = None
-        if self._shards is not None:
-            why = "memory.fold_source is weights16 (the fold is on the shards' device, before the run)"
-        elif self._fusion is not None:
-            why = "memory.fold_in_step is on (the fold runs inside the optimizer step, before the run)"
-        elif self._folds is None:
-            why = "memory.fold_overlap is off here (the fold runs inline)"
-        elif self._device_predict is None:
-            why = "the Predict steps are not on the device-side drift path (memory.offload_predict)"
-        if why is None and self.hybrid_config.memory.free_velocity_copy:
-            why = "memory.free_velocity_copy is on (the commit would read the run's held copy after it is freed)"
-        if setting is True and why is not None:
-            raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
-        if setting == "auto":
-            # Off: measured on an H100 (llama-1b, 2026-11-26) the fold during the run made the real
-            # steps slower than the fold behind the step (803 against 746 ms; Predict steps 20.4
-            # against 18.1): a run of a few 20 ms steps is too short for the fold, which then lands
-            # in the next real step's forward and backward.
-            return False
-        return setting is True and why is None
-
-    def _resolve_free_velocity_copy(self) -> bool:
-        """``memory.free_velocity_copy``: where there is a velocity copy to free, the device-side
-        drift path's beside shards on a GPU (a preset that sets it still runs on the CPU)."""
-        if not self.hybrid_config.memory.free_velocity_copy or self._device_predict is None:
-            return False
-        if self._shards is not None:
-            from .config import ConfigError
-            raise ConfigError("hybrid_predict.memory.free_velocity_copy: true, but memory.fold_source is weights16: "
-                              "the velocity itself lives beside the shards (there is no copy to free); set one of the "
-                              "two otherwise")
-        return self._device_predict.copy_always or all(
-            self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
-
-    def _snapshot_to_save(self) -> list[torch.Tensor] | None:
-        if not (self.hybrid_config.enabled and self._snapshot_needed() and self._snapshot.holds == "weights"):
-            return None
-        return [b.detach().to("cpu", copy=True) for b in self._snapshot.buffers]
 
     # ------------------------------------------------------------ helpers
     def _as_micro_batches(self, micro_batches: Any) -> list:
@@ -2005,57 +1588,3 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 class InitializeError(ValueError, AssertionError):
     """A bad argument to ``initialize`` that ``deepspeed.initialize`` refuses with an ``assert``
     (no config, two configs): both types, so code written for either one catches it."""
-
-
-class ConfigFileNotFoundError(FileNotFoundError, ValueError):
-    """A ds_config path that names no file: ``deepspeed.initialize`` raises ``ValueError`` there."""
-
-
-def _parse_config_text(text: str) -> Any:
-    """JSON first (hjson reads 1.0 as the int 1, and the hybrid_predict section is strictly typed),
-    then hjson, which DeepSpeed also reads; duplicate keys are rejected either way."""
-    import json
-
-    import hjson
-    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
-    try:
-        return json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-    except json.JSONDecodeError:
-        return hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-
-
-def load_ds_config(config: Any) -> dict:
-    """A ds_config dict as DeepSpeed reads one (``DeepSpeedConfig``): a dict; a path to a JSON or
-    hjson file, duplicate keys rejected; or a base64-encoded config string. Errors name the file."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    if not isinstance(config, (str, os.PathLike)):
-        raise ValueError(f"ds_config: expected a dict, a path to a JSON or hjson file, or a base64-encoded config "
-                         f"string; got {type(config).__name__}")
-    import base64
-    import binascii
-    from pathlib import Path
-
-    import hjson
-    path = Path(config)
-    try:
-        is_file = path.is_file()
-    except OSError:   # a base64 config is longer than a file name may be
-        is_file = False
-    if is_file:
-        try:
-            return dict(_parse_config_text(path.read_text()))
-        except hjson.HjsonDecodeError as err:
-            raise ValueError(f"ds_config file {path} is not valid JSON (nor hjson, which DeepSpeed also reads): "
-                             f"{err}") from None
-        except ValueError as err:   # duplicate keys
-            raise ValueError(f"ds_config file {path}: {err}") from None
-    if isinstance(config, str):
-        try:
-            loaded = _parse_config_text(base64.urlsafe_b64decode(config).decode("utf-8"))
-            if isinstance(loaded, Mapping):
-                return dict(loaded)
-        except (binascii.Error, UnicodeDecodeError, hjson.HjsonDecodeError, ValueError):
-            pass
-    raise ConfigFileNotFoundError(f"ds_config file not found: {path} (a ds_config is a dict, a path to a JSON or hjson "
-                            "file, or a base64-encoded config string)")

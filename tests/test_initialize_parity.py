@@ -36,7 +36,8 @@ import torch
 from engine_utils import EAGER, SEQ, Batches, ds_config, full_params
 
 import ds_hybrid
-from ds_hybrid.engine import PredictiveEngine, load_ds_config
+from ds_hybrid.ds_config import load_ds_config
+from ds_hybrid.engine import PredictiveEngine
 from ds_hybrid.models import build_model
 
 MODES = {"absent": None, "disabled": {"enabled": False}, "enabled": EAGER}
