@@ -309,7 +309,7 @@ def test_arm_configs():
     gpu = bench.SUITES["offload-gpu"]
     assert "predict-gradient-quarter-15" in gpu.arms and 3.0 in gpu.budgets
     assert 3.0 not in bench.ARMS["baseline"].budgets and 2.0 in bench.ARMS["baseline"].budgets
-    # offload-b64: the same arm at grad_step_study's batch on the CPU, ZeRO-Offload, 3x against plain's and ZenFlow's up to 1.5x
+    # offload-b64: the same arm at grad_step_study's batch on the CPU, ZeRO-Offload, 3x and 4x against plain's and ZenFlow's up to 1.5x
     b64 = bench.SUITES["offload-b64"]
     from ds_hybrid.arguments import resolve_config
     preset, _ = resolve_config(b64.config)
@@ -321,7 +321,8 @@ def test_arm_configs():
     assert b64.arms == ("baseline", "predict-gradient-quarter-15", "zenflow") and not b64.needs_gpu
     for comparator in ("baseline", "zenflow"):   # plain and ZenFlow to 1.5x, the quarter to 3x
         assert [b for b in b64.budgets if b in bench.ARMS[comparator].budgets] == [1.0, 1.25, 1.5]
-    assert [b for b in b64.budgets if b in bench.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0]
+    assert [b for b in b64.budgets if b in bench.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0, 4.0]
+    assert 4.0 not in gpu.budgets   # (the GPU suite's quarter stops at 3x)
     # Every arm's section parses.
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench.ARMS.values():
