@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from . import bench_launch
 from . import bench_report as report
@@ -350,30 +350,9 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
         return Run(name, arm.name, seed, lr, budget, cfg, out / name, steps, baseline)
 
     first = suite.seeds[0]
-    sweep = {}
-    for m in suite.lr_multipliers:
-        sweep[m] = runner(run_of(ARMS["baseline"], first, 1.0, base_lr * m, f"baseline-lr{m:g}-s{first}"))
-
-    def best_of(sweep: dict) -> float:
-        finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
-        if not finite:
-            raise RuntimeError("bench: every baseline of the LR sweep diverged")
-        return min(finite, key=lambda m: finite[m]["final_val_loss"])
-
-    # A best LR at the edge of the sweep is not known to be the best: keep doubling (or
-    # halving) until it is inside, at most twice. A baseline with an under-tuned LR makes
-    # any predicted step look useful (they act much like a larger LR).
-    best_m = best_of(sweep)
-    for _ in range(2):
-        if best_m == max(sweep) and len(sweep) > 1:
-            m = best_m * 2
-        elif best_m == min(sweep) and len(sweep) > 1:
-            m = best_m / 2
-        else:
-            break
-        runner.total += 1
-        sweep[m] = runner(run_of(ARMS["baseline"], first, 1.0, base_lr * m, f"baseline-lr{m:g}-s{first}"))
-        best_m = best_of(sweep)
+    sweep, best_m = _lr_sweep(lambda m: runner(run_of(ARMS["baseline"], first, 1.0, base_lr * m,
+                                                      f"baseline-lr{m:g}-s{first}")),
+                              suite.lr_multipliers, runner, "bench: every baseline of the LR sweep diverged")
     # One seed's sweep can pick an LR that is worse on the others: on offload-z3, x2 beat x1 by
     # 0.1% on the first seed and ended 7-9% above it on the other two (benchmarks/lr_check.py).
     # Every LR within SWEEP_TIE of the first seed's best runs on every seed; the lowest mean
@@ -438,32 +417,40 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
             "bench_seconds": time.time() - runner.t_start, "reused_runs": runner.reused}
 
 
-def _own_sweep(arm: Arm, best_m: float, runner: "Runner", run_of, seed: int,
-               base_lr: float) -> tuple[dict[float, dict], float]:
-    """An ``own_lr`` arm's LR sweep at the full budget on the first seed: half, once and twice plain's
-    best multiplier, extended past an edge at most twice as plain's is. Its run at plain's LR keeps
-    the name of its full-budget run, so a ``--reuse`` of a suite run before it had a sweep runs
-    only the new LRs. Returns the sweep (multiplier -> row) and the best multiplier."""
-    def run(m: float) -> dict:
-        name = f"{arm.name}-b1-s{seed}" if m == best_m else f"{arm.name}-lr{m:g}-s{seed}"
-        return runner(run_of(arm, seed, 1.0, base_lr * m, name))
-
-    sweep = {m: run(m) for m in (best_m / 2, best_m, best_m * 2)}
+def _lr_sweep(run: Callable[[float], dict], multipliers: Iterable[float], runner: "Runner",
+              diverged: str) -> tuple[dict[float, dict], float]:
+    """An LR sweep at the full budget on the first seed: ``run`` at each multiplier, then past an
+    edge while the best is there, at most twice: a best LR at the edge is not known to be the best,
+    and a baseline with an under-tuned LR makes any predicted step look useful (they act much like
+    a larger LR). Returns the sweep (multiplier -> row) and the best multiplier; ``diverged`` is the
+    error where no run of it ended finite."""
+    sweep = {m: run(m) for m in multipliers}
 
     def best() -> float:
         finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
         if not finite:
-            raise RuntimeError(f"every run of {arm.name}'s LR sweep diverged")
+            raise RuntimeError(diverged)
         return min(finite, key=lambda m: finite[m]["final_val_loss"])
     m = best()
     for _ in range(2):
-        if m not in (min(sweep), max(sweep)):
+        if len(sweep) < 2 or m not in (min(sweep), max(sweep)):
             break
         edge = m * 2 if m == max(sweep) else m / 2
         runner.total += 1
         sweep[edge] = run(edge)
         m = best()
     return sweep, m
+
+
+def _own_sweep(arm: Arm, best_m: float, runner: "Runner", run_of, seed: int,
+               base_lr: float) -> tuple[dict[float, dict], float]:
+    """An ``own_lr`` arm's LR sweep (``_lr_sweep``) around plain's best multiplier: half, once and
+    twice it. Its run at plain's LR keeps the name of its full-budget run, so a ``--reuse`` of a
+    suite run before it had a sweep runs only the new LRs."""
+    def run(m: float) -> dict:
+        name = f"{arm.name}-b1-s{seed}" if m == best_m else f"{arm.name}-lr{m:g}-s{seed}"
+        return runner(run_of(arm, seed, 1.0, base_lr * m, name))
+    return _lr_sweep(run, (best_m / 2, best_m, best_m * 2), runner, f"every run of {arm.name}'s LR sweep diverged")
 
 
 def _slim(row: dict) -> dict:
