@@ -85,7 +85,9 @@
 #   offbench the offload-gpu bench suite (GPT-2 124M, ZeRO 2 + pinned CPU Adam, 8 x 256 a step):
 #            plain ZeRO-Offload LR-swept, ZenFlow, the hybrid; 3 seeds, every run started by
 #            DeepSpeed's launcher bound to its cores (plain python where numactl is missing) with
-#            wall_clock_breakdown. About 25 min of runs: it stops itself after OFFBENCH_SECONDS
+#            wall_clock_breakdown, OFFBENCH_JOBS (4) runs at a time, each bound to its own quarter of the
+#            cores (its ratios then in Full-step equivalents, each step kind timed alone after the runs;
+#            OFFBENCH_JOBS=1 for seconds from runs alone). About 25 min of runs one at a time: it stops itself after OFFBENCH_SECONDS
 #            (560) or what is left of the call (CALL_SECONDS, 570, less a minute for its tar) and resumes
 #            (--reuse) when called again on the same warm machine (OFFBENCH_ARMS, e.g. "predict-gradient-quarter-15
 #            zenflow", runs those systems and plain ZeRO-Offload only); in a later session, unpack
@@ -253,8 +255,11 @@ for stage in "$@"; do
       echo "launcher: $launcher"
       # (what is left of the call, less a minute for the tar: after `ops` in the same call too)
       # (OFFBENCH_ARMS: the suite's systems this call runs, plain DeepSpeed always among them)
+      # (OFFBENCH_JOBS runs at a time, each on its share of the cores: the suite's ratios then come from its
+      #  Full-step equivalents, each step kind timed alone after the runs; OFFBENCH_JOBS=1 for clean seconds)
       timeout -k 20 "$(smaller "${OFFBENCH_SECONDS:-560}" "$(left 60)")" $DSH bench --suite offload-gpu --launcher "$launcher" \
-        ${OFFBENCH_ARMS:+--arms $OFFBENCH_ARMS} --out runs/bench/offload-gpu --reuse > "$OUT/offbench.log" 2>&1
+        ${OFFBENCH_ARMS:+--arms $OFFBENCH_ARMS} --jobs "${OFFBENCH_JOBS:-4}" --out runs/bench/offload-gpu --reuse \
+        > "$OUT/offbench.log" 2>&1
       rc=$?; tail -5 "$OUT/offbench.log"
       pkill -f "ds_hybrid.train" 2>/dev/null; pkill -f "deepspeed.launcher" 2>/dev/null  # a run cut off by the timeout
       tar czf "$OUT/offload-gpu-runs.tgz" --exclude="*.pt" -C runs/bench offload-gpu

@@ -31,10 +31,13 @@ import json
 import math
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -213,12 +216,37 @@ def arm_config(base_cfg: dict, arm: Arm, quick: bool) -> tuple[dict, bool]:
 
 
 class Runner:
-    """Runs training subprocesses for one suite and keeps their rows."""
+    """Runs training subprocesses for one suite and keeps their rows; with ``jobs`` above 1, that
+    many at a time (from threads: ``each``), each bound to a set of cores no other run holds."""
 
-    def __init__(self, suite: Suite, out: Path, data: str | None, init: str | None, live: bool, reuse: bool):
+    def __init__(self, suite: Suite, out: Path, data: str | None, init: str | None, live: bool, reuse: bool,
+                 jobs: int = 1):
         self.suite, self.out, self.data, self.init, self.live, self.reuse = suite, out, data, init, live, reuse
         self.done, self.total, self.t_start, self.reused = 0, 0, time.time(), 0
         self.gpus: dict[str, Path] = {}   # each GPU the runs trained on (summary.json's host): a run timed on it
+        self.jobs = jobs
+        self.lock = threading.Lock()   # the counters, the prints and the GPU check, shared by the threads
+        self._slots: queue.SimpleQueue | None = None   # the free core sets; a run takes one and gives it back
+        if jobs > 1:
+            self._slots = queue.SimpleQueue()
+            for cores in bench_launch.core_slots(jobs):
+                self._slots.put(cores)
+
+    def each(self, fn: Callable[[Any], Any], items: Iterable) -> list:
+        """``fn`` of every item, results in the items' order: one after another, or with ``jobs``
+        above 1 up to that many at a time. The first error is raised once the runs already going
+        have ended; those not yet started never start."""
+        items = list(items)
+        if self.jobs == 1 or len(items) < 2:
+            return [fn(x) for x in items]
+        with ThreadPoolExecutor(min(self.jobs, len(items))) as pool:
+            futures = [pool.submit(fn, x) for x in items]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
 
     def args_for(self, run: Run) -> list[str]:
         s = self.suite
@@ -249,18 +277,28 @@ class Runner:
                 == [a for a in self.args_for(run) if a != "--no-progress"])
 
     def __call__(self, run: Run) -> dict:
-        self.done += 1
-        print(f"[{self.done}/{self.total}] {run.name}: seed {run.seed}, {run.steps} steps, lr {run.lr:g}", flush=True)
+        with self.lock:
+            self.done += 1
+            print(f"[{self.done}/{self.total}] {run.name}: seed {run.seed}, {run.steps} steps, lr {run.lr:g}",
+                  flush=True)
         if self.reuse and self.reusable(run):
-            print(f"      reusing the finished run in {run.out}", flush=True)
-            self.reused += 1
+            with self.lock:
+                print(f"      reusing the finished run in {run.out}", flush=True)
+                self.reused += 1
         else:
             run.out.mkdir(parents=True, exist_ok=True)
             (run.out / "ds_config.json").write_text(json.dumps(run.config, indent=2))
             args = self.args_for(run)
-            with open(run.out / "train.log", "w") as log:
-                proc = subprocess.run(bench_launch.command(self.suite.launcher, "ds_hybrid.train", args),
-                                      stdout=log, stderr=None if self.live else subprocess.STDOUT, env=child_env())
+            cores = self._slots.get() if self._slots is not None else None
+            try:
+                with open(run.out / "train.log", "w") as log:
+                    launcher = self.suite.launcher
+                    proc = subprocess.run(bench_launch.command(launcher, "ds_hybrid.train", args, cores=cores),
+                                          stdout=log, stderr=None if self.live else subprocess.STDOUT,
+                                          env=bench_launch.threads_env(child_env(), launcher, cores))
+            finally:
+                if cores is not None:
+                    self._slots.put(cores)
             if proc.returncode != 0:
                 tail = (run.out / "train.log").read_text()[-2000:]
                 raise RuntimeError(f"bench run {run.name} failed (exit {proc.returncode}); see "
@@ -268,9 +306,11 @@ class Runner:
             (run.out / "bench_args.json").write_text(json.dumps(args))
         row = load_run(run.out)
         row.update(arm=run.arm, budget=run.budget, lr=run.lr)
-        self._one_gpu(run)
-        print(f"      val loss {row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
-              f"{row['predicted_pct']:.0f}% predicted, {time.time() - self.t_start:.0f} s elapsed", flush=True)
+        with self.lock:
+            self._one_gpu(run)
+            print(f"      {run.name if self.jobs > 1 else ''}{': ' if self.jobs > 1 else ''}val loss "
+                  f"{row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
+                  f"{row['predicted_pct']:.0f}% predicted, {time.time() - self.t_start:.0f} s elapsed", flush=True)
         return row
 
     def _one_gpu(self, run: Run) -> None:
@@ -325,13 +365,13 @@ def pretrained(suite: Suite, base_cfg: dict, cache: Path, live: bool) -> str | N
 
 
 def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: bool, quick: bool,
-                 cache: Path) -> dict:
+                 cache: Path, jobs: int = 1) -> dict:
     from .arguments import resolve_config
     preset, _ = resolve_config(suite.config)
     base_cfg = deep_merge(preset, suite.overrides)
     base_lr = float(base_cfg["optimizer"]["params"]["lr"])
     init = pretrained(suite, base_cfg, cache, live)
-    runner = Runner(suite, out, data, init, live, reuse)
+    runner = Runner(suite, out, data, init, live, reuse, jobs)
     arms = [ARMS[a] for a in suite.arms]
     budgets_of = {a.name: [b for b in suite.budgets
                            if a.budgets is None or b in a.budgets or (suite.budgets_for_all and a.hybrid != "preset")]
@@ -363,11 +403,13 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
                   and r["final_val_loss"] <= sweep[best_m]["final_val_loss"] * (1 + SWEEP_TIE))
     if len(tied) > 1 and len(suite.seeds) > 1:
         runner.total += len(tied) * (len(suite.seeds) - 1) - (len(suite.seeds) - 1)
+        pairs = [(m, seed) for m in tied for seed in suite.seeds[1:]]
+        done = runner.each(lambda p: runner(run_of(ARMS["baseline"], p[1], 1.0, base_lr * p[0],
+                                                   f"baseline-lr{p[0]:g}-s{p[1]}")), pairs)
         for m in tied:
             tie_break[m] = {first: sweep[m]}
-            for seed in suite.seeds[1:]:
-                tie_break[m][seed] = runner(run_of(ARMS["baseline"], seed, 1.0, base_lr * m,
-                                                   f"baseline-lr{m:g}-s{seed}"))
+        for (m, seed), row in zip(pairs, done):
+            tie_break[m][seed] = row
 
         def mean_loss(m: float) -> float:
             losses = [r["final_val_loss"] for r in tie_break[m].values()]
@@ -391,30 +433,35 @@ def plan_and_run(suite: Suite, out: Path, data: str | None, live: bool, reuse: b
             continue
         lr_of[arm.name] = base_lr * m
         rows[arm.name][str(first)] = {"1": own_sweeps[arm.name][m]}   # its sweep's best is its full-budget run
-    # Interleaved: every budget of every seed runs each system in turn.
-    for seed in suite.seeds:
-        for budget in sorted(suite.budgets, reverse=True):
-            for arm in arms:
-                if budget not in budgets_of[arm.name] or arm.name in errors:
-                    continue
-                if budget == 1.0 and "1" in rows[arm.name].get(str(seed), {}):
-                    continue   # the sweep's best run (or the tie-break's)
-                try:
-                    row = runner(run_of(arm, seed, budget, lr_of[arm.name]))
-                except RuntimeError as err:
-                    if ARMS[arm.name].hybrid is None:
-                        raise
-                    errors[arm.name] = str(err).splitlines()[0]   # e.g. ZenFlow without a GPU: say so, go on
-                    print(f"      {arm.name} did not run: {errors[arm.name]}", flush=True)
-                    continue
-                rows[arm.name].setdefault(str(seed), {})[f"{budget:g}"] = row
+    # Interleaved: every budget of every seed runs each system in turn (with --jobs, in that order
+    # as slots free up, so that machine noise still hits the systems alike).
+    todo = [(arm, seed, budget) for seed in suite.seeds for budget in sorted(suite.budgets, reverse=True)
+            for arm in arms if budget in budgets_of[arm.name] and arm.name not in errors
+            and not (budget == 1.0 and "1" in rows[arm.name].get(str(seed), {}))]   # (the sweep's best run)
+
+    def attempt(job: tuple[Arm, int, float]) -> dict | None:
+        arm, seed, budget = job
+        if arm.name in errors:   # an earlier run of it failed: the rest would too
+            return None
+        try:
+            return runner(run_of(arm, seed, budget, lr_of[arm.name]))
+        except RuntimeError as err:
+            if ARMS[arm.name].hybrid is None:
+                raise
+            with runner.lock:   # e.g. ZenFlow without a GPU: say so, go on
+                errors.setdefault(arm.name, str(err).splitlines()[0])
+                print(f"      {arm.name} did not run: {errors[arm.name]}", flush=True)
+            return None
+    for (arm, seed, budget), row in zip(todo, runner.each(attempt, todo)):
+        if row is not None:
+            rows[arm.name].setdefault(str(seed), {})[f"{budget:g}"] = row
     return {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sweep.items())}, "best_lr_multiplier": best_m,
             "sweep_tie_break": {f"{m:g}": {str(seed): r["final_val_loss"] for seed, r in by_seed.items()}
                                 for m, by_seed in tie_break.items()},
             "best_lr": best_lr, "own_lr": {name: {"sweep": {f"{m:g}": _slim(r) for m, r in sorted(sw.items())},
                                                   "best_lr": lr_of[name]} for name, sw in own_sweeps.items()},
             "rows": rows, "errors": errors, "base_config": base_cfg, "init": init,
-            "bench_seconds": time.time() - runner.t_start, "reused_runs": runner.reused}
+            "bench_seconds": time.time() - runner.t_start, "reused_runs": runner.reused, "jobs": jobs}
 
 
 def _lr_sweep(run: Callable[[float], dict], multipliers: Iterable[float], runner: "Runner",
@@ -424,7 +471,8 @@ def _lr_sweep(run: Callable[[float], dict], multipliers: Iterable[float], runner
     and a baseline with an under-tuned LR makes any predicted step look useful (they act much like
     a larger LR). Returns the sweep (multiplier -> row) and the best multiplier; ``diverged`` is the
     error where no run of it ended finite."""
-    sweep = {m: run(m) for m in multipliers}
+    multipliers = list(multipliers)
+    sweep = dict(zip(multipliers, runner.each(run, multipliers)))
 
     def best() -> float:
         finite = {m: r for m, r in sweep.items() if math.isfinite(r["final_val_loss"])}
@@ -483,11 +531,15 @@ def analyse(raw: dict, profile: dict | None) -> dict:
         if full is None:
             continue
         out["targets"][seed] = {n: full["final_val_loss"] * (1 + d) for n, d in TARGETS.items()}
-    for rows in raw["rows"].values():
+    for arm, rows in raw["rows"].items():
+        # A DeepSpeed feature's runs (ZenFlow) are --baseline runs whose steps the profile timed as a
+        # kind of the arm's own name (where it did: older profiles cost them as plain steps)
+        feature = arm in ARMS and isinstance(ARMS[arm].hybrid, dict) and "__ds__" in ARMS[arm].hybrid
+        own = arm if feature and profile and arm in profile["cost"] else None
         for by_budget in rows.values():
             for row in by_budget.values():
-                row["eq_curve"] = fr.step_costs_curve(row["val_points"],
-                                                      [cost_of(k, profile) for k in row["step_kinds"]])
+                row["eq_curve"] = fr.step_costs_curve(row["val_points"], [
+                    cost_of(own if own and k == "plain" else k, profile) for k in row["step_kinds"]])
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
                 # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
                 row["opt_curve"] = fr.step_costs_curve(row["val_points"], [0.0 if k.startswith("predict") else 1.0
@@ -570,10 +622,15 @@ PAIRED_KINDS = ("real", "real_idle", "real_groups")
 PROFILE_REPS = 40
 
 
-def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS) -> dict:
-    """Mean time of each step kind, measured in one process (a subprocess: its own world of 1)."""
+def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
+                  ds_arms: dict[str, float] | None = None) -> dict:
+    """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
+    ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
+    timed too, each as a kind of its own name: their steps are not plain DeepSpeed's."""
     args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
             "--seq-len", str(suite.seq_len)]
+    for name, arm_lr in (ds_arms or {}).items():
+        args += ["--ds-arm", f"{name}={arm_lr!r}"]
     if data:
         args += ["--data", data]
     if init:
@@ -587,7 +644,8 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None) -> dict:
+def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
+                    ds_arms: dict[str, float] | None = None) -> dict:
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -625,6 +683,17 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         load_init_weights(ds_model, init)
     ds_engine, *_ = deepspeed.initialize(model=ds_model, model_parameters=layer_groups(ds_model, suite.layer_groups),
                                          config={k: v for k, v in cfg.items() if k != "hybrid_predict"})
+    # Each DeepSpeed feature among the arms (ZenFlow), built as its runs are, at its own LR.
+    ds_features = {}
+    for name, arm_lr in (ds_arms or {}).items():
+        feature_cfg = deep_merge({k: v for k, v in cfg.items() if k != "hybrid_predict"}, ARMS[name].hybrid["__ds__"])
+        apply_lr(feature_cfg, arm_lr)
+        torch.manual_seed(0)
+        feature_model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
+        if init:
+            load_init_weights(feature_model, init)
+        ds_features[name], *_ = deepspeed.initialize(model=feature_model, config=feature_cfg,
+                                                     model_parameters=layer_groups(feature_model, suite.layer_groups))
     train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
     stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     gas = engine.gradient_accumulation_steps()
@@ -661,11 +730,11 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     def plain():
         engine._real_step(batches(), default_loss)
 
-    def deepspeed_step():
+    def deepspeed_step(eng=ds_engine):
         for b in batches():
-            loss = default_loss(ds_engine, b)
-            ds_engine.backward(loss)
-            ds_engine.step()
+            loss = default_loss(eng, b)
+            eng.backward(loss)
+            eng.step()
         loss.item()
 
     def full(k: int, with_planner: bool = True, phase: Phase = Phase.FULL):
@@ -691,6 +760,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         engine.train_step(batches())
 
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
+             **{name: (lambda e=e: deepspeed_step(e)) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
              "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
@@ -767,6 +837,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", default=None, choices=bench_launch.LAUNCHERS,
                    help="how each run starts: python (its own process) or deepspeed (the launcher with "
                         "--bind_cores_to_rank; needs numactl) (default: the suite's)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each bound to its own equal share of the cores (default 1). Above 1 "
+                        "the runs share the machine's memory bandwidth (and GPU): their seconds are not a clean "
+                        "time, and the report reads its ratios from the Full-step equivalents (each step kind "
+                        "timed alone, in one process)")
     p.add_argument("--reuse", action="store_true",
                    help="keep finished runs in the output directory whose config and arguments match (times "
                         "then come from different sittings; run the bench alone on a quiet machine)")
@@ -776,6 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=PROFILE_REPS, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ds-arm", action="append", default=[], help=argparse.SUPPRESS)   # NAME=LR
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
@@ -813,7 +889,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.profile_worker:
         suite = resolve_suite(argparse.Namespace(**{**vars(args), "suite": args.profile_worker, "quick": False,
                                                     "arms": None, "budgets": None}))
-        print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init)))
+        ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
+        print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms)))
         return None
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
@@ -830,17 +907,21 @@ def main(argv: list[str] | None = None) -> dict | None:
         import torch
         if not torch.cuda.is_available():
             raise SystemExit(f"--suite {suite.name}: needs a CUDA GPU (this machine has none)")
-    bench_launch.check(suite.launcher)
+    bench_launch.check(suite.launcher, args.jobs)
+    bench_launch.core_slots(args.jobs)   # (refuses more jobs than cores before anything runs)
     data = resolve_data(args.data or suite.data)
     out = Path(args.out or f"runs/bench/{suite.name}" + ("-quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)
     live = sys.stderr.isatty()
     print(f"ds-hybrid bench {suite.name}: {suite.doc}", flush=True)
-    raw = plan_and_run(suite, out, data, live, args.reuse, args.quick, Path(args.cache))
+    raw = plan_and_run(suite, out, data, live, args.reuse, args.quick, Path(args.cache), args.jobs)
     profile = None
     if not args.no_profile:
         print("profiling the step kinds ...", flush=True)
-        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS)
+        ds_arms = {a: raw["own_lr"].get(a, {}).get("best_lr", raw["best_lr"]) for a in suite.arms
+                   if isinstance(ARMS[a].hybrid, dict) and "__ds__" in ARMS[a].hybrid and a not in raw["errors"]}
+        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS,
+                                ds_arms=ds_arms)
     analysis = analyse(raw, profile)
     result = {
         "suite": {**asdict(suite), "seeds": list(suite.seeds), "lr_multipliers": list(suite.lr_multipliers),
@@ -850,7 +931,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "quick": args.quick, "data": data, "init": raw["init"],
         "sweep": raw["sweep"], "best_lr_multiplier": raw["best_lr_multiplier"], "best_lr": raw["best_lr"],
         "sweep_tie_break": raw["sweep_tie_break"], "own_lr": raw["own_lr"], "analysis": analysis, "profile": profile, "bench_seconds": raw["bench_seconds"], "errors": raw["errors"],
-        "reused_runs": raw["reused_runs"],
+        "reused_runs": raw["reused_runs"], "jobs": raw["jobs"],
         "host": f"{platform.machine()} {os.cpu_count()} CPU cores" + _gpu_name(),
         "date": time.strftime("%Y-%m-%d"),
         "runs": {arm: {seed: {b: report.slim_row(r) for b, r in by_b.items()} for seed, by_b in by_seed.items()}

@@ -85,7 +85,11 @@ def markdown(result: dict) -> str:
              f"{_own_lrs(result)}"
              f"Targets per seed: plain DeepSpeed's final validation loss at the full budget, and 1% and 2% above it. "
              f"Ratio = the system's least time to reach the target at any budget over plain DeepSpeed's "
-             f"(`ds_hybrid/frontier.py`); under 1 is faster.", ""]
+             f"(`ds_hybrid/frontier.py`); under 1 is faster."
+             + (f" The runs ran {result['jobs']} at a time (`--jobs`), each bound to its own share of the cores: "
+                "they shared the machine's memory bandwidth (and GPU), so their seconds, and the ratios in seconds "
+                "below, are not a clean time; read the Full-step equivalents (each step kind timed alone, in one "
+                "process, after the runs)." if concurrent(result) else ""), ""]
     lines += ["| system | target | target +1% | target +2% | Full-step equivalents: target / +1% / +2% | "
               "full budget: final val gap | full budget: time | backward skipped: whole + partial |",
               "|---|---|---|---|---|---|---|---|"]
@@ -143,7 +147,9 @@ def markdown(result: dict) -> str:
         for kind, sec in prof["seconds"].items():
             share = prof.get("partial_share", {}).get(kind)
             label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else
-                            " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else "")
+                            " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else
+                            " (DeepSpeed's engine with this system's config, at its own LR)"
+                            if "__ds__" in (result["arms"].get(kind, {}).get("hybrid") or {}) else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)
@@ -199,7 +205,7 @@ def judgement_table(result: dict, arm: str = "predict", control: str = "predict-
     return lines
 
 
-def _comparators(result: dict) -> str:
+def _comparators(result: dict, unit: str = "seconds") -> str:
     """DeepSpeed's own alternatives in the suite (arms that are a DeepSpeed feature, no hybrid, such
     as ZenFlow): their ratio to 1% above plain DeepSpeed's final loss, for the headline."""
     parts = []
@@ -207,7 +213,7 @@ def _comparators(result: dict) -> str:
         hybrid = arm.get("hybrid")
         if not (isinstance(hybrid, dict) and "__ds__" in hybrid) or name not in result["analysis"]["arms"]:
             continue
-        a = result["analysis"]["arms"][name]["aggregate"]["seconds"]["target+1%"]
+        a = result["analysis"]["arms"][name]["aggregate"][unit]["target+1%"]
         if a["reached"] == a["seeds"] and a["mean"] is not None:
             parts.append(f"`{name}` reaches 1% above plain DeepSpeed's final loss in {_ms(a, '{:.2f}')}x its time")
         else:
@@ -215,34 +221,51 @@ def _comparators(result: dict) -> str:
     return ("; " + ", ".join(parts)) if parts else ""
 
 
+def concurrent(result: dict) -> bool:
+    """Whether the runs ran several at a time (``--jobs``): their seconds then share the machine,
+    and the ratios to read are the Full-step equivalents."""
+    return result.get("jobs", 1) > 1
+
+
 def headline(result: dict) -> str:
-    """The README opening's sentence for this suite, whatever the result."""
+    """The README opening's sentence for this suite, whatever the result. Its ratio is in seconds,
+    or, where the runs ran several at a time (``--jobs``), in Full-step equivalents (each step
+    kind timed alone), the other unit beside it."""
     s = result["suite"]
-    best = best_arm(result)
+    lead = "equivalents" if concurrent(result) else "seconds"
+    best = best_arm(result, unit=lead)
     seeds = len(s["seeds"])
     if best is None:
         return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): no hybrid system reached 1% above plain "
-                f"DeepSpeed's final validation loss on every seed{_comparators(result)}.")
+                f"DeepSpeed's final validation loss on every seed{_comparators(result, lead)}.")
     name, a = best
     an = result["analysis"]["arms"][name]["aggregate"]
-    t0, eq = an["seconds"]["target"], an["equivalents"]["target+1%"]
+    t0 = an[lead]["target"]
     at_target = (f"{_ms(t0, '{:.2f}')}x at the target itself" if t0["reached"] == t0["seeds"]
                  else f"the target itself on {t0['reached']} of {t0['seeds']} seeds")
+    if concurrent(result):
+        other = (f"in Full-step equivalents (each step kind timed alone, in one process; "
+                 f"{_ms(an['seconds']['target+1%'], '{:.2f}')}x in the seconds of runs that ran {result['jobs']} at "
+                 "a time, each on its own cores)")
+    else:
+        other = (f"({_ms(an['equivalents']['target+1%'], '{:.2f}')}x in Full-step equivalents, from a profile of "
+                 "the step kinds in one process)")
     d = result["analysis"]["arms"].get("default", {}).get("aggregate", {}).get("full_budget", {})
     # The default's time in Full-step equivalents first: its seconds share a sitting with plain
-    # DeepSpeed's only when neither was reused (--reuse), and the equivalents never depend on it.
+    # DeepSpeed's only when neither was reused (--reuse) nor ran beside other runs (--jobs), and
+    # the equivalents never depend on it.
     default = ""
     if d:
-        seconds = (f"{_ms(d.get('time_ratio'), '{:.3f}')}x in seconds" if not result.get("reused_runs")
-                   else "seconds not comparable: runs reused from another sitting")
+        seconds = ("seconds not comparable: runs reused from another sitting" if result.get("reused_runs") else
+                   f"seconds not comparable: runs ran {result['jobs']} at a time" if concurrent(result) else
+                   f"{_ms(d.get('time_ratio'), '{:.3f}')}x in seconds")
         time = (f"{_ms(d.get('equivalents_ratio'), '{:.3f}')}x its Full-step equivalents ({seconds})"
                 if (d.get("equivalents_ratio") or {}).get("n") else f"{_ms(d.get('time_ratio'), '{:.3f}')}x its time")
         default = (f"; the default preset ends {_ms(d.get('final_gap_pct'), '{:+.2f}')}% from plain DeepSpeed's "
                    f"final loss in {time}")
     return (f"- `{s['name']}` ({s['model']}, {seeds} seeds): best hybrid system `{name}` reaches 1% above plain "
             f"DeepSpeed's final validation loss in **{_ms(a, '{:.2f}')}x** plain DeepSpeed's time on its budget "
-            f"frontier ({_ms(eq, '{:.2f}')}x in Full-step equivalents, from a profile of the step kinds in one process), "
-            f"{at_target}{default}{_comparators(result)}.")
+            f"frontier {other}, {at_target}{default}{_comparators(result, lead)}.")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -281,12 +304,17 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(str(path), dpi=110)
 
 
+def _took(seconds: float) -> str:
+    """The runs' time (the profile not included): seconds where every run was reused."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def readme_section(result: dict, name: str) -> str:
     """The suite's section of docs/benchmarks.md (its links relative to docs/)."""
     s = result["suite"]
     return "\n".join([
         f"### `{s['name']}`" + (f" with `{s['model']}`" if result.get("variant") else ""), "",
-        f"Command: `.venv/bin/{result['command']}` (took {result['bench_seconds'] / 60:.0f} min on "
+        f"Command: `.venv/bin/{result['command']}` (took {_took(result['bench_seconds'])} on "
         f"{result['host']}, {result.get('date', '')}"
         + (f"; {result['reused_runs']} runs reused from an earlier sitting" if result.get("reused_runs") else "")
         + (f"; {result['reprofiled']}" if result.get("reprofiled") else "") + "). Source of every number below: "

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_hybrid import bench, bench_report
+from ds_hybrid import bench, bench_launch, bench_report
 from ds_hybrid import frontier as fr
 
 
@@ -67,6 +67,13 @@ def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(t
     suite = dataclasses.replace(bench.SUITES["offload-z3"], arms=("baseline",), budgets=(1.25, 1.0),
                                 lr_multipliers=(0.5, 1.0, 2.0))
     raw = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path)
+    serial = list(calls)
+    calls.clear()   # --jobs 3 (on 8 cores): the same runs, the same tie-break, the same rows
+    monkeypatch.setattr(bench.bench_launch, "machine_cores", lambda: list(range(8)))
+    again = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path, jobs=3)
+    assert sorted(calls) == sorted(serial) and json.dumps(again["rows"]) == json.dumps(raw["rows"])
+    assert again["sweep_tie_break"] == raw["sweep_tie_break"]
+    calls[:] = serial
     assert raw["best_lr_multiplier"] == 1.0 and raw["best_lr"] == pytest.approx(2e-3)
     assert raw["sweep_tie_break"] == {"1": {"1": 2.0776, "2": 2.05, "3": 2.06},
                                       "2": {"1": 2.0752, "2": 2.25, "3": 2.24}}
@@ -107,6 +114,14 @@ def test_zenflow_tunes_its_own_lr_and_runs_every_budget_at_it(tmp_path, monkeypa
     monkeypatch.setattr(bench.Runner, "__call__", fake)
     suite = dataclasses.replace(bench.SUITES["offload-b64"], arms=("baseline", "zenflow"), budgets=(1.25, 1.0))
     raw = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path)
+    # --jobs 2: the same runs (up to two at a time, so in another order) and the same rows
+    serial = list(calls)
+    calls.clear()
+    monkeypatch.setattr(bench.bench_launch, "machine_cores", lambda: list(range(8)))
+    again = bench.plan_and_run(suite, tmp_path, None, live=False, reuse=False, quick=False, cache=tmp_path, jobs=2)
+    assert sorted(calls) == sorted(serial) and again["jobs"] == 2
+    assert json.dumps(again["rows"]) == json.dumps(raw["rows"]) and again["own_lr"] == raw["own_lr"]
+    calls[:] = serial
     assert raw["best_lr_multiplier"] == 1.0
     assert raw["own_lr"]["zenflow"]["best_lr"] == pytest.approx(8e-3)
     assert list(raw["own_lr"]["zenflow"]["sweep"]) == ["0.5", "1", "2", "4"]
@@ -217,6 +232,38 @@ def test_headline_names_deepspeeds_own_alternatives(tmp_path):
     raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.5)])} for s in ("1", "2")}
     result["analysis"] = bench.analyse(raw, None)
     assert "`zenflow` reaches 1% above it on 0 of 2 seeds" in bench_report.headline(result)
+
+
+def test_zenflows_steps_cost_what_the_profile_timed_for_it(tmp_path):
+    """A DeepSpeed feature's runs are --baseline runs; in Full-step equivalents their steps cost
+    what the profile timed for the arm (ZenFlow's are cheaper than plain DeepSpeed's), not a plain step."""
+    raw = _raw()
+    raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=0.5)} for s in ("1", "2")}
+    profile = {"cost": {"plain": 1.0, "real": 1.0, "predict": 0.1, "forward": 0.3, "zenflow": 0.5}}
+    an = bench.analyse(raw, profile)
+    assert an["arms"]["zenflow"]["per_seed"]["1"]["equivalents"]["target"]["ratio"] == pytest.approx(0.5)
+    assert an["arms"]["zenflow"]["per_seed"]["1"]["seconds"]["target"]["ratio"] == pytest.approx(0.5)
+    assert raw["rows"]["baseline"]["1"]["1"]["eq_total"] == pytest.approx(10.0)   # (plain's own steps: plain)
+    del profile["cost"]["zenflow"]   # an older profile: its steps cost as plain ones
+    assert bench.analyse(raw, profile)["arms"]["zenflow"]["per_seed"]["1"]["equivalents"]["target"]["ratio"] == 1.0
+
+
+def test_runs_several_at_a_time_lead_with_full_step_equivalents(tmp_path):
+    """--jobs above 1: the runs share the machine, so the headline's ratio is the Full-step
+    equivalents' (ZenFlow's too) and the seconds are named for what they are."""
+    result = _result(tmp_path)
+    raw = _raw()
+    raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=2.0)} for s in ("1", "2")}
+    profile = {"cost": {"plain": 1.0, "real": 1.0, "predict": 0.2, "forward": 0.3, "zenflow": 0.7}}
+    result["analysis"] = bench.analyse(raw, profile)
+    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    line = bench_report.headline(dict(result, jobs=4))
+    assert "best hybrid system `predict` reaches 1% above plain DeepSpeed's final validation loss in **0.60 ± 0.00x**" \
+           in line and "in Full-step equivalents (each step kind timed alone" in line
+    assert "0.55 ± 0.00x in the seconds of runs that ran 4 at a time" in line
+    assert "`zenflow` reaches 1% above plain DeepSpeed's final loss in 0.70 ± 0.00x its time" in line
+    assert "ran 4 at a time (`--jobs`)" in bench_report.markdown(dict(result, jobs=4))
+    assert "at a time" not in bench_report.headline(result) + bench_report.markdown(result)   # (one at a time)
 
 
 def test_report_and_readme_update(tmp_path):
@@ -368,11 +415,29 @@ def test_launcher_commands_and_a_missing_numactl_named(monkeypatch):
     from ds_hybrid import bench_launch
     assert bench_launch.command("python", "ds_hybrid.train", ["--steps", "3"])[1:] == ["-m", "ds_hybrid.train",
                                                                                      "--steps", "3"]
-    cmd = bench_launch.command("deepspeed", "ds_hybrid.train", ["--steps", "3"], cores="0-1")
+    cmd = bench_launch.command("deepspeed", "ds_hybrid.train", ["--steps", "3"], cores=[0, 1])
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and "--bind_cores_to_rank" in cmd
     assert "--bind_core_list=0-1" in cmd and cmd[-4:] == ["--module", "ds_hybrid.train", "--steps", "3"]
     port = int(cmd[cmd.index("--master_port") + 1])
     assert 0 < port < 65536
+    # two launchers started together never get one port
+    ports = [int(c[c.index("--master_port") + 1]) for c in
+             (bench_launch.command("deepspeed", "m", []) for _ in range(50))]
+    assert len(set(ports)) == 50
+    # --jobs: a plain process under taskset, as many threads as its cores
+    cmd = bench_launch.command("python", "ds_hybrid.train", ["--steps", "3"], cores=[2, 3, 5])
+    assert cmd[:3] == ["taskset", "-c", "2-3,5"] and cmd[4:6] == ["-m", "ds_hybrid.train"]
+    assert bench_launch.threads_env({"A": "1"}, "python", [2, 3, 5]) == {"A": "1", "OMP_NUM_THREADS": "3"}
+    assert bench_launch.threads_env({"A": "1"}, "deepspeed", [2, 3, 5]) == {"A": "1"}   # (the launcher sets it)
+    assert bench_launch.threads_env({"A": "1"}, "python", None) == {"A": "1"}
+    # equal contiguous shares of the cores, the remainder idle; more jobs than cores refused naming the flag
+    assert bench_launch.core_slots(2, list(range(16))) == [list(range(8)), list(range(8, 16))]
+    assert bench_launch.core_slots(3, list(range(8))) == [[0, 1], [2, 3], [4, 5]]
+    assert bench_launch.core_slots(1, [0, 1]) == [[0, 1]]
+    with pytest.raises(SystemExit, match="--jobs: between 1 and the 2 cores"):
+        bench_launch.core_slots(3, [0, 1])
+    with pytest.raises(SystemExit, match="--jobs"):
+        bench.main(["--suite", "cpu-small", "--quick", "--jobs", "999", "--out", "/nonexistent/never-made"])
     # The offload suite starts its arms the way a user does; --launcher overrides a suite's.
     assert bench.SUITES["offload"].launcher == "deepspeed" and bench.SUITES["cpu-small"].launcher == "python"
     args = bench.build_parser().parse_args(["--suite", "offload", "--launcher", "python"])
@@ -435,7 +500,9 @@ def test_a_run_started_by_the_launcher_bound_to_its_cores(tmp_path):
 def test_quick_bench_end_to_end(tmp_path):
     """The CI-sized run: sweep, every budget of each system interleaved, profile, JSON/markdown/PNG."""
     out = tmp_path / "b"
-    saved = bench.main(["--quick", "--arms", "predict", "predict-gradient", "groups", "default", "--out", str(out)])
+    # (two runs at a time, each on its own core where the machine has two)
+    saved = bench.main(["--quick", "--arms", "predict", "predict-gradient", "groups", "default", "--out", str(out),
+                        "--jobs", str(min(2, len(bench_launch.machine_cores())))])
     saved = json.loads((out / "result.json").read_text())
     sweep = sorted(float(m) for m in saved["sweep"])
     assert saved["best_lr_multiplier"] in sweep
@@ -470,6 +537,16 @@ def test_quick_bench_end_to_end(tmp_path):
                         "--reuse",
                         "--no-profile"])
     assert again["runs"]["predict"]["1"]["1"]["train_seconds"] == runs["predict"]["1"]["1"]["train_seconds"]
+
+
+@pytest.mark.slow
+def test_the_profile_times_zenflows_own_steps(tmp_path):
+    """The step-kind profile builds each DeepSpeed feature among the arms (ZenFlow) as its runs are,
+    at its own LR, and times its steps as a kind of the arm's name."""
+    suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
+    prof = bench.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=4, ds_arms={"zenflow": 4e-3})
+    assert prof["cost"]["plain"] == 1.0 and prof["seconds"]["zenflow"] > 0 and prof["cost"]["zenflow"] > 0
+    assert prof["cost"]["deepspeed"] > 0
 
 
 def _predict_sweep():
