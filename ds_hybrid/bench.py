@@ -152,12 +152,20 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
 # important columns are re-selected every 100 steps, from a top 10%, with the CPU step in line.
 # A 60-step check (gpt2-tiny, seed 1, offload suite's config): the tutorial's settings ended at
 # 3.22 in 211 ms/step, these at 3.02 in 151 ms/step (plain ZeRO-Offload 2.79, 172 ms/step).
+_ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step", "select_interval": 100,
+            "full_warm_up_rounds": 0, "overlap_step": False}
 ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`: top 10% of columns updated "
                       "every step, re-selected every 100, the rest every 4 on the CPU)",
-                      {"__ds__": {"zero_optimization": {"zenflow": {
-                          "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
-                          "select_interval": 100, "full_warm_up_rounds": 0, "overlap_step": False}}}},
-                      budgets=_PLAIN_BUDGETS, own_lr=True)
+                      {"__ds__": {"zero_optimization": {"zenflow": _ZENFLOW}}}, budgets=_PLAIN_BUDGETS, own_lr=True)
+# ZenFlow as its tutorial recommends it beside a GPU: each CPU step overlapped with the next steps'
+# forward and backward (`overlap_step: true`, the CPU step in a process of its own), the offload-gpu
+# suite's. On the 2-core CPU that process takes a core from the training one: 120 steps of the
+# offload suite's config (gpt2-tiny, seed 1) took 132 ms/step and ended at 2.666 in line, 109 ms/step
+# and 2.641 without, so the CPU suites keep the CPU step in line.
+ARMS["zenflow-overlap"] = Arm("zenflow-overlap", "DeepSpeed's ZenFlow as `zenflow`, each CPU step overlapped with "
+                              "the next steps' forward and backward (its tutorial's `overlap_step: true`)",
+                              {"__ds__": {"zero_optimization": {"zenflow": dict(_ZENFLOW, overlap_step=True)}}},
+                              budgets=_PLAIN_BUDGETS, own_lr=True)
 
 QUICK = dict(model="gpt2-test", steps=40, seq_len=32, seeds=(1, 2), lr_multipliers=(1.0, 2.0), eval_every=10,
              val_batches=2, budgets=(0.75, 1.0, 1.25))
@@ -620,6 +628,7 @@ PAIRED_KINDS = ("real", "real_idle", "real_groups")
 # Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
 # cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
 PROFILE_REPS = 40
+FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per round: two of its update intervals
 
 
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
@@ -759,8 +768,11 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         engine.predictor.accept = lambda observed, step, div, *more: (True, observed)
         engine.train_step(batches())
 
+    # A DeepSpeed feature's steps are timed FEATURE_BLOCK at a time: ZenFlow's CPU step (every
+    # update_interval steps, overlapped with the next ones' forward and backward where
+    # overlap_step is set) runs as in its runs, not with other kinds' steps hiding its wait.
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
-             **{name: (lambda e=e: deepspeed_step(e)) for name, e in ds_features.items()},
+             **{name: (lambda e=e: [deepspeed_step(e) for _ in range(FEATURE_BLOCK)]) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
              "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
@@ -797,7 +809,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             fn()
             sec[name] += time.perf_counter() - t0
             plain_work[name] += inner[0]
-    sec = {k: v / reps for k, v in sec.items()}
+    sec = {k: v / reps / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     cost = {k: v / sec["plain"] for k, v in sec.items()}
     # The whole real steps, paired: their time over the plain work inside them.
     pairs = [k for k in PAIRED_KINDS if k in kinds]

@@ -321,8 +321,13 @@ def test_the_gpu_offload_suite_is_zero_offload_with_a_batch_small_beside_its_mod
         zo = cfg["zero_optimization"]
         assert zo["stage"] == 2 and zo["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
         assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
-        assert cfg["bf16"]["enabled"] and plain == (arm in ("baseline", "zenflow"))
-    assert "zenflow" in bench.arm_config(base, bench.ARMS["zenflow"], quick=False)[0]["zero_optimization"]
+        assert cfg["bf16"]["enabled"] and plain == (arm in ("baseline", "zenflow-overlap"))
+    # ZenFlow as its tutorial recommends it beside a GPU: the CPU step overlapped (in line on the CPU suites)
+    zenflow = bench.arm_config(base, bench.ARMS["zenflow-overlap"], quick=False)[0]["zero_optimization"]["zenflow"]
+    assert zenflow["overlap_step"] is True and zenflow["update_interval"] == 4 and zenflow["topk_ratio"] == 0.1
+    assert bench.ARMS["zenflow-overlap"].own_lr and "zenflow" in bench.SUITES["offload-b64"].arms
+    assert bench.arm_config(base, bench.ARMS["zenflow"], quick=False)[0]["zero_optimization"]["zenflow"][
+        "overlap_step"] is False
 
 
 def test_arm_configs():
@@ -544,9 +549,12 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     """The step-kind profile builds each DeepSpeed feature among the arms (ZenFlow) as its runs are,
     at its own LR, and times its steps as a kind of the arm's name."""
     suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
-    prof = bench.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=4, ds_arms={"zenflow": 4e-3})
-    assert prof["cost"]["plain"] == 1.0 and prof["seconds"]["zenflow"] > 0 and prof["cost"]["zenflow"] > 0
-    assert prof["cost"]["deepspeed"] > 0
+    prof = bench.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=2,
+                               ds_arms={"zenflow": 4e-3, "zenflow-overlap": 2e-3})
+    assert prof["cost"]["plain"] == 1.0 and prof["cost"]["deepspeed"] > 0
+    # (each timed 8 steps at a time: a step's mean, not 8 steps')
+    for kind in ("zenflow", "zenflow-overlap"):
+        assert 0 < prof["cost"][kind] < 4 and prof["seconds"][kind] > 0
 
 
 def _predict_sweep():
