@@ -20,7 +20,8 @@ budget, over plain DeepSpeed's. Targets: plain DeepSpeed's final validation loss
 budget (per seed), and 1% and 2% above it. Each run is a ``python -m ds_hybrid.train``
 subprocess; the analysis reads only what they wrote. Outputs in ``--out``: ``result.json``,
 ``result.md``, ``frontier.png``; ``--readme`` copies them to ``docs/results/`` and rewrites the
-suite's section of ``docs/benchmarks.md`` and its headline line in ``README.md``; ``--from-json`` does that again from a saved
+suite's section of ``docs/benchmarks.md`` and its headline line in ``README.md`` (an offload suite's: the
+README's offload table); ``--from-json`` does that again from a saved
 result without running anything.
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 ``ds-hybrid bench`` (from its result JSON)."""
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 from pathlib import Path
@@ -10,6 +11,10 @@ from .bench_suites import SUITES
 
 README_MARK = "<!-- bench:{name}:{end} -->"
 HEADLINE_MARK = "<!-- headline:{name}:{end} -->"
+OFFLOAD_MARK = "<!-- offload-table:{end} -->"
+# The suites under ZeRO-Offload: the README gives them one table (plain, ZenFlow, the hybrid) in
+# place of a headline line each. A suite not run yet has a row that says how to run it.
+OFFLOAD_SUITES = ("offload", "offload-z3", "offload-b64", "offload-gpu")
 
 
 def slim_row(row: dict) -> dict:
@@ -36,10 +41,10 @@ def _ms(a: dict | None, fmt="{:.3f}") -> str:
     return f"{fmt.format(a['mean'])} ± {fmt.format(a['std'])}"
 
 
-def _ratio_cell(a: dict) -> str:
+def _ratio_cell(a: dict, fmt: str = "{:.3f}", unit: str = "") -> str:
     if a["reached"] == 0:
         return f"not reached (0/{a['seeds']})"
-    cell = _ms(a, "{:.3f}")
+    cell = _ms(a, fmt) + unit
     return cell if a["reached"] == a["seeds"] else f"{cell} ({a['reached']}/{a['seeds']})"
 
 
@@ -340,16 +345,67 @@ def _replace_between(text: str, start: str, end: str, body: str, where: str) -> 
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
+def offload_table(results: dict[str, dict | None]) -> str:
+    """The README's table of the ZeRO-Offload suites (``OFFLOAD_SUITES``, each a saved result or
+    None where not run): plain ZeRO-Offload, DeepSpeed's alternatives (ZenFlow) and the best hybrid
+    system, each one's time to 1% above plain's final loss over plain's."""
+    lines = ["Under ZeRO-Offload (`offload_optimizer: cpu`): the time to reach 1% above plain ZeRO-Offload's final "
+             "validation loss over plain's (LR-tuned, budget frontier, mean ± std over 3 seeds; in seconds, or in "
+             "Full-step equivalents where a suite's runs ran several at a time; under 1 is sooner). A row: `ds-hybrid "
+             "bench --suite NAME`, its section in [Benchmarks](docs/benchmarks.md) and `docs/results/NAME.json`.", "",
+             "| suite | plain ZeRO-Offload | DeepSpeed's ZenFlow | best hybrid system | at the target itself "
+             "| its optimizer steps |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        suite = SUITES[name]
+        cell = f"[`{name}`](docs/benchmarks.md#{name}) ({suite.model}"
+        if r is None:
+            lines.append(f"| {cell}) | not run yet" + (", needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops "
+                                                    "offbench`" if suite.needs_gpu else "") + " | | | | |")
+            continue
+        unit = "equivalents" if concurrent(r) else "seconds"
+        cell += f", {r['host']}, {r.get('date', '')}" + (", Full-step equivalents" if concurrent(r) else "") + ")"
+        arms = r["analysis"]["arms"]
+        features = [n for n, a in r["arms"].items() if "__ds__" in (a.get("hybrid") or {}) if n in arms]
+        own = r.get("own_lr") or {}
+        zen = "; ".join(f"`{n}` {_ratio_cell(arms[n]['aggregate'][unit]['target+1%'], '{:.2f}', 'x')} "
+                        + ("(its own LR swept)" if n in own else "(at plain's LR)") for n in features) \
+            or "not in the suite"
+        best = best_arm(r, unit=unit)
+        if best is None:
+            hybrid = target = steps = "none reached it on every seed"
+        else:
+            agg = arms[best[0]]["aggregate"]
+            hybrid = f"`{best[0]}` **{_ratio_cell(best[1], '{:.2f}', 'x')}**"
+            target = _ratio_cell(agg[unit]["target"], "{:.2f}", "x")
+            steps = _ratio_cell(agg["optimizer_steps"]["target+1%"], "{:.2f}", "x") if "optimizer_steps" in agg else "-"
+        lines.append(f"| {cell} | 1 | {zen} | {hybrid} | {target} | {steps} |")
+    return "\n".join(lines)
+
+
+def _offload_results(result: dict, name: str, repo_root: Path) -> dict[str, dict | None]:
+    """Every offload suite's saved result, ``result`` in place of its own."""
+    out = {}
+    for suite in OFFLOAD_SUITES:
+        path = repo_root / "docs" / "results" / f"{suite}.json"
+        out[suite] = result if suite == name else json.loads(path.read_text()) if path.is_file() else None
+    return out
+
+
 def update_readme(result: dict, repo_root: Path) -> tuple[Path, Path]:
     """Copy the result into docs/results/, rewrite its section of docs/benchmarks.md and its
-    headline line in README.md. Both files are checked for their markers before either is written."""
+    headline line in README.md (an offload suite's: the offload table). Both files are checked for
+    their markers before either is written."""
     readme, sections = repo_root / "README.md", repo_root / "docs" / "benchmarks.md"
     name = result_name(result)
     result = dict(result, variant=name != result["suite"]["name"])
     text = _replace_between(sections.read_text(), README_MARK.format(name=name, end="start"),
                             README_MARK.format(name=name, end="end"), readme_section(result, name), str(sections))
-    head = _replace_between(readme.read_text(), HEADLINE_MARK.format(name=name, end="start"),
-                            HEADLINE_MARK.format(name=name, end="end"), headline(result), str(readme))
+    if name in OFFLOAD_SUITES:
+        head = _replace_between(readme.read_text(), OFFLOAD_MARK.format(end="start"), OFFLOAD_MARK.format(end="end"),
+                                offload_table(_offload_results(result, name, repo_root)), str(readme))
+    else:
+        head = _replace_between(readme.read_text(), HEADLINE_MARK.format(name=name, end="start"),
+                                HEADLINE_MARK.format(name=name, end="end"), headline(result), str(readme))
     dest = repo_root / "docs" / "results"
     dest.mkdir(parents=True, exist_ok=True)
     json_path, png_path = dest / f"{name}.json", dest / f"{name}.png"

@@ -297,6 +297,36 @@ def test_report_and_readme_update(tmp_path):
     assert bench_report.result_name(other) == "cpu-small-llama-tiny"
 
 
+def test_the_offload_suites_share_one_readme_table(tmp_path):
+    """An offload suite's --readme rewrites the README's offload table from every offload suite's
+    saved result: plain ZeRO-Offload, ZenFlow (own LR or plain's), the best hybrid system at 1%
+    above plain's final loss and at the target, its optimizer steps; a suite not run says how."""
+    result = _result(tmp_path)
+    raw = _raw()
+    raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.5)])} for s in ("1", "2")}
+    result["analysis"] = bench.analyse(raw, None)
+    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    result["suite"] = dict(result["suite"], name="offload-b64", model="gpt2-tiny")
+    result["own_lr"] = {"zenflow": {"sweep": {}, "best_lr": 2e-3}}
+    readme, sections = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    older = dict(result, suite=dict(result["suite"], name="offload"), own_lr={}, date="2026-01-02")
+    (tmp_path / "docs" / "results" / "offload.json").write_text(json.dumps(older))
+    readme.write_text("intro\n<!-- offload-table:start -->\nold\n<!-- offload-table:end -->\noutro\n")
+    sections.write_text("<!-- bench:offload-b64:start -->\nold\n<!-- bench:offload-b64:end -->\n")
+    bench_report.update_readme(result, tmp_path)
+    rows = [line for line in readme.read_text().splitlines() if line.startswith("| [")]
+    assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-gpu"]
+    assert "`zenflow` not reached (0/2) (at plain's LR)" in rows[0] and "2026-01-02" in rows[0]
+    assert "| 1 | `zenflow` not reached (0/2) (its own LR swept) | `predict` **0.55 ± 0.00x** | 0.55 ± 0.00x | " \
+           "0.50 ± 0.00x |" in rows[2]
+    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[3]
+    assert "old" not in readme.read_text() and readme.read_text().endswith("outro\n")
+    # (runs that ran several at a time: that row in Full-step equivalents, and says so)
+    table = bench_report.offload_table({"offload-b64": dict(result, jobs=4)})
+    assert "Full-step equivalents)" in table
+
+
 def test_suites_reject_bad_overrides_and_gpu_suite_needs_gpu(monkeypatch):
     with pytest.raises(SystemExit, match="--seeds"):
         bench.main(["--suite", "cpu-small", "--seeds", "1"])
