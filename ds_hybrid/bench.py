@@ -317,8 +317,8 @@ class Runner:
         row.update(arm=run.arm, budget=run.budget, lr=run.lr)
         with self.lock:
             self._one_gpu(run)
-            print(f"      {run.name if self.jobs > 1 else ''}{': ' if self.jobs > 1 else ''}val loss "
-                  f"{row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
+            who = f"{run.name}: " if self.jobs > 1 else ""   # (runs finish out of order)
+            print(f"      {who}val loss {row['final_val_loss']:.4f}, {row['train_seconds']:.1f} s training, "
                   f"{row['predicted_pct']:.0f}% predicted, {time.time() - self.t_start:.0f} s elapsed", flush=True)
         return row
 
@@ -521,13 +521,14 @@ def cost_of(kind: str, profile: dict | None) -> float:
     if not profile:
         return 1.0
     c = profile["cost"]
-    base, _, extra = kind.partition("+")
-    value = c.get(base)
-    if value is None and base.startswith("predict_gradient_f"):   # a batch share not measured: the whole batch's
-        value = c.get("predict_gradient")
-    if value is None:   # a partial prefix (or, in an older profile, real_groups) not measured: a real step
-        value = c["real"]
-    return value + (c["forward"] if extra else 0.0)
+    base, *extras = kind.split("+")
+    if base not in c and base.startswith("predict_gradient_f"):   # a batch share not measured: the whole batch's
+        base = "predict_gradient"
+    # a partial prefix (or, in an older profile, real_groups) not measured: a real step
+    value = c.get(base, c["real"])
+    if "run" in extras:   # a run's first step: its moments copied in and handed back (older profiles: in every step)
+        value = c.get(f"{base}_run", value)
+    return value + (c["forward"] if "forward" in extras else 0.0)
 
 
 def analyse(raw: dict, profile: dict | None) -> dict:
@@ -772,6 +773,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # A DeepSpeed feature's steps are timed FEATURE_BLOCK at a time: ZenFlow's CPU step (every
     # update_interval steps, overlapped with the next ones' forward and backward where
     # overlap_step is set) runs as in its runs, not with other kinds' steps hiding its wait.
+    prepare: dict[str, Callable[[], Any]] = {}   # untimed, before a kind's timed step: the state it needs
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
              **{name: (lambda e=e: [deepspeed_step(e) for _ in range(FEATURE_BLOCK)]) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
@@ -787,24 +789,43 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     except ValueError:
         gradient = None
     if gradient is not None:
-        def predict_gradient(fraction: float):
+        # A run of such steps copies the optimizer's moments in at its first step and hands its
+        # first moment back (on the device path the masters catch up too) when it is kept: costs
+        # of the run, not of each step. So two kinds each: a step in the middle of a run
+        # (``predict_gradient``), and a step that begins a run and keeps it (``..._run``), which
+        # the first Predict step of each run costs (``compare.step_kinds``'s ``+run``).
+        def predict_gradient(fraction: float, whole_run: bool = False):
             engine._gradient, gradient.batch_fraction = gradient, fraction
             try:
                 predict(False)
+                if whole_run:
+                    gradient.commit()
             finally:
                 engine._gradient = None
-                gradient.discard()   # (each timed step begins its run: the moment's copy included)
-        kinds["predict_gradient"] = lambda: predict_gradient(1.0)
-        # ... from half and a quarter of its batch (the predict-gradient-half and -quarter arms')
-        kinds["predict_gradient_f0.5"] = lambda: predict_gradient(0.5)
-        kinds["predict_gradient_f0.25"] = lambda: predict_gradient(0.25)
+
+        def in_a_run(fraction: float):   # (untimed: a run going, begun by a step of its own)
+            if gradient.m is None:
+                predict_gradient(fraction)
+
+        def no_run():                    # (untimed: none going, so that the timed step begins one)
+            if gradient.m is not None:
+                gradient.discard()
+        # ... from the whole batch, half and a quarter of it (the -half and -quarter arms')
+        for fraction, name in ((1.0, "predict_gradient"), (0.5, "predict_gradient_f0.5"),
+                               (0.25, "predict_gradient_f0.25")):
+            kinds[name] = lambda f=fraction: predict_gradient(f)
+            prepare[name] = lambda f=fraction: in_a_run(f)
+            kinds[f"{name}_run"] = lambda f=fraction: predict_gradient(f, whole_run=True)
+            prepare[f"{name}_run"] = no_run
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
-    for fn in kinds.values():
+    for name, fn in kinds.items():
+        prepare.get(name, lambda: None)()
         fn()  # warm
     sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     for _ in range(reps):
         for name, fn in kinds.items():
+            prepare.get(name, lambda: None)()
             inner[0] = 0.0
             t0 = time.perf_counter()
             fn()

@@ -88,24 +88,27 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward; ``predict_gradient`` / ``predict_gradient_verified`` where it
     took its own gradient, ``predictor.direction: gradient``; ``predict_gradient_fF`` from the share F
-    of its batch, ``predictor.gradient_batch_fraction``); ``+forward`` where a rejected check ran a
-    forward again."""
+    of its batch, ``predictor.gradient_batch_fraction``); ``+run`` on the first such step of each
+    run (which copies the optimizer's moments in, and whose run hands its first moment back);
+    ``+forward`` where a rejected check ran a forward again."""
     gradient_kind = "predict_gradient" + (f"_f{gradient_fraction:g}" if gradient_fraction != 1.0 else "")
     f = run_dir / "steps.jsonl"
     if not f.is_file():
         return []
-    out = []
+    out, prev = [], None
     for line in f.read_text().splitlines():
         r = json.loads(line)
         phase = r.get("phase")
         if phase == "predict":
             kind = (gradient_kind if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified") else "")
+            kind += "+run" if r.get("backward_ran") and prev != "predict" else ""
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:
             kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False else "real") \
                 if hybrid else "plain"
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
+        prev = phase
     return out
 
 
