@@ -212,7 +212,7 @@ def arm_config(base_cfg: dict, arm: Arm, quick: bool) -> tuple[dict, bool]:
         return cfg, True
     if arm.hybrid == "preset":
         section = cfg.get("hybrid_predict", {})
-    elif "__ds__" in arm.hybrid:           # a DeepSpeed feature, no hybrid
+    elif report.ds_feature(arm.hybrid):    # a DeepSpeed feature, no hybrid
         return deep_merge(cfg, arm.hybrid["__ds__"]), True
     else:
         section = json.loads(json.dumps(arm.hybrid))
@@ -544,7 +544,7 @@ def analyse(raw: dict, profile: dict | None) -> dict:
     for arm, rows in raw["rows"].items():
         # A DeepSpeed feature's runs (ZenFlow) are --baseline runs whose steps the profile timed as a
         # kind of the arm's own name (where it did: older profiles cost them as plain steps)
-        feature = arm in ARMS and isinstance(ARMS[arm].hybrid, dict) and "__ds__" in ARMS[arm].hybrid
+        feature = arm in ARMS and report.ds_feature(ARMS[arm].hybrid)
         own = arm if feature and profile and arm in profile["cost"] else None
         for by_budget in rows.values():
             for row in by_budget.values():
@@ -680,31 +680,24 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
                                       group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
     else:
         cfg["hybrid_predict"] = _with(_WHOLE, warmup_steps=5, full_steps=10**6)
-    torch.manual_seed(0)
-    model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
-    if init:
-        load_init_weights(model, init)
-    engine, *_ = initialize(model=model, model_parameters=layer_groups(model, suite.layer_groups), config=cfg)
+    def built(make_engine: Callable, config: dict):   # (every engine from the same weights)
+        torch.manual_seed(0)
+        m = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
+        if init:
+            load_init_weights(m, init)
+        return make_engine(model=m, model_parameters=layer_groups(m, suite.layer_groups), config=config)[0]
+    engine = built(initialize, cfg)
     # DeepSpeed's own engine beside it (no ds_hybrid code): how far the unit, the bench's plain
     # DeepSpeed step (the hybrid's engine with the hybrid off: its non-finite guard included), is from it.
     import deepspeed
-    torch.manual_seed(0)
-    ds_model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
-    if init:
-        load_init_weights(ds_model, init)
-    ds_engine, *_ = deepspeed.initialize(model=ds_model, model_parameters=layer_groups(ds_model, suite.layer_groups),
-                                         config={k: v for k, v in cfg.items() if k != "hybrid_predict"})
+    plain_cfg = {k: v for k, v in cfg.items() if k != "hybrid_predict"}
+    ds_engine = built(deepspeed.initialize, plain_cfg)
     # Each DeepSpeed feature among the arms (ZenFlow), built as its runs are, at its own LR.
     ds_features = {}
     for name, arm_lr in (ds_arms or {}).items():
-        feature_cfg = deep_merge({k: v for k, v in cfg.items() if k != "hybrid_predict"}, ARMS[name].hybrid["__ds__"])
+        feature_cfg = arm_config(plain_cfg, ARMS[name], quick=False)[0]
         apply_lr(feature_cfg, arm_lr)
-        torch.manual_seed(0)
-        feature_model = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
-        if init:
-            load_init_weights(feature_model, init)
-        ds_features[name], *_ = deepspeed.initialize(model=feature_model, config=feature_cfg,
-                                                     model_parameters=layer_groups(feature_model, suite.layer_groups))
+        ds_features[name] = built(deepspeed.initialize, feature_cfg)
     train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
     stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     gas = engine.gradient_accumulation_steps()
@@ -953,7 +946,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not args.no_profile:
         print("profiling the step kinds ...", flush=True)
         ds_arms = {a: raw["own_lr"].get(a, {}).get("best_lr", raw["best_lr"]) for a in suite.arms
-                   if isinstance(ARMS[a].hybrid, dict) and "__ds__" in ARMS[a].hybrid and a not in raw["errors"]}
+                   if report.ds_feature(ARMS[a].hybrid) and a not in raw["errors"]}
         profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS,
                                 ds_arms=ds_arms)
     analysis = analyse(raw, profile)

@@ -17,6 +17,18 @@ OFFLOAD_MARK = "<!-- offload-table:{end} -->"
 OFFLOAD_SUITES = ("offload", "offload-z3", "offload-b64", "offload-gpu")
 
 
+def ds_feature(hybrid) -> bool:
+    """Whether an arm's ``hybrid`` section is a DeepSpeed feature's (ZenFlow: ``{"__ds__": ...}``,
+    no hybrid; its runs are ``--baseline`` runs with that added to the config)."""
+    return isinstance(hybrid, dict) and "__ds__" in hybrid
+
+
+def lead_unit(result: dict) -> str:
+    """The unit a result's ratios are read in: seconds, or Full-step equivalents where its runs ran
+    several at a time (``concurrent``)."""
+    return "equivalents" if concurrent(result) else "seconds"
+
+
 def slim_row(row: dict) -> dict:
     """What the result JSON keeps of one run (the analysis has the rest)."""
     keep = ("run", "final_val_loss", "train_seconds", "steps", "val_curve", "eq_curve", "eq_total", "predicted_pct",
@@ -52,7 +64,7 @@ def best_arm(result: dict, unit: str = "seconds", target: str = "target+1%") -> 
     """The hybrid system with the lowest mean frontier ratio that reached the target on every seed."""
     cands = [(name, a["aggregate"][unit][target]) for name, a in result["analysis"]["arms"].items()
              if result["arms"].get(name, {}).get("hybrid") not in (None,) and name != "default"
-             and "__ds__" not in (result["arms"][name].get("hybrid") or {})]
+             and not ds_feature(result["arms"][name].get("hybrid"))]
     cands = [(n, a) for n, a in cands if a["reached"] == a["seeds"] and a["mean"] is not None]
     return min(cands, key=lambda c: c[1]["mean"]) if cands else None
 
@@ -154,7 +166,7 @@ def markdown(result: dict) -> str:
             label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else
                             " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else
                             " (DeepSpeed's engine with this system's config, at its own LR)"
-                            if "__ds__" in (result["arms"].get(kind, {}).get("hybrid") or {}) else "")
+                            if ds_feature(result["arms"].get(kind, {}).get("hybrid")) else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)
@@ -216,7 +228,7 @@ def _comparators(result: dict, unit: str = "seconds") -> str:
     parts = []
     for name, arm in result["arms"].items():
         hybrid = arm.get("hybrid")
-        if not (isinstance(hybrid, dict) and "__ds__" in hybrid) or name not in result["analysis"]["arms"]:
+        if not ds_feature(hybrid) or name not in result["analysis"]["arms"]:
             continue
         a = result["analysis"]["arms"][name]["aggregate"][unit]["target+1%"]
         if a["reached"] == a["seeds"] and a["mean"] is not None:
@@ -237,7 +249,7 @@ def headline(result: dict) -> str:
     or, where the runs ran several at a time (``--jobs``), in Full-step equivalents (each step
     kind timed alone), the other unit beside it."""
     s = result["suite"]
-    lead = "equivalents" if concurrent(result) else "seconds"
+    lead = lead_unit(result)
     best = best_arm(result, unit=lead)
     seeds = len(s["seeds"])
     if best is None:
@@ -362,10 +374,10 @@ def offload_table(results: dict[str, dict | None]) -> str:
             lines.append(f"| {cell}) | not run yet" + (", needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops "
                                                     "offbench`" if suite.needs_gpu else "") + " | | | | |")
             continue
-        unit = "equivalents" if concurrent(r) else "seconds"
+        unit = lead_unit(r)
         cell += f", {r['host']}, {r.get('date', '')}" + (", Full-step equivalents" if concurrent(r) else "") + ")"
         arms = r["analysis"]["arms"]
-        features = [n for n, a in r["arms"].items() if "__ds__" in (a.get("hybrid") or {}) if n in arms]
+        features = [n for n, a in r["arms"].items() if ds_feature(a.get("hybrid")) and n in arms]
         own = r.get("own_lr") or {}
         zen = "; ".join(f"`{n}` {_ratio_cell(arms[n]['aggregate'][unit]['target+1%'], '{:.2f}', 'x')} "
                         + ("(its own LR swept)" if n in own else "(at plain's LR)") for n in features) \
