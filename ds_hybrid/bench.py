@@ -526,8 +526,11 @@ def cost_of(kind: str, profile: dict | None) -> float:
         base = "predict_gradient"
     # a partial prefix (or, in an older profile, real_groups) not measured: a real step
     value = c.get(base, c["real"])
-    if "run" in extras:   # a run's first step: its moments copied in and handed back (older profiles: in every step)
-        value = c.get(f"{base}_run", value)
+    if "run" in extras:   # a run's first step: its moments or its velocity copied in (older profiles: in every step)
+        if f"{base}_run" in c:
+            value = c[f"{base}_run"]
+        elif base == "predict_verified" and "predict_run" in c:   # (the drift run's copy, timed unverified)
+            value += max(0.0, c["predict_run"] - c["predict"])
     return value + (c["forward"] if "forward" in extras else 0.0)
 
 
@@ -777,6 +780,15 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         for k in range(1, engine._layout.max_prefix + 1):
             kinds[f"partial_{k}"] = lambda k=k: full(k)
     kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
+    device, velocity = engine._device_predict, engine._velocity
+    if device is not None and device.upload_due(velocity):
+        # Beside a GPU the device path copies the velocity there at a run's first Predict step
+        # (a real step's fold changed it), once a run: the drift kinds above are steps in the middle
+        # of a run (the copy made, untimed, before them), ``predict_run`` one that begins a run
+        # after a real step (untimed), which ``compare.step_kinds``'s ``+run`` costs once a run.
+        prepare["predict"] = lambda: device.upload(velocity) if device.upload_due(velocity) else None
+        kinds["predict_run"] = lambda: predict(False)
+        prepare["predict_run"] = lambda: full(0, with_planner=False)
     try:   # a Predict step that takes its own gradient (predictor.direction: gradient), on this suite's layout
         gradient = engine._make_gradient_predict()
     except ValueError:

@@ -88,8 +88,9 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward; ``predict_gradient`` / ``predict_gradient_verified`` where it
     took its own gradient, ``predictor.direction: gradient``; ``predict_gradient_fF`` from the share F
-    of its batch, ``predictor.gradient_batch_fraction``); ``+run`` on the first such step of each
-    run (which copies the optimizer's moments in, and whose run hands its first moment back);
+    of its batch, ``predictor.gradient_batch_fraction``); ``+run`` on the first Predict step of each
+    run (a gradient run copies the optimizer's moments in and hands its first moment back; beside
+    a GPU a drift run copies the velocity there);
     ``+forward`` where a rejected check ran a forward again."""
     gradient_kind = "predict_gradient" + (f"_f{gradient_fraction:g}" if gradient_fraction != 1.0 else "")
     f = run_dir / "steps.jsonl"
@@ -101,7 +102,7 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
         phase = r.get("phase")
         if phase == "predict":
             kind = (gradient_kind if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified") else "")
-            kind += "+run" if r.get("backward_ran") and prev != "predict" else ""
+            kind += "+run" if prev != "predict" else ""
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:

@@ -56,6 +56,15 @@ def test_cost_of_step_kinds():
     assert bench.cost_of("predict_gradient_f0.5+run", grad) == 0.7 and bench.cost_of("predict_gradient_f0.5", grad) == 0.52
     assert bench.cost_of("predict_gradient_f0.25+run", grad) == 1.1   # (the whole batch's, as above)
     assert bench.cost_of("predict_gradient_f0.5+run+forward", grad) == pytest.approx(1.0)
+    # A drift run's first step: beside a GPU it copies the velocity there (``predict_run``); a
+    # verified one costs that copy on top of its own step; a profile without the kind (no copy,
+    # or older ones, whose every drift step made it) costs it as any
+    assert bench.cost_of("predict+run", profile) == 0.02 and bench.cost_of("predict_verified+run", profile) == 1.02
+    drift = dict(profile, cost=dict(profile["cost"], predict_verified=0.33, predict_run=0.05))
+    assert bench.cost_of("predict+run", drift) == 0.05 and bench.cost_of("predict", drift) == 0.02
+    assert bench.cost_of("predict_verified+run", drift) == pytest.approx(0.36)
+    assert bench.cost_of("predict_verified", drift) == 0.33
+    assert bench.cost_of("predict+run+forward", drift) == pytest.approx(0.35)
 
 
 def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(tmp_path, monkeypatch):
@@ -151,7 +160,7 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
             {"phase": "full"}, {"phase": "predict"}, {"phase": "full", "bookkeeping": False, "checked": False},
             {"phase": "predict", "backward_ran": True}, {"phase": "predict", "backward_ran": True, "verified": True}]
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict", "real_idle+forward",
+    assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict+run", "real_idle+forward",
                                                  "predict_gradient+run", "predict_gradient_verified"]
     assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
     # (predictor.gradient_batch_fraction: a gradient from part of the batch is its own kind)
@@ -598,6 +607,43 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     # (each timed 8 steps at a time: a step's mean, not 8 steps')
     for kind in ("zenflow", "zenflow-overlap"):
         assert 0 < prof["cost"][kind] < 4 and prof["seconds"][kind] > 0
+
+
+@pytest.mark.slow
+def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
+    """Beside a GPU the device path copies the velocity to the GPU at a run's first Predict step:
+    the profile times its drift steps in the middle of a run (the copy made before them, untimed)
+    and a step that begins a run after a real step as ``predict_run``, so that the copy is costed
+    once a run, where every profiled drift step had made one. On the CPU the device path makes
+    that copy only when told to (``copy_always``), as beside a GPU; the profile runs in this process."""
+    from ds_hybrid import memory_paths
+    from ds_hybrid.device_predict import DevicePredict
+    from ds_hybrid.engine import PredictiveEngine
+    monkeypatch.setattr(memory_paths, "offload_predict_on_device", lambda setting, beside: setting != "host")
+    init = DevicePredict.__init__
+
+    def copying(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.copy_always = True
+    monkeypatch.setattr(DevicePredict, "__init__", copying)
+    timed, uploads = PredictiveEngine._timed, []
+
+    def counted(self, part):
+        uploads.extend([part] if part == "velocity_upload" else [])
+        return timed(self, part)
+    monkeypatch.setattr(PredictiveEngine, "_timed", counted)
+    suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
+    reps = 2
+    prof = bench._profile_worker(suite, 2e-3, reps, bench.resolve_data(suite.data), None)
+    assert prof["seconds"]["predict_run"] > 0 and prof["cost"]["predict"] > 0
+    # one copy inside a timed step per round (the warm-up's and each of the reps'): predict_run's;
+    # the drift steps in the middle of a run made none
+    assert len(uploads) == reps + 1
+    # without the copy (this CPU as it is) the kind is not there and its steps are costed as before
+    monkeypatch.setattr(DevicePredict, "__init__", init)
+    uploads.clear()
+    prof = bench._profile_worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
+    assert "predict_run" not in prof["cost"] and uploads == []
 
 
 def _predict_sweep():
