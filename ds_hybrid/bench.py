@@ -672,6 +672,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
 
     ensure_distributed_env()
     quiet_logs(False)
+    # (the cores this process was started on: every kind but a DeepSpeed feature's runs on them)
+    cores, omp_threads = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
     preset, _ = resolve_config(suite.config)
     cfg = deep_merge(preset, suite.overrides)
     apply_lr(cfg, lr)
@@ -769,9 +771,28 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # A DeepSpeed feature's steps are timed FEATURE_BLOCK at a time: ZenFlow's CPU step (every
     # update_interval steps, overlapped with the next ones' forward and backward where
     # overlap_step is set) runs as in its runs, not with other kinds' steps hiding its wait.
+    # ZenFlow's overlapped step, at its first CPU step, narrows this (training) thread to its share
+    # of the cores, the rest its optimizer process's, and sets OMP_NUM_THREADS: its own steps run
+    # so, as in its runs, and every other kind's on the cores the profile started with.
+    narrowed: dict[str, tuple[set[int], str | None]] = {}
+
+    def feature_steps(name: str, eng) -> None:
+        if name in narrowed:
+            os.sched_setaffinity(0, narrowed[name][0])
+        try:
+            for _ in range(FEATURE_BLOCK):
+                deepspeed_step(eng)
+        finally:
+            narrowed[name] = (os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS"))
+            os.sched_setaffinity(0, cores)
+            if omp_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = omp_threads
+
     prepare: dict[str, Callable[[], Any]] = {}   # untimed, before a kind's timed step: the state it needs
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
-             **{name: (lambda e=e: [deepspeed_step(e) for _ in range(FEATURE_BLOCK)]) for name, e in ds_features.items()},
+             **{name: (lambda n=name, e=e: feature_steps(n, e)) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
              "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
@@ -828,9 +849,12 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         prepare.get(name, lambda: None)()
         fn()  # warm
     sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
     for _ in range(reps):
         for name, fn in kinds.items():
             prepare.get(name, lambda: None)()
+            if os.sched_getaffinity(0) != cores:
+                narrowed_kinds.add(name)
             inner[0] = 0.0
             t0 = time.perf_counter()
             fn()
@@ -845,6 +869,9 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     layout = engine._layout
     return {"seconds": sec, "cost": cost, "reps": reps,
             "unpaired_cost": {k: sec[k] / sec["plain"] for k in pairs},
+            # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
+            "cores": len(cores), "feature_cores": {k: len(v[0]) for k, v in narrowed.items()},
+            "narrowed_kinds": sorted(narrowed_kinds),
             "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
             "layer_groups": layout.names if layout is not None else [],
             "partial_share": {f"partial_{k}": layout.share_below(k) for k in range(1, layout.max_prefix + 1)}

@@ -607,6 +607,11 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     # (each timed 8 steps at a time: a step's mean, not 8 steps')
     for kind in ("zenflow", "zenflow-overlap"):
         assert 0 < prof["cost"][kind] < 4 and prof["seconds"][kind] > 0
+    # The overlapped one's optimizer process takes a share of the cores, and its training thread the
+    # rest, in its own steps only: the other kinds ran on every core the profile started with.
+    assert prof["feature_cores"]["zenflow"] == prof["cores"] and prof["narrowed_kinds"] == []
+    if prof["cores"] > 1:
+        assert prof["feature_cores"]["zenflow-overlap"] < prof["cores"]
 
 
 @pytest.mark.slow
