@@ -969,6 +969,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return result
 
     suite = resolve_suite(args)
+    if args.readme and (why := report.not_reportable(suite.seeds, args.quick)):
+        raise SystemExit(f"--readme: {why}")   # (before any run, not after them)
     if suite.needs_gpu:
         import torch
         if not torch.cuda.is_available():

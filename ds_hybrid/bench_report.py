@@ -403,10 +403,23 @@ def _offload_results(result: dict, name: str, repo_root: Path) -> dict[str, dict
     return out
 
 
+def not_reportable(seeds, quick: bool) -> str | None:
+    """Why a bench result may not go into the README and docs/benchmarks.md (None: it may):
+    they report ratios over 3 seeds or more of a suite as it is, never a smoke run's."""
+    if quick:
+        return "a --quick run is a smoke test of the bench (a test model, a few steps)"
+    if len(seeds) < 3:
+        return f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): a reported ratio needs 3 or more (--seeds)"
+    return None
+
+
 def update_readme(result: dict, repo_root: Path) -> tuple[Path, Path]:
     """Copy the result into docs/results/, rewrite its section of docs/benchmarks.md and its
     headline line in README.md (an offload suite's: the offload table). Both files are checked for
     their markers before either is written."""
+    why = not_reportable(result["suite"]["seeds"], result.get("quick", False))
+    if why:
+        raise SystemExit(f"--readme: {why}; README.md and docs/ are unchanged")
     readme, sections = repo_root / "README.md", repo_root / "docs" / "benchmarks.md"
     name = result_name(result)
     result = dict(result, variant=name != result["suite"]["name"])

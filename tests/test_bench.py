@@ -299,6 +299,18 @@ def test_report_and_readme_update(tmp_path):
     saved = json.loads((tmp_path / "docs" / "results" / "cpu-small.json").read_text())
     assert saved["suite"]["name"] == "cpu-small"
     # A README without the markers: a clear error, nothing written.
+    # A smoke run or fewer than 3 seeds never reaches the README: refused, nothing written
+    before = (readme.read_text(), sections.read_text())
+    for bad, why in ((dict(result, quick=True), "--quick run is a smoke test"),
+                     (dict(result, suite=dict(result["suite"], seeds=[1, 2])), r"2 seeds \(1, 2\)")):
+        with pytest.raises(SystemExit, match=f"--readme: .*{why}"):
+            bench_report.update_readme(bad, tmp_path)
+    assert (readme.read_text(), sections.read_text()) == before
+    with pytest.raises(SystemExit, match="--readme: a --quick run"):
+        bench.main(["--quick", "--readme", "--out", str(tmp_path / "never")])
+    with pytest.raises(SystemExit, match="--readme: 2 seeds"):
+        bench.main(["--seeds", "1", "2", "--readme", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no markers"):
         bench_report.update_readme(result, tmp_path)
