@@ -774,16 +774,16 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # ZenFlow's overlapped step, at its first CPU step, narrows this (training) thread to its share
     # of the cores, the rest its optimizer process's, and sets OMP_NUM_THREADS: its own steps run
     # so, as in its runs, and every other kind's on the cores the profile started with.
-    narrowed: dict[str, tuple[set[int], str | None]] = {}
+    narrowed: dict[str, set[int]] = {}   # (a feature's own cores, as it left them)
 
     def feature_steps(name: str, eng) -> None:
         if name in narrowed:
-            os.sched_setaffinity(0, narrowed[name][0])
+            os.sched_setaffinity(0, narrowed[name])
         try:
             for _ in range(FEATURE_BLOCK):
                 deepspeed_step(eng)
         finally:
-            narrowed[name] = (os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS"))
+            narrowed[name] = os.sched_getaffinity(0)
             os.sched_setaffinity(0, cores)
             if omp_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -870,7 +870,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     return {"seconds": sec, "cost": cost, "reps": reps,
             "unpaired_cost": {k: sec[k] / sec["plain"] for k in pairs},
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
-            "cores": len(cores), "feature_cores": {k: len(v[0]) for k, v in narrowed.items()},
+            "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
             "narrowed_kinds": sorted(narrowed_kinds),
             "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
             "layer_groups": layout.names if layout is not None else [],
