@@ -85,7 +85,8 @@ SUITES: dict[str, Suite] = {
     # ZeRO-Infinity's layout on the host: ZeRO 3 with the optimizer and the 16-bit parameters in CPU
     # memory (the 7b-24gb preset's), where the gradient Predict step lays each parameter's gradient
     # on this rank's share as the backward produces it. No ZenFlow arm: DeepSpeed 0.19.8's ZenFlow
-    # on this layout stops at the first forward (IndexError in the embedding; `--arms zenflow` shows it).
+    # on this layout stops at the first forward (IndexError in the embedding; `--arms zenflow` shows it),
+    # and its ZeRO 3 path allocates on device 'cuda' by name (engine_stage3.update_selected_channels).
     "offload-z3": Suite(
         name="offload-z3",
         doc="ZeRO 3 with the optimizer and the parameters in CPU memory (ZeRO-Offload + offload_param, the "
