@@ -629,7 +629,7 @@ def wall_clock(rows: dict) -> dict:
 
 # Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
 # costed by their time over the plain work inside the same steps (_profile_worker).
-PAIRED_KINDS = ("real", "real_idle", "real_groups")
+PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient")
 # Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
 # cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
 PROFILE_REPS = 40
@@ -718,21 +718,25 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # step; the hybrid's first-forward callback, which holds its capture, taken out): a hybrid
     # real step's overhead is then measured against the plain work of the same step, so the
     # step-to-step noise of the forward and backward (several %) cancels out of it.
-    real_step, inner = engine._real_step, [0.0]
+    inner = [0.0]
 
-    def timed_real_step(batches, loss_fn, on_first_forward=None, cut=None):
-        spent = [0.0]
+    def time_plain_work(eng) -> None:
+        real_step = eng._real_step
 
-        def callback(loss, batch):
+        def timed_real_step(batches, loss_fn, on_first_forward=None, cut=None):
+            spent = [0.0]
+
+            def callback(loss, batch):
+                t0 = time.perf_counter()
+                try:
+                    return on_first_forward(loss, batch)
+                finally:
+                    spent[0] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            try:
-                return on_first_forward(loss, batch)
-            finally:
-                spent[0] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        real_step(batches, loss_fn, callback if on_first_forward is not None else None, cut)
-        inner[0] += time.perf_counter() - t0 - spent[0]
-    engine._real_step = timed_real_step
+            real_step(batches, loss_fn, callback if on_first_forward is not None else None, cut)
+            inner[0] += time.perf_counter() - t0 - spent[0]
+        eng._real_step = timed_real_step
+    time_plain_work(engine)
     ctl = engine.controller
     planner = engine._planner
 
@@ -843,6 +847,18 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             prepare[name] = lambda f=fraction: in_a_run(f)
             kinds[f"{name}_run"] = lambda f=fraction: predict_gradient(f, whole_run=True)
             prepare[f"{name}_run"] = no_run
+        # The gradient arms' real step: no velocity to fold or direction to probe (they move by
+        # Adam's own step), so not the drift engine's; one of an engine set up as theirs are.
+        grad_cfg = dict(json.loads(json.dumps(cfg)), hybrid_predict=_with(_GRADIENT, warmup_steps=5, full_steps=10**6))
+        grad_engine = built(initialize, grad_cfg)
+        for _ in range(8):
+            grad_engine.train_step(batches())
+        time_plain_work(grad_engine)
+
+        def real_gradient():
+            grad_engine.controller.phase, grad_engine.controller.remaining = Phase.FULL, 10**6
+            grad_engine.train_step(batches())
+        kinds["real_gradient"] = real_gradient
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for name, fn in kinds.items():

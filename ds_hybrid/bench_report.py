@@ -165,11 +165,19 @@ def markdown(result: dict) -> str:
             share = prof.get("partial_share", {}).get(kind)
             label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else
                             " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else
+                            KIND_LABELS[kind] if kind in KIND_LABELS else
                             " (DeepSpeed's engine with this system's config, at its own LR)"
                             if ds_feature(result["arms"].get(kind, {}).get("hybrid")) else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
     return "\n".join(lines)
+
+
+# What a profiled kind is, where its name does not say it.
+KIND_LABELS = {
+    "real_gradient": " (a real step of an engine with predictor.direction: gradient: no velocity, no probe)",
+    "predict_run": " (a drift step that begins a run: the velocity copied beside the GPU's weights)",
+}
 
 
 def wall_clock_table(result: dict) -> list[str]:

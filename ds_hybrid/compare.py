@@ -32,7 +32,8 @@ def load_run(path: Path) -> dict:
         "val_points": [tuple(v) for v in s["val_points"]],
         "step_kinds": step_kinds(run_dir, hybrid, hybrid and bool(
             s["ds_config"]["hybrid_predict"].get("group_predict", {}).get("enabled", False)),
-            s["ds_config"].get("hybrid_predict", {}).get("predictor", {}).get("gradient_batch_fraction", 1.0)),
+            s["ds_config"].get("hybrid_predict", {}).get("predictor", {}).get("gradient_batch_fraction", 1.0),
+            s["ds_config"].get("hybrid_predict", {}).get("predictor", {}).get("direction", "drift")),
         "run": str(path),
         "hybrid": hybrid,
         "seed": s["args"]["seed"],
@@ -80,11 +81,13 @@ def val_against_time(run_dir: Path, val_points: list) -> list[tuple[float, float
     return [(cum[min(step, len(cum) - 1)], loss) for step, loss in val_points]
 
 
-def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fraction: float = 1.0) -> list[str]:
+def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fraction: float = 1.0,
+               direction: str = "drift") -> list[str]:
     """What each step of a run was, for costing it from a profile: ``plain`` (a real step of
     plain DeepSpeed), ``real`` (a hybrid real step, with its bookkeeping; ``real_idle`` without it,
     ``hybrid_predict.lazy_bookkeeping``; ``real_groups`` with layer-group Predict on, whose planner
-    also observes every whole step), ``partial_K`` (K lower
+    also observes every whole step; ``real_gradient`` where ``predictor.direction`` is gradient:
+    no velocity to fold, no direction to probe), ``partial_K`` (K lower
     layer groups predicted), ``predict`` / ``predict_verified`` (a whole-model Predict step without
     / with its verification forward; ``predict_gradient`` / ``predict_gradient_verified`` where it
     took its own gradient, ``predictor.direction: gradient``; ``predict_gradient_fF`` from the share F
@@ -106,8 +109,8 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:
-            kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False else "real") \
-                if hybrid else "plain"
+            kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False
+                    else "real_gradient" if direction == "gradient" else "real") if hybrid else "plain"
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
         prev = phase
     return out

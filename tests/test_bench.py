@@ -46,6 +46,8 @@ def test_cost_of_step_kinds():
     assert bench.cost_of("real_idle", profile) == 1.02                         # an older profile: a real step
     assert bench.cost_of("real_idle", dict(profile, cost=dict(profile["cost"], real_idle=0.99))) == 0.99
     assert bench.cost_of("real", None) == 1.0
+    assert bench.cost_of("real_gradient", profile) == 1.02   # an older profile: the drift engine's real step
+    assert bench.cost_of("real_gradient", dict(profile, cost=dict(profile["cost"], real_gradient=1.01))) == 1.01
     grad = dict(profile, cost=dict(profile["cost"], predict_gradient=0.97, **{"predict_gradient_f0.5": 0.52}))
     assert bench.cost_of("predict_gradient_f0.5", grad) == 0.52
     assert bench.cost_of("predict_gradient_f0.25", grad) == 0.97   # a share not profiled: the whole batch's
@@ -163,6 +165,9 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict+run", "real_idle+forward",
                                                  "predict_gradient+run", "predict_gradient_verified"]
     assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
+    # (predictor.direction: gradient: its real steps fold no velocity and probe no direction)
+    assert step_kinds(tmp_path, hybrid=True, direction="gradient")[:5] == [
+        "real_idle", "real_gradient", "real_gradient", "predict+run", "real_idle+forward"]
     # (predictor.gradient_batch_fraction: a gradient from part of the batch is its own kind)
     assert step_kinds(tmp_path, hybrid=True, gradient_fraction=0.5)[5:] == ["predict_gradient_f0.5+run",
                                                                            "predict_gradient_f0.5_verified"]
