@@ -526,6 +526,8 @@ def cost_of(kind: str, profile: dict | None) -> float:
         base = "predict_gradient"
     # a partial prefix (or, in an older profile, real_groups) not measured: a real step
     value = c.get(base, c["real"])
+    if "commit" in extras and base == "real":   # after a kept drift run: its commit (older profiles: in every step)
+        value = c.get("real_commit", value)
     if "run" in extras:   # a run's first step: its moments or its velocity copied in (older profiles: in every step)
         if f"{base}_run" in c:
             value = c[f"{base}_run"]
@@ -629,7 +631,7 @@ def wall_clock(rows: dict) -> dict:
 
 # Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
 # costed by their time over the plain work inside the same steps (_profile_worker).
-PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient")
+PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient", "real_commit")
 # Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
 # cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
 PROFILE_REPS = 40
@@ -806,6 +808,15 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             kinds[f"partial_{k}"] = lambda k=k: full(k)
     kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
     device, velocity = engine._device_predict, engine._velocity
+    if device is not None:
+        # On the device path a kept drift run's masters catch up at the next real step (its commit;
+        # inside DeepSpeed's CPU Adam step where memory.fold_in_step is on): a run's first real step
+        # pays it, the others not. So ``real`` is timed with no run pending (one ended, untimed,
+        # before it) and ``real_commit`` right after a drift Predict step; ``compare.step_kinds``
+        # marks a real step after a kept drift run ``+commit``.
+        prepare["real"] = lambda: full(0, with_planner=False) if device.pending else None
+        kinds["real_commit"] = lambda: full(0, with_planner=False)
+        prepare["real_commit"] = lambda: predict(False)
     if device is not None and device.upload_due(velocity):
         # Beside a GPU the device path copies the velocity there at a run's first Predict step
         # (a real step's fold changed it), once a run: the drift kinds above are steps in the middle
@@ -866,11 +877,16 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         fn()  # warm
     sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
+    pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
     for _ in range(reps):
         for name, fn in kinds.items():
             prepare.get(name, lambda: None)()
             if os.sched_getaffinity(0) != cores:
                 narrowed_kinds.add(name)
+            # (the drift engine's real steps: real_gradient's is another engine's, with no drift run)
+            if device is not None and device.pending and name != "real_gradient" and (
+                    name in PAIRED_KINDS or name.startswith("partial_")):
+                pending_at[name] += 1
             inner[0] = 0.0
             t0 = time.perf_counter()
             fn()
@@ -888,6 +904,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
             "narrowed_kinds": sorted(narrowed_kinds),
+            "commits_in": {k: n for k, n in pending_at.items() if n},
             "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
             "layer_groups": layout.names if layout is not None else [],
             "partial_share": {f"partial_{k}": layout.share_below(k) for k in range(1, layout.max_prefix + 1)}

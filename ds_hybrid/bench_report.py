@@ -177,6 +177,7 @@ def markdown(result: dict) -> str:
 KIND_LABELS = {
     "real_gradient": " (a real step of an engine with predictor.direction: gradient: no velocity, no probe)",
     "predict_run": " (a drift step that begins a run: the velocity copied beside the GPU's weights)",
+    "real_commit": " (a real step after a kept drift run on the device path: the run's masters catch up)",
 }
 
 

@@ -94,7 +94,8 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
     of its batch, ``predictor.gradient_batch_fraction``); ``+run`` on the first Predict step of each
     run (a gradient run copies the optimizer's moments in and hands its first moment back; beside
     a GPU a drift run copies the velocity there);
-    ``+forward`` where a rejected check ran a forward again."""
+    ``+forward`` where a rejected check ran a forward again; ``+commit`` on the real step after a kept
+    drift run (on the device path its masters catch up there)."""
     gradient_kind = "predict_gradient" + (f"_f{gradient_fraction:g}" if gradient_fraction != 1.0 else "")
     f = run_dir / "steps.jsonl"
     if not f.is_file():
@@ -105,14 +106,16 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
         phase = r.get("phase")
         if phase == "predict":
             kind = (gradient_kind if r.get("backward_ran") else "predict") + ("_verified" if r.get("verified") else "")
-            kind += "+run" if prev != "predict" else ""
+            kind += "+run" if prev is None or not prev.startswith("predict") else ""
         elif phase == "partial":
             kind = f"partial_{r.get('predicted_groups', 0)}"
         else:
             kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False
                     else "real_gradient" if direction == "gradient" else "real") if hybrid else "plain"
+            drift_run = prev is not None and prev.startswith("predict") and not prev.startswith("predict_gradient")
+            kind += "+commit" if kind == "real" and drift_run and r.get("checked") is not False else ""
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
-        prev = phase
+        prev = kind
     return out
 
 

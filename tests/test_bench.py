@@ -67,6 +67,9 @@ def test_cost_of_step_kinds():
     assert bench.cost_of("predict_verified+run", drift) == pytest.approx(0.36)
     assert bench.cost_of("predict_verified", drift) == 0.33
     assert bench.cost_of("predict+run+forward", drift) == pytest.approx(0.35)
+    # the real step after a kept drift run: its commit (real_commit) where the profile timed one
+    assert bench.cost_of("real+commit", drift) == 1.02
+    assert bench.cost_of("real+commit", dict(drift, cost=dict(drift["cost"], real_commit=1.04))) == 1.04
 
 
 def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(tmp_path, monkeypatch):
@@ -165,6 +168,15 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     assert step_kinds(tmp_path, hybrid=True) == ["real_idle", "real", "real", "predict+run", "real_idle+forward",
                                                  "predict_gradient+run", "predict_gradient_verified"]
     assert step_kinds(tmp_path, hybrid=False)[:3] == ["plain"] * 3
+    # a real step after a kept drift run commits it (on the device path); after a rejected one, a
+    # gradient run or a real step, it does not
+    rows2 = [{"phase": "full"}, {"phase": "predict"}, {"phase": "predict"}, {"phase": "correct"},
+             {"phase": "full"}, {"phase": "predict"}, {"phase": "full", "checked": False},
+             {"phase": "predict", "backward_ran": True}, {"phase": "full"}]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows2))
+    assert step_kinds(tmp_path, hybrid=True) == ["real", "predict+run", "predict", "real+commit", "real",
+                                                 "predict+run", "real+forward", "predict_gradient+run", "real"]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # (predictor.direction: gradient: its real steps fold no velocity and probe no direction)
     assert step_kinds(tmp_path, hybrid=True, direction="gradient")[:5] == [
         "real_idle", "real_gradient", "real_gradient", "predict+run", "real_idle+forward"]
@@ -600,8 +612,10 @@ def test_quick_bench_end_to_end(tmp_path):
     assert grad["aggregate"]["full_budget"]["backward_skipped"]["mean"] == 0   # (its Predict steps run a backward)
     assert set(grad["per_seed"]["1"]["optimizer_steps"]) == {"target", "target+1%", "target+2%"}
     assert "Optimizer steps to reach the target +1%" in (out / "result.md").read_text()
-    # Whole hybrid real steps are costed against the plain work inside them (more than none of it).
-    for kind in bench.PAIRED_KINDS:
+    # Whole hybrid real steps are costed against the plain work inside them (more than none of it);
+    # real_commit is the device path's (beside a GPU), not this CPU's host path
+    assert set(prof["plain_work_seconds"]) == set(bench.PAIRED_KINDS) - {"real_commit"}
+    for kind in prof["plain_work_seconds"]:
         assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]
         assert prof["unpaired_cost"][kind] == pytest.approx(prof["seconds"][kind] / prof["seconds"]["plain"])
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
@@ -661,11 +675,15 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     # one copy inside a timed step per round (the warm-up's and each of the reps'): predict_run's;
     # the drift steps in the middle of a run made none
     assert len(uploads) == reps + 1
+    # On the device path a kept run's masters catch up at the next real step: real_commit times
+    # that, every other real step has no run to commit
+    assert prof["commits_in"] == {"real_commit": reps} and prof["cost"]["real_commit"] > 0
     # without the copy (this CPU as it is) the kind is not there and its steps are costed as before
     monkeypatch.setattr(DevicePredict, "__init__", init)
     uploads.clear()
     prof = bench._profile_worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
     assert "predict_run" not in prof["cost"] and uploads == []
+    assert prof["commits_in"] == {"real_commit": 1}   # (the device path's commit is there on the CPU too)
 
 
 def _predict_sweep():
