@@ -526,8 +526,8 @@ def cost_of(kind: str, profile: dict | None) -> float:
         base = "predict_gradient"
     # a partial prefix (or, in an older profile, real_groups) not measured: a real step
     value = c.get(base, c["real"])
-    if "commit" in extras and base == "real":   # after a kept drift run: its commit (older profiles: in every step)
-        value = c.get("real_commit", value)
+    if "commit" in extras and "real_commit" in c:   # after a kept drift run: its commit (older profiles: in every step)
+        value = c["real_commit"] if base == "real" else value + max(0.0, c["real_commit"] - c["real"])
     if "run" in extras:   # a run's first step: its moments or its velocity copied in (older profiles: in every step)
         if f"{base}_run" in c:
             value = c[f"{base}_run"]

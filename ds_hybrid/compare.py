@@ -113,7 +113,7 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
             kind = ("real_groups" if groups else "real_idle" if r.get("bookkeeping") is False
                     else "real_gradient" if direction == "gradient" else "real") if hybrid else "plain"
             drift_run = prev is not None and prev.startswith("predict") and not prev.startswith("predict_gradient")
-            kind += "+commit" if kind == "real" and drift_run and r.get("checked") is not False else ""
+            kind += "+commit" if kind in ("real", "real_groups") and drift_run and r.get("checked") is not False else ""
         out.append(kind + ("+forward" if r.get("checked") is False else ""))
         prev = kind
     return out

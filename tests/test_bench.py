@@ -176,6 +176,7 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows2))
     assert step_kinds(tmp_path, hybrid=True) == ["real", "predict+run", "predict", "real+commit", "real",
                                                  "predict+run", "real+forward", "predict_gradient+run", "real"]
+    assert step_kinds(tmp_path, hybrid=True, groups=True)[3] == "real_groups+commit"
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # (predictor.direction: gradient: its real steps fold no velocity and probe no direction)
     assert step_kinds(tmp_path, hybrid=True, direction="gradient")[:5] == [
