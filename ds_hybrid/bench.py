@@ -636,6 +636,31 @@ PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient", "real_commi
 # cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
 PROFILE_REPS = 40
 FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per round: two of its update intervals
+FEATURE_LEAD = 4    # its untimed steps before them: the block's first boundary waits on an update 4 steps old
+
+
+def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
+    """Untimed, after a DeepSpeed feature's block: wait until ZenFlow's overlapped optimizer
+    process (its last update still running, to be waited on at the next update boundary) has
+    been idle for ``quiet`` seconds, its CPU time unchanged, so that its update does not run beside
+    the next kind's steps. Returns the seconds waited (0.0 where there is no such process)."""
+    proc = getattr(getattr(eng, "optimizer", None), "process", None)
+    if proc is None or not proc.is_alive():
+        return 0.0
+    import psutil   # (a DeepSpeed dependency)
+    worker, t0 = psutil.Process(proc.pid), time.perf_counter()
+
+    def cpu() -> float:
+        t = worker.cpu_times()
+        return t.user + t.system
+    last = cpu()
+    while time.perf_counter() - t0 < limit:
+        time.sleep(quiet)
+        now = cpu()
+        if now == last:
+            break
+        last = now
+    return time.perf_counter() - t0 - quiet
 
 
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
@@ -779,14 +804,17 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # overlap_step is set) runs as in its runs, not with other kinds' steps hiding its wait.
     # ZenFlow's overlapped step, at its first CPU step, narrows this (training) thread to its share
     # of the cores, the rest its optimizer process's, and sets OMP_NUM_THREADS: its own steps run
-    # so, as in its runs, and every other kind's on the cores the profile started with.
+    # so, as in its runs, and every other kind's on the cores the profile started with. Its CPU
+    # update, submitted at one boundary, is waited on at the next: so each block follows
+    # FEATURE_LEAD untimed steps (its first boundary waits on an update as old as in a run), and the
+    # last update the block submitted finishes, untimed, before the next kind (``settle_feature``).
     narrowed: dict[str, set[int]] = {}   # (a feature's own cores, as it left them)
 
-    def feature_steps(name: str, eng) -> None:
+    def feature_steps(name: str, eng, steps: int) -> None:
         if name in narrowed:
             os.sched_setaffinity(0, narrowed[name])
         try:
-            for _ in range(FEATURE_BLOCK):
+            for _ in range(steps):
                 deepspeed_step(eng)
         finally:
             narrowed[name] = os.sched_getaffinity(0)
@@ -796,9 +824,11 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             else:
                 os.environ["OMP_NUM_THREADS"] = omp_threads
 
-    prepare: dict[str, Callable[[], Any]] = {}   # untimed, before a kind's timed step: the state it needs
+    prepare: dict[str, Callable[[], Any]] = {   # untimed, before a kind's timed step: the state it needs
+        name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_LEAD)) for name, e in ds_features.items()}
+    settled = dict.fromkeys(ds_features, 0.0)   # (untimed, after a feature's block: its last update's tail)
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
-             **{name: (lambda n=name, e=e: feature_steps(n, e)) for name, e in ds_features.items()},
+             **{name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_BLOCK)) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
              "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
@@ -875,6 +905,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     for name, fn in kinds.items():
         prepare.get(name, lambda: None)()
         fn()  # warm
+        if name in ds_features:
+            settle_feature(ds_features[name])
     sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
     pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
@@ -892,6 +924,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             fn()
             sec[name] += time.perf_counter() - t0
             plain_work[name] += inner[0]
+            if name in ds_features:
+                settled[name] += settle_feature(ds_features[name])
     sec = {k: v / reps / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     cost = {k: v / sec["plain"] for k, v in sec.items()}
     # The whole real steps, paired: their time over the plain work inside them.
@@ -904,6 +938,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
             "narrowed_kinds": sorted(narrowed_kinds),
+            # a feature's last update, still running after its block: the mean wait, untimed
+            "settled_seconds": {k: v / reps for k, v in settled.items()},
             "commits_in": {k: n for k, n in pending_at.items() if n},
             "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
             "layer_groups": layout.names if layout is not None else [],

@@ -642,6 +642,9 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     # The overlapped one's optimizer process takes a share of the cores, and its training thread the
     # rest, in its own steps only: the other kinds ran on every core the profile started with.
     assert prof["feature_cores"]["zenflow"] == prof["cores"] and prof["narrowed_kinds"] == []
+    # The in-line one leaves no update running after its block; the overlapped one's last one is
+    # waited out, untimed, before the next kind
+    assert prof["settled_seconds"]["zenflow"] == 0.0 and prof["settled_seconds"]["zenflow-overlap"] >= 0.0
     if prof["cores"] > 1:
         assert prof["feature_cores"]["zenflow-overlap"] < prof["cores"]
 
@@ -685,6 +688,28 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     prof = bench._profile_worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
     assert "predict_run" not in prof["cost"] and uploads == []
     assert prof["commits_in"] == {"real_commit": 1}   # (the device path's commit is there on the CPU too)
+
+
+def test_settle_feature_waits_out_a_busy_optimizer_process():
+    """After a ZenFlow block the profile waits, untimed, until its optimizer process stops
+    computing (its last update), and not at all for an engine without one."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\n"
+                             "time.sleep(30)"])
+    try:
+        time.sleep(0.1)   # (started and computing)
+        eng = SimpleNamespace(optimizer=SimpleNamespace(process=SimpleNamespace(
+            pid=busy.pid, is_alive=lambda: busy.poll() is None)))
+        waited = bench.settle_feature(eng)
+        assert 0.3 < waited < 5.0   # (its 0.6 s of computing, less what had run before the call)
+        assert bench.settle_feature(eng) < 0.05   # (idle now: one quiet interval)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert bench.settle_feature(SimpleNamespace(optimizer=object())) == 0.0
 
 
 def _predict_sweep():
