@@ -664,12 +664,16 @@ def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
 
 
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
-                  ds_arms: dict[str, float] | None = None) -> dict:
+                  ds_arms: dict[str, float] | None = None, state: Path | None = None) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
     ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
-    timed too, each as a kind of its own name: their steps are not plain DeepSpeed's."""
+    timed too, each as a kind of its own name: their steps are not plain DeepSpeed's. ``state``:
+    a file the rounds' sums are kept in after every round, from which a profile cut off (a device
+    call's time limit) goes on (``_profile_worker``)."""
     args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
             "--seq-len", str(suite.seq_len)]
+    if state is not None:
+        args += ["--profile-state", str(state)]
     for name, arm_lr in (ds_arms or {}).items():
         args += ["--ds-arm", f"{name}={arm_lr!r}"]
     if data:
@@ -686,7 +690,7 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
 
 
 def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
-                    ds_arms: dict[str, float] | None = None) -> dict:
+                    ds_arms: dict[str, float] | None = None, state_path: str | None = None) -> dict:
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -910,7 +914,20 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
     pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
-    for _ in range(reps):
+    # The rounds' sums after every round (``--profile-state``): a profile cut off goes on from the
+    # rounds it finished, where the same kinds of the same suite, LRs and machine kind were timed
+    # (a device call's time limit; a resumed profile's rounds may come from another machine of the
+    # same kind, as runs resumed with --reuse do).
+    key = {"suite": suite.name, "model": suite.model, "seq_len": suite.seq_len, "lr": lr, "ds_arms": ds_arms or {},
+           "data": data, "init": init, "kinds": list(kinds), "host": f"{platform.machine()} {os.cpu_count()}" + _gpu_name()}
+    state = Path(state_path) if state_path else None
+    saved = json.loads(state.read_text()) if state is not None and state.is_file() else None
+    done = 0
+    if saved is not None and saved["key"] == key:
+        done = saved["rounds"]
+        sec, plain_work, pending_at = saved["seconds"], saved["plain_work"], saved["pending_at"]
+        settled, narrowed_kinds = saved["settled"], set(saved["narrowed_kinds"])
+    for _ in range(max(0, reps - done)):
         for name, fn in kinds.items():
             prepare.get(name, lambda: None)()
             if os.sched_getaffinity(0) != cores:
@@ -926,6 +943,14 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             plain_work[name] += inner[0]
             if name in ds_features:
                 settled[name] += settle_feature(ds_features[name])
+        done += 1
+        if state is not None:
+            tmp = state.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "rounds": done, "seconds": sec, "plain_work": plain_work,
+                                       "pending_at": pending_at, "settled": settled,
+                                       "narrowed_kinds": sorted(narrowed_kinds)}))
+            os.replace(tmp, state)
+    reps = done
     sec = {k: v / reps / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     cost = {k: v / sec["plain"] for k, v in sec.items()}
     # The whole real steps, paired: their time over the plain work inside them.
@@ -987,6 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ds-arm", action="append", default=[], help=argparse.SUPPRESS)   # NAME=LR
+    p.add_argument("--profile-state", default=None, help=argparse.SUPPRESS)   # the rounds' sums, to go on from
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
@@ -1025,7 +1051,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         suite = resolve_suite(argparse.Namespace(**{**vars(args), "suite": args.profile_worker, "quick": False,
                                                     "arms": None, "budgets": None}))
         ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
-        print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms)))
+        print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms,
+                                         args.profile_state)))
         return None
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
@@ -1057,8 +1084,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         print("profiling the step kinds ...", flush=True)
         ds_arms = {a: raw["own_lr"].get(a, {}).get("best_lr", raw["best_lr"]) for a in suite.arms
                    if report.ds_feature(ARMS[a].hybrid) and a not in raw["errors"]}
+        # (--reuse: a profile cut off goes on from its finished rounds; without it, a new one)
+        state = out / "profile-state.json"
+        if not args.reuse:
+            state.unlink(missing_ok=True)
         profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS,
-                                ds_arms=ds_arms)
+                                ds_arms=ds_arms, state=state)
     analysis = analyse(raw, profile)
     result = {
         "suite": {**asdict(suite), "seeds": list(suite.seeds), "lr_multipliers": list(suite.lr_multipliers),

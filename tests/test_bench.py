@@ -655,7 +655,9 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     the profile times its drift steps in the middle of a run (the copy made before them, untimed)
     and a step that begins a run after a real step as ``predict_run``, so that the copy is costed
     once a run, where every profiled drift step had made one. On the CPU the device path makes
-    that copy only when told to (``copy_always``), as beside a GPU; the profile runs in this process."""
+    that copy only when told to (``copy_always``), as beside a GPU; the profile runs in this process,
+    on the GPU suite's config (pinned CPU Adam, overlapped reduction) with ZenFlow overlapped among
+    the kinds: the profile as ``offbench`` runs it, but for the test model and CUDA."""
     from ds_hybrid import memory_paths
     from ds_hybrid.device_predict import DevicePredict
     from ds_hybrid.engine import PredictiveEngine
@@ -672,10 +674,12 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
         uploads.extend([part] if part == "velocity_upload" else [])
         return timed(self, part)
     monkeypatch.setattr(PredictiveEngine, "_timed", counted)
-    suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
+    suite = bench.replace(bench.SUITES["offload-gpu"], **bench.QUICK, launcher="python", needs_gpu=False)
     reps = 2
-    prof = bench._profile_worker(suite, 2e-3, reps, bench.resolve_data(suite.data), None)
+    prof = bench._profile_worker(suite, 2e-3, reps, bench.resolve_data(suite.data), None, {"zenflow-overlap": 2e-3})
     assert prof["seconds"]["predict_run"] > 0 and prof["cost"]["predict"] > 0
+    assert prof["cost"]["zenflow-overlap"] > 0 and prof["narrowed_kinds"] == []
+    assert {"real_gradient", "predict_gradient_f0.25_run"} <= set(prof["cost"])
     # one copy inside a timed step per round (the warm-up's and each of the reps'): predict_run's;
     # the drift steps in the middle of a run made none
     assert len(uploads) == reps + 1
@@ -688,6 +692,32 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     prof = bench._profile_worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
     assert "predict_run" not in prof["cost"] and uploads == []
     assert prof["commits_in"] == {"real_commit": 1}   # (the device path's commit is there on the CPU too)
+
+
+def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
+    """``--profile-state``: the rounds' sums are saved after every round, and a profile of the same
+    kinds, suite, LRs and machine goes on from them (a device call's time limit cuts the profile
+    after the runs; the next call's ``--reuse`` resumes it); another key starts again."""
+    suite = bench.replace(bench.SUITES["cpu-small"], **bench.QUICK)
+    data, state = bench.resolve_data(suite.data), tmp_path / "profile-state.json"
+    bench._profile_worker(suite, 2e-3, 1, data, None, state_path=str(state))
+    saved = json.loads(state.read_text())
+    assert saved["rounds"] == 1 and set(saved["seconds"]) == set(saved["key"]["kinds"])
+    # as if two rounds had finished, with sums of our own: asked for two, it times none and
+    # returns what they say
+    saved["rounds"] = 2
+    saved["seconds"] = {k: 2.0 for k in saved["seconds"]}
+    saved["seconds"]["plain"] = 1.0
+    state.write_text(json.dumps(saved))
+    prof = bench._profile_worker(suite, 2e-3, 2, data, None, state_path=str(state))
+    assert prof["reps"] == 2 and prof["seconds"]["plain"] == 0.5 and prof["cost"]["forward"] == 2.0
+    # asked for three: one more round, added to the sums
+    prof = bench._profile_worker(suite, 2e-3, 3, data, None, state_path=str(state))
+    again = json.loads(state.read_text())
+    assert prof["reps"] == again["rounds"] == 3 and 1.0 < again["seconds"]["plain"] < 2.0
+    # another LR is another profile: it starts from nothing
+    prof = bench._profile_worker(suite, 4e-3, 1, data, None, state_path=str(state))
+    assert prof["reps"] == 1 and json.loads(state.read_text())["key"]["lr"] == 4e-3
 
 
 def test_settle_feature_waits_out_a_busy_optimizer_process():
