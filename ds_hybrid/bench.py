@@ -925,6 +925,8 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     done = 0
     if saved is not None and saved["key"] == key:
         done = saved["rounds"]
+    before = done   # (rounds timed in an earlier sitting)
+    if before:
         sec, plain_work, pending_at = saved["seconds"], saved["plain_work"], saved["pending_at"]
         settled, narrowed_kinds = saved["settled"], set(saved["narrowed_kinds"])
     for _ in range(max(0, reps - done)):
@@ -958,7 +960,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     paired = {k: sec[k] / (plain_work[k] / reps) for k in pairs}
     cost.update(paired)
     layout = engine._layout
-    return {"seconds": sec, "cost": cost, "reps": reps,
+    return {"seconds": sec, "cost": cost, "reps": reps, "rounds_before": before,
             "unpaired_cost": {k: sec[k] / sec["plain"] for k in pairs},
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},

@@ -157,7 +157,10 @@ def markdown(result: dict) -> str:
     prof = result.get("profile")
     if prof:
         unpaired = prof.get("unpaired_cost", {})
-        lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps; cost in plain DeepSpeed real steps"
+        before = prof.get("rounds_before") or 0
+        lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps"
+                  + (f", {before} of them timed in an earlier sitting (a profile cut off and resumed)" if before else "")
+                  + "; cost in plain DeepSpeed real steps"
                   + ("; a hybrid real step's cost is its time over the plain forward, backward and step inside it, "
                      "the same steps' time over the plain steps' beside it" if unpaired else "") + "):",
                   "", "| step kind | ms | cost |", "|---|---|---|"]

@@ -710,14 +710,17 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     saved["seconds"]["plain"] = 1.0
     state.write_text(json.dumps(saved))
     prof = bench._profile_worker(suite, 2e-3, 2, data, None, state_path=str(state))
-    assert prof["reps"] == 2 and prof["seconds"]["plain"] == 0.5 and prof["cost"]["forward"] == 2.0
+    assert prof["reps"] == prof["rounds_before"] == 2 and prof["seconds"]["plain"] == 0.5
+    assert prof["cost"]["forward"] == 2.0
+    md = bench_report.markdown({**_result(tmp_path), "profile": prof})
+    assert "mean of 2 steps, 2 of them timed in an earlier sitting (a profile cut off and resumed)" in md
     # asked for three: one more round, added to the sums
     prof = bench._profile_worker(suite, 2e-3, 3, data, None, state_path=str(state))
     again = json.loads(state.read_text())
     assert prof["reps"] == again["rounds"] == 3 and 1.0 < again["seconds"]["plain"] < 2.0
     # another LR is another profile: it starts from nothing
     prof = bench._profile_worker(suite, 4e-3, 1, data, None, state_path=str(state))
-    assert prof["reps"] == 1 and json.loads(state.read_text())["key"]["lr"] == 4e-3
+    assert prof["reps"] == 1 and prof["rounds_before"] == 0 and json.loads(state.read_text())["key"]["lr"] == 4e-3
 
 
 def test_settle_feature_waits_out_a_busy_optimizer_process():
