@@ -919,7 +919,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # (a device call's time limit; a resumed profile's rounds may come from another machine of the
     # same kind, as runs resumed with --reuse do).
     key = {"suite": suite.name, "model": suite.model, "seq_len": suite.seq_len, "lr": lr, "ds_arms": ds_arms or {},
-           "data": data, "init": init, "kinds": list(kinds), "host": f"{platform.machine()} {os.cpu_count()}" + _gpu_name()}
+           "data": data, "init": init, "kinds": list(kinds), "host": host()}
     state = Path(state_path) if state_path else None
     saved = json.loads(state.read_text()) if state is not None and state.is_file() else None
     done = 0
@@ -1102,7 +1102,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "sweep": raw["sweep"], "best_lr_multiplier": raw["best_lr_multiplier"], "best_lr": raw["best_lr"],
         "sweep_tie_break": raw["sweep_tie_break"], "own_lr": raw["own_lr"], "analysis": analysis, "profile": profile, "bench_seconds": raw["bench_seconds"], "errors": raw["errors"],
         "reused_runs": raw["reused_runs"], "jobs": raw["jobs"],
-        "host": f"{platform.machine()} {os.cpu_count()} CPU cores" + _gpu_name(),
+        "host": host(),
         "date": time.strftime("%Y-%m-%d"),
         "runs": {arm: {seed: {b: report.slim_row(r) for b, r in by_b.items()} for seed, by_b in by_seed.items()}
                  for arm, by_seed in raw["rows"].items()},
@@ -1119,12 +1119,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     return result
 
 
-def _gpu_name() -> str:
+def host() -> str:
+    """The machine a result (or a profile's rounds) was timed on: its CPU cores and GPU."""
     try:
         import torch
-        return f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
+        gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
     except Exception:
-        return ""
+        gpu = ""
+    return f"{platform.machine()} {os.cpu_count()} CPU cores{gpu}"
 
 
 if __name__ == "__main__":
