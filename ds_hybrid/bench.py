@@ -632,9 +632,16 @@ def wall_clock(rows: dict) -> dict:
 # Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
 # costed by their time over the plain work inside the same steps (_profile_worker).
 PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient", "real_commit")
-# Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
-# cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
+# Rounds of the profile, at most. Two 20-round profiles of the same runs differed by up to 3% in a
+# kind's cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
 PROFILE_REPS = 40
+# ... and it stops sooner, after PROFILE_MIN_REPS rounds, once every kind's cost is known to
+# PROFILE_PRECISION of a plain step (one standard error; of the kind's own cost where that is over
+# one): a machine whose steps vary little (a GPU's) spends less of a device call on it. Every
+# weighted sum of the costs (a run's Full-step equivalents) is then known to that fraction of its
+# steps' count, or better.
+PROFILE_MIN_REPS = 10
+PROFILE_PRECISION = 0.003
 FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per round: two of its update intervals
 FEATURE_LEAD = 4    # its untimed steps before them: the block's first boundary waits on an update 4 steps old
 
@@ -663,15 +670,35 @@ def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
     return time.perf_counter() - t0 - quiet
 
 
+def ratio_se(x: list[float], y: list[float]) -> float | None:
+    """The standard error of ``sum(x) / sum(y)``, a ratio of means of paired rounds (the delta
+    method: the spread of ``x - R y`` over the rounds); None below two rounds."""
+    n = len(x)
+    if n < 2 or sum(y) <= 0:
+        return None
+    r = sum(x) / sum(y)
+    return math.sqrt(sum((a - r * b) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) / (sum(y) / n)
+
+
+def precise_enough(cost: dict[str, float], se: dict[str, float | None], precision: float) -> bool:
+    """Whether every kind's cost is known to ``precision`` of a plain step (of its own cost where
+    that is over one), one standard error."""
+    return all(s is not None and s <= precision * max(1.0, cost[k]) for k, s in se.items())
+
+
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
-                  ds_arms: dict[str, float] | None = None, state: Path | None = None) -> dict:
+                  ds_arms: dict[str, float] | None = None, state: Path | None = None,
+                  precision: float | None = PROFILE_PRECISION) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
     ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
     timed too, each as a kind of its own name: their steps are not plain DeepSpeed's. ``state``:
-    a file the rounds' sums are kept in after every round, from which a profile cut off (a device
-    call's time limit) goes on (``_profile_worker``)."""
+    a file the rounds' times are kept in after every round, from which a profile cut off (a device
+    call's time limit) goes on (``_profile_worker``). ``reps``: rounds at most; ``precision``: stop
+    sooner once every kind's cost is known to it (``precise_enough``; None: ``reps`` rounds)."""
     args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
             "--seq-len", str(suite.seq_len)]
+    if precision is not None:
+        args += ["--precision", repr(precision)]
     if state is not None:
         args += ["--profile-state", str(state)]
     for name, arm_lr in (ds_arms or {}).items():
@@ -690,7 +717,8 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
 
 
 def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
-                    ds_arms: dict[str, float] | None = None, state_path: str | None = None) -> dict:
+                    ds_arms: dict[str, float] | None = None, state_path: str | None = None,
+                    precision: float | None = None) -> dict:
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -911,7 +939,22 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
         fn()  # warm
         if name in ds_features:
             settle_feature(ds_features[name])
-    sec, plain_work = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    # Each round's time of each kind, and of the plain work inside it: the means and, from the
+    # rounds' spread, how well each kind's cost is known.
+    sec: dict[str, list[float]] = {k: [] for k in kinds}
+    plain_work: dict[str, list[float]] = {k: [] for k in kinds}
+    pairs = [k for k in PAIRED_KINDS if k in kinds]
+
+    def costs() -> tuple[dict[str, float], dict[str, float | None]]:
+        """Each kind's cost in plain steps and its standard error, from the rounds so far: a hybrid
+        real step over the plain work inside it, any other over the same rounds' plain steps."""
+        cost, se = {}, {}
+        for k in kinds:
+            x = [t / (FEATURE_BLOCK if k in ds_features else 1) for t in sec[k]]
+            y = plain_work[k] if k in pairs else sec["plain"]
+            cost[k] = sum(x) / sum(y) if sum(y) > 0 else float("nan")
+            se[k] = 0.0 if k == "plain" else ratio_se(x, y)
+        return cost, se
     narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
     pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
     # The rounds' sums after every round (``--profile-state``): a profile cut off goes on from the
@@ -923,13 +966,14 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     state = Path(state_path) if state_path else None
     saved = json.loads(state.read_text()) if state is not None and state.is_file() else None
     done = 0
-    if saved is not None and saved["key"] == key:
+    if saved is not None and saved["key"] == key and "seconds_rounds" in saved:   # (older states: sums only)
         done = saved["rounds"]
     before = done   # (rounds timed in an earlier sitting)
     if before:
-        sec, plain_work, pending_at = saved["seconds"], saved["plain_work"], saved["pending_at"]
+        sec, plain_work, pending_at = saved["seconds_rounds"], saved["plain_work_rounds"], saved["pending_at"]
         settled, narrowed_kinds = saved["settled"], set(saved["narrowed_kinds"])
-    for _ in range(max(0, reps - done)):
+    least = min(PROFILE_MIN_REPS, reps)
+    while done < reps and not (precision is not None and done >= least and precise_enough(*costs(), precision)):
         for name, fn in kinds.items():
             prepare.get(name, lambda: None)()
             if os.sched_getaffinity(0) != cores:
@@ -941,34 +985,31 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             inner[0] = 0.0
             t0 = time.perf_counter()
             fn()
-            sec[name] += time.perf_counter() - t0
-            plain_work[name] += inner[0]
+            sec[name].append(time.perf_counter() - t0)
+            plain_work[name].append(inner[0])
             if name in ds_features:
                 settled[name] += settle_feature(ds_features[name])
         done += 1
         if state is not None:
             tmp = state.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "rounds": done, "seconds": sec, "plain_work": plain_work,
-                                       "pending_at": pending_at, "settled": settled,
-                                       "narrowed_kinds": sorted(narrowed_kinds)}))
+            tmp.write_text(json.dumps({"key": key, "rounds": done, "seconds_rounds": sec,
+                                       "plain_work_rounds": plain_work, "pending_at": pending_at,
+                                       "settled": settled, "narrowed_kinds": sorted(narrowed_kinds)}))
             os.replace(tmp, state)
-    reps = done
-    sec = {k: v / reps / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
-    cost = {k: v / sec["plain"] for k, v in sec.items()}
-    # The whole real steps, paired: their time over the plain work inside them.
-    pairs = [k for k in PAIRED_KINDS if k in kinds]
-    paired = {k: sec[k] / (plain_work[k] / reps) for k in pairs}
-    cost.update(paired)
+    cost, se = costs()
+    mean = {k: sum(v) / done / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     layout = engine._layout
-    return {"seconds": sec, "cost": cost, "reps": reps, "rounds_before": before,
-            "unpaired_cost": {k: sec[k] / sec["plain"] for k in pairs},
+    return {"seconds": mean, "cost": cost, "cost_se": se, "reps": done, "rounds_before": before,
+            # the rounds it could have taken, and the precision it stopped at where it met it sooner
+            "max_reps": reps, "precision": precision,
+            "unpaired_cost": {k: mean[k] / mean["plain"] for k in pairs},
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
             "narrowed_kinds": sorted(narrowed_kinds),
             # a feature's last update, still running after its block: the mean wait, untimed
             "settled_seconds": {k: v / reps for k, v in settled.items()},
             "commits_in": {k: n for k, n in pending_at.items() if n},
-            "plain_work_seconds": {k: plain_work[k] / reps for k in pairs},
+            "plain_work_seconds": {k: sum(plain_work[k]) / done for k in pairs},
             "layer_groups": layout.names if layout is not None else [],
             "partial_share": {f"partial_{k}": layout.share_below(k) for k in range(1, layout.max_prefix + 1)}
             if layout is not None else {}}
@@ -1014,7 +1055,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ds-arm", action="append", default=[], help=argparse.SUPPRESS)   # NAME=LR
-    p.add_argument("--profile-state", default=None, help=argparse.SUPPRESS)   # the rounds' sums, to go on from
+    p.add_argument("--profile-state", default=None, help=argparse.SUPPRESS)   # the rounds' times, to go on from
+    p.add_argument("--precision", type=float, default=None, help=argparse.SUPPRESS)   # stop once costs are known to it
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
@@ -1054,7 +1096,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                                                     "arms": None, "budgets": None}))
         ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
         print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms,
-                                         args.profile_state)))
+                                         args.profile_state, args.precision)))
         return None
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())

@@ -158,9 +158,13 @@ def markdown(result: dict) -> str:
     if prof:
         unpaired = prof.get("unpaired_cost", {})
         before = prof.get("rounds_before") or 0
+        se = prof.get("cost_se") or {}   # (older profiles: none)
+        stopped = prof.get("precision") is not None and prof["reps"] < prof.get("max_reps", prof["reps"])
         lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps"
                   + (f", {before} of them timed in an earlier sitting (a profile cut off and resumed)" if before else "")
-                  + "; cost in plain DeepSpeed real steps"
+                  + (f"; stopped before its {prof['max_reps']} rounds once every kind's cost was known to "
+                     f"{prof['precision']:g} of a plain step" if stopped else "")
+                  + "; cost in plain DeepSpeed real steps" + (", ± one standard error over the rounds" if se else "")
                   + ("; a hybrid real step's cost is its time over the plain forward, backward and step inside it, "
                      "the same steps' time over the plain steps' beside it" if unpaired else "") + "):",
                   "", "| step kind | ms | cost |", "|---|---|---|"]
@@ -172,7 +176,8 @@ def markdown(result: dict) -> str:
                             " (DeepSpeed's engine with this system's config, at its own LR)"
                             if ds_feature(result["arms"].get(kind, {}).get("hybrid")) else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
-            lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{beside} |")
+            error = f" ± {se[kind]:.3f}" if se.get(kind) else ""
+            lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{error}{beside} |")
     return "\n".join(lines)
 
 

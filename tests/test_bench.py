@@ -695,32 +695,64 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
 
 
 def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
-    """``--profile-state``: the rounds' sums are saved after every round, and a profile of the same
+    """``--profile-state``: the rounds' times are saved after every round, and a profile of the same
     kinds, suite, LRs and machine goes on from them (a device call's time limit cuts the profile
     after the runs; the next call's ``--reuse`` resumes it); another key starts again."""
     suite = bench.replace(bench.SUITES["cpu-small"], **bench.QUICK)
     data, state = bench.resolve_data(suite.data), tmp_path / "profile-state.json"
     bench._profile_worker(suite, 2e-3, 1, data, None, state_path=str(state))
     saved = json.loads(state.read_text())
-    assert saved["rounds"] == 1 and set(saved["seconds"]) == set(saved["key"]["kinds"])
-    # as if two rounds had finished, with sums of our own: asked for two, it times none and
+    assert saved["rounds"] == 1 and set(saved["seconds_rounds"]) == set(saved["key"]["kinds"])
+    assert all(len(v) == 1 for v in saved["seconds_rounds"].values())
+    # as if two rounds had finished, with times of our own: asked for two, it times none and
     # returns what they say
     saved["rounds"] = 2
-    saved["seconds"] = {k: 2.0 for k in saved["seconds"]}
-    saved["seconds"]["plain"] = 1.0
+    saved["seconds_rounds"] = {k: [1.0, 3.0] for k in saved["seconds_rounds"]}
+    saved["seconds_rounds"]["plain"] = [0.5, 1.5]
     state.write_text(json.dumps(saved))
     prof = bench._profile_worker(suite, 2e-3, 2, data, None, state_path=str(state))
-    assert prof["reps"] == prof["rounds_before"] == 2 and prof["seconds"]["plain"] == 0.5
-    assert prof["cost"]["forward"] == 2.0
+    assert prof["reps"] == prof["rounds_before"] == 2 and prof["seconds"]["plain"] == 1.0
+    assert prof["cost"]["forward"] == 2.0 and prof["cost_se"]["forward"] == 0.0   # (each round 2x plain)
     md = bench_report.markdown({**_result(tmp_path), "profile": prof})
     assert "mean of 2 steps, 2 of them timed in an earlier sitting (a profile cut off and resumed)" in md
-    # asked for three: one more round, added to the sums
+    # asked for three: one more round, added to the rounds
     prof = bench._profile_worker(suite, 2e-3, 3, data, None, state_path=str(state))
     again = json.loads(state.read_text())
-    assert prof["reps"] == again["rounds"] == 3 and 1.0 < again["seconds"]["plain"] < 2.0
+    assert prof["reps"] == again["rounds"] == 3 and again["seconds_rounds"]["plain"][:2] == [0.5, 1.5]
+    assert 2.0 < sum(again["seconds_rounds"]["plain"]) < 3.0 and prof["cost_se"]["forward"] > 0.0
     # another LR is another profile: it starts from nothing
     prof = bench._profile_worker(suite, 4e-3, 1, data, None, state_path=str(state))
     assert prof["reps"] == 1 and prof["rounds_before"] == 0 and json.loads(state.read_text())["key"]["lr"] == 4e-3
+
+
+def test_a_kinds_cost_has_the_standard_error_of_a_ratio_of_means():
+    """``ratio_se``: over rounds whose plain step took the same time, the standard error of the
+    kind's mean over that time; none where every round has the same ratio; None below 2 rounds."""
+    import statistics
+    x, y = [1.0, 1.4, 0.9, 1.3], [2.0] * 4
+    assert bench.ratio_se(x, y) == pytest.approx(statistics.stdev(x) / 2 / 4 ** 0.5)
+    assert bench.ratio_se([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 0.0
+    assert bench.ratio_se([1.0], [1.0]) is None
+    # known to 0.003 of a plain step, or of its own cost above one
+    assert bench.precise_enough({"plain": 1.0, "a": 0.1, "b": 2.0}, {"plain": 0.0, "a": 0.003, "b": 0.006}, 0.003)
+    assert not bench.precise_enough({"plain": 1.0, "a": 0.1}, {"plain": 0.0, "a": 0.004}, 0.003)
+    assert not bench.precise_enough({"plain": 1.0, "a": 0.1}, {"plain": 0.0, "a": None}, 0.003)
+
+
+def test_the_profile_stops_once_every_kind_is_known_well_enough(tmp_path, monkeypatch):
+    """Asked for a precision every kind meets, the profile stops after its least rounds (a GPU
+    device call spends less on it) and says so; asked for one none meets, it takes every round."""
+    suite = bench.replace(bench.SUITES["cpu-small"], **bench.QUICK)
+    data = bench.resolve_data(suite.data)
+    monkeypatch.setattr(bench, "PROFILE_MIN_REPS", 2)
+    loose = bench._profile_worker(suite, 2e-3, 4, data, None, precision=100.0)
+    assert loose["reps"] == 2 and loose["max_reps"] == 4
+    assert all(s is not None and s >= 0 for s in loose["cost_se"].values()) and loose["cost_se"]["plain"] == 0.0
+    md = bench_report.markdown({**_result(tmp_path), "profile": loose})
+    assert "stopped before its 4 rounds once every kind's cost was known to 100 of a plain step" in md
+    assert f"{loose['cost']['forward']:.3f} ± {loose['cost_se']['forward']:.3f}" in md
+    tight = bench._profile_worker(suite, 2e-3, 3, data, None, precision=1e-12)
+    assert tight["reps"] == 3 and "stopped before" not in bench_report.markdown({**_result(tmp_path), "profile": tight})
 
 
 def test_settle_feature_waits_out_a_busy_optimizer_process():
