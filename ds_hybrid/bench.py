@@ -536,9 +536,49 @@ def cost_of(kind: str, profile: dict | None) -> float:
     return value + (c["forward"] if "forward" in extras else 0.0)
 
 
+def shifted_profile(profile: dict, sign: int) -> dict:
+    """The profile with every kind's cost one standard error higher (``sign`` 1) or lower (-1);
+    plain DeepSpeed's step, the unit, stays 1."""
+    se = profile.get("cost_se") or {}
+    return {**profile, "cost": {k: c if k == "plain" else c + sign * (se.get(k) or 0.0)
+                                for k, c in profile["cost"].items()}}
+
+
+def own_kind(arm: str, profile: dict | None) -> str | None:
+    """The profiled kind a DeepSpeed feature's runs (ZenFlow: --baseline runs) are costed as: the
+    arm's own name where the profile timed it (older profiles cost its steps as plain steps)."""
+    feature = arm in ARMS and report.ds_feature(ARMS[arm].hybrid)
+    return arm if feature and profile and arm in profile["cost"] else None
+
+
+def eq_curve(row: dict, own: str | None, profile: dict | None) -> list[tuple[float, float]]:
+    """A run's validation curve against its steps' cost in Full-step equivalents."""
+    return fr.step_costs_curve(row["val_points"], [cost_of(own if own and k == "plain" else k, profile)
+                                                   for k in row["step_kinds"]])
+
+
+def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
+    """The arm's mean ratio in Full-step equivalents at each target with every kind's cost one
+    standard error lower and higher (the profile's own uncertainty, the seeds' aside): [low, high]."""
+    base, own, band = raw["rows"]["baseline"], own_kind(arm, profile), {t: [] for t in TARGETS}
+    for sign in (-1, 1):
+        prof, vals = shifted_profile(profile, sign), {t: [] for t in TARGETS}
+        for seed, by_budget in raw["rows"][arm].items():
+            if seed not in targets:
+                continue
+            arm_runs = [{**r, "eq_curve": eq_curve(r, own, prof)} for r in by_budget.values()]
+            base_runs = [{**r, "eq_curve": eq_curve(r, None, prof)} for r in base[seed].values()]
+            for t, v in fr.ratios(arm_runs, base_runs, targets[seed], "eq_curve").items():
+                vals[t].append(v["ratio"])
+        for t in TARGETS:
+            band[t].append(fr.mean_spread(vals[t])["mean"])
+    return band
+
+
 def analyse(raw: dict, profile: dict | None) -> dict:
     """Per arm and seed: frontier ratios against plain DeepSpeed at each target, in seconds and
-    in Full-step equivalents; and the full-budget comparison (final gap, time)."""
+    in Full-step equivalents (with the profile's own uncertainty where it has one); and the
+    full-budget comparison (final gap, time)."""
     base = raw["rows"]["baseline"]
     out: dict[str, Any] = {"targets": {}, "arms": {}}
     for seed, by_budget in base.items():
@@ -547,14 +587,10 @@ def analyse(raw: dict, profile: dict | None) -> dict:
             continue
         out["targets"][seed] = {n: full["final_val_loss"] * (1 + d) for n, d in TARGETS.items()}
     for arm, rows in raw["rows"].items():
-        # A DeepSpeed feature's runs (ZenFlow) are --baseline runs whose steps the profile timed as a
-        # kind of the arm's own name (where it did: older profiles cost them as plain steps)
-        feature = arm in ARMS and report.ds_feature(ARMS[arm].hybrid)
-        own = arm if feature and profile and arm in profile["cost"] else None
+        own = own_kind(arm, profile)
         for by_budget in rows.values():
             for row in by_budget.values():
-                row["eq_curve"] = fr.step_costs_curve(row["val_points"], [
-                    cost_of(own if own and k == "plain" else k, profile) for k in row["step_kinds"]])
+                row["eq_curve"] = eq_curve(row, own, profile)
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
                 # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
                 row["opt_curve"] = fr.step_costs_curve(row["val_points"], [0.0 if k.startswith("predict") else 1.0
@@ -593,6 +629,8 @@ def analyse(raw: dict, profile: dict | None) -> dict:
             for t in TARGETS:
                 vals = [p[unit][t]["ratio"] for p in per_seed.values() if unit in p]   # (older results: no such unit)
                 agg[unit][t] = dict(fr.mean_spread(vals), reached=sum(v is not None for v in vals), seeds=len(vals))
+        if profile and profile.get("cost_se"):
+            agg["equivalents_profile_band"] = profile_band(raw, arm, out["targets"], profile)
         fulls = [p["full_budget"] for p in per_seed.values() if p["full_budget"]]
         agg["full_budget"] = {k: fr.mean_spread([f[k] for f in fulls])
                               for k in ("final_gap_pct", "time_ratio", "equivalents_ratio", "backward_skipped",

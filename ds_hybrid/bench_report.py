@@ -122,6 +122,12 @@ def markdown(result: dict) -> str:
                      f"{_ms(fb.get('time_ratio'), '{:.3f}')}x | {skipped} |")
     for name, err in result.get("errors", {}).items():
         lines.append(f"| `{name}` | did not run: {err} | | | | | | |")
+    bands = [(n, a["aggregate"]["equivalents_profile_band"]["target+1%"]) for n, a in an["arms"].items()
+             if "equivalents_profile_band" in a["aggregate"]]
+    if bands:
+        lines += ["", "The profile's own uncertainty in the Full-step equivalents at the target +1% (every step kind's "
+                  "cost one standard error lower / higher, the seeds' spread aside): "
+                  + "; ".join(f"`{n}` {_f(lo, '{:.3f}')} / {_f(hi, '{:.3f}')}" for n, (lo, hi) in bands) + "."]
     opt = [(n, a["aggregate"]["optimizer_steps"]["target+1%"]) for n, a in an["arms"].items()
            if "optimizer_steps" in a["aggregate"]]
     if opt:

@@ -225,6 +225,25 @@ def test_analyse_scores_each_seed_on_the_frontier():
     assert seed["optimizer_steps"]["target"]["time"] == 5 and seed["optimizer_steps"]["target"]["ratio"] == 0.5
 
 
+def test_the_equivalents_carry_the_profiles_own_uncertainty(tmp_path):
+    """With each kind's standard error in the profile, an arm's ratio in Full-step equivalents
+    comes with its band: every kind one standard error cheaper and dearer (plain's step, the
+    unit, exact). The hybrid's 5 real and 5 Predict steps to the target at 0.1 ± 0.02 of a step:
+    5.5 ± 0.1 of plain's 10."""
+    profile = {"cost": {"plain": 1.0, "real": 1.0, "predict": 0.1, "forward": 0.3},
+               "cost_se": {"plain": 0.0, "real": 0.0, "predict": 0.02, "forward": 0.01}}
+    agg = bench.analyse(_raw(), profile)["arms"]["predict"]["aggregate"]
+    assert agg["equivalents"]["target"]["mean"] == pytest.approx(0.55)
+    assert agg["equivalents_profile_band"]["target"] == pytest.approx([0.54, 0.56])
+    assert "equivalents_profile_band" not in bench.analyse(_raw(), {"cost": profile["cost"]})["arms"]["predict"][
+        "aggregate"]   # (older profiles: no standard errors)
+    result = _result(tmp_path)
+    result["analysis"] = bench.analyse(_raw(), profile)
+    band = result["analysis"]["arms"]["predict"]["aggregate"]["equivalents_profile_band"]["target+1%"]
+    assert band[0] < result["analysis"]["arms"]["predict"]["aggregate"]["equivalents"]["target+1%"]["mean"] < band[1]
+    assert f"`predict` {band[0]:.3f} / {band[1]:.3f}." in bench_report.markdown(result)
+
+
 def _result(tmp_path):
     raw = _raw()
     an = bench.analyse(raw, None)
