@@ -516,6 +516,11 @@ def _slim(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- analysis
 
+# The shares of the batch the profile times a gradient Predict step from, by kind name (another
+# share is costed as the whole batch's: ``cost_of``).
+GRADIENT_SHARES = {1.0: "predict_gradient", 0.5: "predict_gradient_f0.5", 0.25: "predict_gradient_f0.25"}
+
+
 def cost_of(kind: str, profile: dict | None) -> float:
     """A step kind's cost in Full-step equivalents (plain DeepSpeed's real step = 1)."""
     if not profile:
@@ -534,6 +539,30 @@ def cost_of(kind: str, profile: dict | None) -> float:
         elif base == "predict_verified" and "predict_run" in c:   # (the drift run's copy, timed unverified)
             value += max(0.0, c["predict_run"] - c["predict"])
     return value + (c["forward"] if "forward" in extras else 0.0)
+
+
+def kinds_needed(rows: dict) -> set[str]:
+    """The step kinds a suite's runs took (``compare.step_kinds``) and every kind ``cost_of`` reads
+    their costs from: what the profile must time. Plain DeepSpeed's step (the unit), DeepSpeed's own
+    engine beside it and the hybrid's real step (``cost_of``'s fallback) always."""
+    need = {"plain", "deepspeed", "real"}
+    for by_seed in rows.values():
+        for by_budget in by_seed.values():
+            for row in by_budget.values():
+                for kind in set(row["step_kinds"]):
+                    base, *extras = kind.split("+")
+                    if base.startswith("predict_gradient_f") and base not in GRADIENT_SHARES.values():
+                        base = "predict_gradient"   # (a share the profile does not time: the whole batch's)
+                    need.add(base)
+                    if "run" in extras:
+                        need.add(f"{base}_run")
+                        if base == "predict_verified":   # (the drift run's copy, timed unverified)
+                            need |= {"predict", "predict_run"}
+                    if "commit" in extras:
+                        need.add("real_commit")
+                    if "forward" in extras:
+                        need.add("forward")
+    return need
 
 
 def shifted_profile(profile: dict, sign: int) -> dict:
@@ -559,7 +588,8 @@ def eq_curve(row: dict, own: str | None, profile: dict | None) -> list[tuple[flo
 
 def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
     """The arm's mean ratio in Full-step equivalents at each target with every kind's cost one
-    standard error lower and higher (the profile's own uncertainty, the seeds' aside): [low, high]."""
+    standard error lower and higher, [low, high]: the uncertainty within the profile's rounds, the
+    seeds' aside (a floor: profiles of other sittings differ by more, ``PROFILE_REPS``)."""
     base, own, band = raw["rows"]["baseline"], own_kind(arm, profile), {t: [] for t in TARGETS}
     for sign in (-1, 1):
         prof, vals = shifted_profile(profile, sign), {t: [] for t in TARGETS}
@@ -670,16 +700,12 @@ def wall_clock(rows: dict) -> dict:
 # Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
 # costed by their time over the plain work inside the same steps (_profile_worker).
 PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient", "real_commit")
-# Rounds of the profile, at most. Two 20-round profiles of the same runs differed by up to 3% in a
-# kind's cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
+# Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
+# cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
+# (Not fewer where the rounds agree: four 40-round profiles of offload-b64 in a row put one kind at
+# 0.222-0.241 of a plain step with standard errors of 0.002-0.004, benchmarks/profile_sittings.py: a
+# kind's standard error is a floor on how well it is known, not a measure of it.)
 PROFILE_REPS = 40
-# ... and it stops sooner, after PROFILE_MIN_REPS rounds, once every kind's cost is known to
-# PROFILE_PRECISION of a plain step (one standard error; of the kind's own cost where that is over
-# one): a machine whose steps vary little (a GPU's) spends less of a device call on it. Every
-# weighted sum of the costs (a run's Full-step equivalents) is then known to that fraction of its
-# steps' count, or better.
-PROFILE_MIN_REPS = 10
-PROFILE_PRECISION = 0.003
 FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per round: two of its update intervals
 FEATURE_LEAD = 4    # its untimed steps before them: the block's first boundary waits on an update 4 steps old
 
@@ -718,25 +744,19 @@ def ratio_se(x: list[float], y: list[float]) -> float | None:
     return math.sqrt(sum((a - r * b) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) / (sum(y) / n)
 
 
-def precise_enough(cost: dict[str, float], se: dict[str, float | None], precision: float) -> bool:
-    """Whether every kind's cost is known to ``precision`` of a plain step (of its own cost where
-    that is over one), one standard error."""
-    return all(s is not None and s <= precision * max(1.0, cost[k]) for k, s in se.items())
-
-
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
                   ds_arms: dict[str, float] | None = None, state: Path | None = None,
-                  precision: float | None = PROFILE_PRECISION) -> dict:
+                  kinds: Iterable[str] | None = None) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
     ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
     timed too, each as a kind of its own name: their steps are not plain DeepSpeed's. ``state``:
     a file the rounds' times are kept in after every round, from which a profile cut off (a device
-    call's time limit) goes on (``_profile_worker``). ``reps``: rounds at most; ``precision``: stop
-    sooner once every kind's cost is known to it (``precise_enough``; None: ``reps`` rounds)."""
+    call's time limit) goes on (``_profile_worker``). ``kinds``: time only these (``kinds_needed``:
+    the ones the suite's runs took; None: every kind this layout has), and each of ``ds_arms``."""
     args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
             "--seq-len", str(suite.seq_len)]
-    if precision is not None:
-        args += ["--precision", repr(precision)]
+    if kinds is not None:
+        args += ["--kinds", ",".join(sorted(kinds))]
     if state is not None:
         args += ["--profile-state", str(state)]
     for name, arm_lr in (ds_arms or {}).items():
@@ -756,7 +776,7 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
 
 def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
                     ds_arms: dict[str, float] | None = None, state_path: str | None = None,
-                    precision: float | None = None) -> dict:
+                    wanted: set[str] | None = None) -> dict:
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -952,12 +972,12 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             if gradient.m is not None:
                 gradient.discard()
         # ... from the whole batch, half and a quarter of it (the -half and -quarter arms')
-        for fraction, name in ((1.0, "predict_gradient"), (0.5, "predict_gradient_f0.5"),
-                               (0.25, "predict_gradient_f0.25")):
+        for fraction, name in GRADIENT_SHARES.items():
             kinds[name] = lambda f=fraction: predict_gradient(f)
             prepare[name] = lambda f=fraction: in_a_run(f)
             kinds[f"{name}_run"] = lambda f=fraction: predict_gradient(f, whole_run=True)
             prepare[f"{name}_run"] = no_run
+    if gradient is not None and (wanted is None or "real_gradient" in wanted):
         # The gradient arms' real step: no velocity to fold or direction to probe (they move by
         # Adam's own step), so not the drift engine's; one of an engine set up as theirs are.
         grad_cfg = dict(json.loads(json.dumps(cfg)), hybrid_predict=_with(_GRADIENT, warmup_steps=5, full_steps=10**6))
@@ -970,6 +990,10 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
             grad_engine.controller.phase, grad_engine.controller.remaining = Phase.FULL, 10**6
             grad_engine.train_step(batches())
         kinds["real_gradient"] = real_gradient
+    if wanted is not None:
+        # Only the kinds the suite's runs took (and DeepSpeed's features): on a GPU's device call
+        # every kind timed is time the runs do not get.
+        kinds = {k: fn for k, fn in kinds.items() if k in wanted or k in ds_features}
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for name, fn in kinds.items():
@@ -1010,8 +1034,7 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     if before:
         sec, plain_work, pending_at = saved["seconds_rounds"], saved["plain_work_rounds"], saved["pending_at"]
         settled, narrowed_kinds = saved["settled"], set(saved["narrowed_kinds"])
-    least = min(PROFILE_MIN_REPS, reps)
-    while done < reps and not (precision is not None and done >= least and precise_enough(*costs(), precision)):
+    while done < reps:
         for name, fn in kinds.items():
             prepare.get(name, lambda: None)()
             if os.sched_getaffinity(0) != cores:
@@ -1038,14 +1061,12 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     mean = {k: sum(v) / done / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     layout = engine._layout
     return {"seconds": mean, "cost": cost, "cost_se": se, "reps": done, "rounds_before": before,
-            # the rounds it could have taken, and the precision it stopped at where it met it sooner
-            "max_reps": reps, "precision": precision,
             "unpaired_cost": {k: mean[k] / mean["plain"] for k in pairs},
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
             "narrowed_kinds": sorted(narrowed_kinds),
             # a feature's last update, still running after its block: the mean wait, untimed
-            "settled_seconds": {k: v / reps for k, v in settled.items()},
+            "settled_seconds": {k: v / done for k, v in settled.items()},
             "commits_in": {k: n for k, n in pending_at.items() if n},
             "plain_work_seconds": {k: sum(plain_work[k]) / done for k in pairs},
             "layer_groups": layout.names if layout is not None else [],
@@ -1094,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ds-arm", action="append", default=[], help=argparse.SUPPRESS)   # NAME=LR
     p.add_argument("--profile-state", default=None, help=argparse.SUPPRESS)   # the rounds' times, to go on from
-    p.add_argument("--precision", type=float, default=None, help=argparse.SUPPRESS)   # stop once costs are known to it
+    p.add_argument("--kinds", default=None, help=argparse.SUPPRESS)   # comma-separated: time only these
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
@@ -1133,8 +1154,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         suite = resolve_suite(argparse.Namespace(**{**vars(args), "suite": args.profile_worker, "quick": False,
                                                     "arms": None, "budgets": None}))
         ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
+        wanted = set(args.kinds.split(",")) if args.kinds else None
         print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms,
-                                         args.profile_state, args.precision)))
+                                         args.profile_state, wanted)))
         return None
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
@@ -1171,7 +1193,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         if not args.reuse:
             state.unlink(missing_ok=True)
         profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS,
-                                ds_arms=ds_arms, state=state)
+                                ds_arms=ds_arms, state=state, kinds=kinds_needed(raw["rows"]))
     analysis = analyse(raw, profile)
     result = {
         "suite": {**asdict(suite), "seeds": list(suite.seeds), "lr_multipliers": list(suite.lr_multipliers),

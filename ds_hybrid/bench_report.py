@@ -125,8 +125,9 @@ def markdown(result: dict) -> str:
     bands = [(n, a["aggregate"]["equivalents_profile_band"]["target+1%"]) for n, a in an["arms"].items()
              if "equivalents_profile_band" in a["aggregate"]]
     if bands:
-        lines += ["", "The profile's own uncertainty in the Full-step equivalents at the target +1% (every step kind's "
-                  "cost one standard error lower / higher, the seeds' spread aside): "
+        lines += ["", "The Full-step equivalents at the target +1% with every step kind's cost one standard error "
+                  "of the profile's rounds lower / higher (the seeds' spread aside; a floor on the profile's "
+                  "uncertainty: profiles of other sittings differ by more): "
                   + "; ".join(f"`{n}` {_f(lo, '{:.3f}')} / {_f(hi, '{:.3f}')}" for n, (lo, hi) in bands) + "."]
     opt = [(n, a["aggregate"]["optimizer_steps"]["target+1%"]) for n, a in an["arms"].items()
            if "optimizer_steps" in a["aggregate"]]
@@ -165,11 +166,8 @@ def markdown(result: dict) -> str:
         unpaired = prof.get("unpaired_cost", {})
         before = prof.get("rounds_before") or 0
         se = prof.get("cost_se") or {}   # (older profiles: none)
-        stopped = prof.get("precision") is not None and prof["reps"] < prof.get("max_reps", prof["reps"])
         lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps"
                   + (f", {before} of them timed in an earlier sitting (a profile cut off and resumed)" if before else "")
-                  + (f"; stopped before its {prof['max_reps']} rounds once every kind's cost was known to "
-                     f"{prof['precision']:g} of a plain step" if stopped else "")
                   + "; cost in plain DeepSpeed real steps" + (", ± one standard error over the rounds" if se else "")
                   + ("; a hybrid real step's cost is its time over the plain forward, backward and step inside it, "
                      "the same steps' time over the plain steps' beside it" if unpaired else "") + "):",

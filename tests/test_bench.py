@@ -186,6 +186,25 @@ def test_step_kinds_cost_lazy_steps_apart(tmp_path):
                                                                            "predict_gradient_f0.5_verified"]
 
 
+def test_the_profile_times_every_kind_a_runs_cost_is_read_from():
+    """``kinds_needed``: a profile of only the kinds the runs took (and those ``cost_of`` reads for
+    them: a run's first step, a commit, a forward again, a batch share not profiled) costs every
+    step as a profile of every kind does."""
+    names = ["plain", "deepspeed", "real", "real_idle", "real_groups", "real_gradient", "real_commit", "partial_1",
+             "partial_2", "forward", "predict", "predict_verified", "predict_run", "predict_gradient",
+             "predict_gradient_run", "predict_gradient_f0.5", "predict_gradient_f0.5_run", "predict_gradient_f0.25",
+             "predict_gradient_f0.25_run"]
+    full = {"cost": {k: 1.0 if k == "plain" else 0.05 + 0.1 * i for i, k in enumerate(names)}}
+    taken = ["plain", "real+commit", "real_groups+commit", "predict+run", "predict", "predict_verified+run",
+             "predict_gradient_f0.25+run", "predict_gradient_f0.25", "predict_gradient_f0.125+run", "partial_2",
+             "real_idle+forward", "real_gradient"]
+    needed = bench.kinds_needed({"arm": {"1": {"1": {"step_kinds": taken}}}})
+    part = {"cost": {k: c for k, c in full["cost"].items() if k in needed}}
+    assert len(part["cost"]) < len(full["cost"]) and "partial_1" not in needed and "predict_gradient_f0.5" not in needed
+    for kind in taken:
+        assert bench.cost_of(kind, part) == bench.cost_of(kind, full), kind
+
+
 def _row(points, seconds_per_step=1.0, kinds=None, stats=None):
     steps = points[-1][0]
     kinds = kinds or ["plain"] * steps
@@ -619,22 +638,32 @@ def test_quick_bench_end_to_end(tmp_path):
     assert pred["backward_skipped"]["mean"] > 0          # Predict steps happened
     assert saved["analysis"]["arms"]["groups"]["aggregate"]["full_budget"]["partial_backward"]["mean"] > 0
     prof = saved["profile"]
-    assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < prof["cost"]["forward"] < 1
-    assert 0 < prof["cost"]["partial_1"] and prof["partial_share"]["partial_2"] > 0
+    # The profile timed the kinds the runs took and those their costs are read from, no others
+    # (the -half and -quarter arms' shares are not in this bench), so every step is costed as timed
+    from pathlib import Path
+    from ds_hybrid.compare import load_run
+    rows = {arm: {s: {b: load_run(Path(r["run"])) for b, r in by_b.items()} for s, by_b in by_s.items()}
+            for arm, by_s in runs.items()}
+    needed = bench.kinds_needed(rows)
+    assert set(prof["cost"]) <= needed and "predict_gradient_f0.5" not in prof["cost"]
+    # (but the device path's velocity copy and commit, which this CPU's host path does not make)
+    assert needed - set(prof["cost"]) <= {"predict_run", "real_commit"}
+    assert prof["cost"]["plain"] == 1.0 and 0 < prof["cost"]["predict"] < 1 and prof["partial_share"]["partial_2"] > 0
+    assert all(c > 0 for k, c in prof["cost"].items() if k.startswith("partial_"))
     assert prof["cost"]["deepspeed"] > 0   # DeepSpeed's own engine timed beside the unit
     # a Predict step with its own forward and backward costs more than one without them
     assert prof["cost"]["predict_gradient"] > prof["cost"]["predict"]
     # (and a step that begins and keeps a run, the moments' copies in and out: on this tiny model
     # within the timing noise of one in the middle of a run)
-    for share in ("", "_f0.5", "_f0.25"):
-        assert prof["cost"][f"predict_gradient{share}_run"] > 0.5 * prof["cost"][f"predict_gradient{share}"] > 0
+    assert prof["cost"]["predict_gradient_run"] > 0.5 * prof["cost"]["predict_gradient"] > 0
     grad = saved["analysis"]["arms"]["predict-gradient"]
     assert grad["aggregate"]["full_budget"]["backward_skipped"]["mean"] == 0   # (its Predict steps run a backward)
     assert set(grad["per_seed"]["1"]["optimizer_steps"]) == {"target", "target+1%", "target+2%"}
     assert "Optimizer steps to reach the target +1%" in (out / "result.md").read_text()
     # Whole hybrid real steps are costed against the plain work inside them (more than none of it);
     # real_commit is the device path's (beside a GPU), not this CPU's host path
-    assert set(prof["plain_work_seconds"]) == set(bench.PAIRED_KINDS) - {"real_commit"}
+    assert set(prof["plain_work_seconds"]) == set(bench.PAIRED_KINDS) & set(prof["cost"])
+    assert {"real", "real_groups", "real_gradient"} <= set(prof["plain_work_seconds"]) and "real_commit" not in prof["cost"]
     for kind in prof["plain_work_seconds"]:
         assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]
         assert prof["unpaired_cost"][kind] == pytest.approx(prof["seconds"][kind] / prof["seconds"]["plain"])
@@ -739,6 +768,9 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     again = json.loads(state.read_text())
     assert prof["reps"] == again["rounds"] == 3 and again["seconds_rounds"]["plain"][:2] == [0.5, 1.5]
     assert 2.0 < sum(again["seconds_rounds"]["plain"]) < 3.0 and prof["cost_se"]["forward"] > 0.0
+    md = bench_report.markdown({**_result(tmp_path), "profile": prof})
+    assert "± one standard error over the rounds" in md
+    assert f"| {prof['cost']['forward']:.3f} ± {prof['cost_se']['forward']:.3f} |" in md
     # another LR is another profile: it starts from nothing
     prof = bench._profile_worker(suite, 4e-3, 1, data, None, state_path=str(state))
     assert prof["reps"] == 1 and prof["rounds_before"] == 0 and json.loads(state.read_text())["key"]["lr"] == 4e-3
@@ -752,26 +784,6 @@ def test_a_kinds_cost_has_the_standard_error_of_a_ratio_of_means():
     assert bench.ratio_se(x, y) == pytest.approx(statistics.stdev(x) / 2 / 4 ** 0.5)
     assert bench.ratio_se([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 0.0
     assert bench.ratio_se([1.0], [1.0]) is None
-    # known to 0.003 of a plain step, or of its own cost above one
-    assert bench.precise_enough({"plain": 1.0, "a": 0.1, "b": 2.0}, {"plain": 0.0, "a": 0.003, "b": 0.006}, 0.003)
-    assert not bench.precise_enough({"plain": 1.0, "a": 0.1}, {"plain": 0.0, "a": 0.004}, 0.003)
-    assert not bench.precise_enough({"plain": 1.0, "a": 0.1}, {"plain": 0.0, "a": None}, 0.003)
-
-
-def test_the_profile_stops_once_every_kind_is_known_well_enough(tmp_path, monkeypatch):
-    """Asked for a precision every kind meets, the profile stops after its least rounds (a GPU
-    device call spends less on it) and says so; asked for one none meets, it takes every round."""
-    suite = bench.replace(bench.SUITES["cpu-small"], **bench.QUICK)
-    data = bench.resolve_data(suite.data)
-    monkeypatch.setattr(bench, "PROFILE_MIN_REPS", 2)
-    loose = bench._profile_worker(suite, 2e-3, 4, data, None, precision=100.0)
-    assert loose["reps"] == 2 and loose["max_reps"] == 4
-    assert all(s is not None and s >= 0 for s in loose["cost_se"].values()) and loose["cost_se"]["plain"] == 0.0
-    md = bench_report.markdown({**_result(tmp_path), "profile": loose})
-    assert "stopped before its 4 rounds once every kind's cost was known to 100 of a plain step" in md
-    assert f"{loose['cost']['forward']:.3f} ± {loose['cost_se']['forward']:.3f}" in md
-    tight = bench._profile_worker(suite, 2e-3, 3, data, None, precision=1e-12)
-    assert tight["reps"] == 3 and "stopped before" not in bench_report.markdown({**_result(tmp_path), "profile": tight})
 
 
 def test_settle_feature_waits_out_a_busy_optimizer_process():
