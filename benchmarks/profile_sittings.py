@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from ds_hybrid import bench
-from ds_hybrid.bench_report import ds_feature
 from ds_hybrid.compare import load_run
 
 
@@ -65,9 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {arm: {s: {b: load_run(Path(r["run"])) for b, r in by_b.items()} for s, by_b in by_s.items()}
             for arm, by_s in result["runs"].items()}
     needed = bench.kinds_needed(rows)
-    own = result.get("own_lr") or {}
-    ds_arms = {a: own.get(a, {}).get("best_lr", result["best_lr"]) for a in result["suite"]["arms"]
-               if ds_feature(bench.ARMS[a].hybrid) and a not in result.get("errors", {})}
+    ds_arms = bench.feature_lrs(result["suite"]["arms"], result)
     data = bench.resolve_data(result.get("data") or suite.data)
     profiles = []
     for which in args.order:

@@ -744,6 +744,14 @@ def ratio_se(x: list[float], y: list[float]) -> float | None:
     return math.sqrt(sum((a - r * b) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) / (sum(y) / n)
 
 
+def feature_lrs(arms: Iterable[str], result: dict) -> dict[str, float]:
+    """The suite's DeepSpeed features (ZenFlow) that ran, each at the LR its runs took: its own
+    sweep's best where it has one, else plain DeepSpeed's (``result``: a bench's runs or result)."""
+    own = result.get("own_lr") or {}
+    return {a: own.get(a, {}).get("best_lr", result["best_lr"]) for a in arms
+            if report.ds_feature(ARMS[a].hybrid) and a not in result.get("errors", {})}
+
+
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
                   ds_arms: dict[str, float] | None = None, state: Path | None = None,
                   kinds: Iterable[str] | None = None) -> dict:
@@ -1005,18 +1013,6 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
     # rounds' spread, how well each kind's cost is known.
     sec: dict[str, list[float]] = {k: [] for k in kinds}
     plain_work: dict[str, list[float]] = {k: [] for k in kinds}
-    pairs = [k for k in PAIRED_KINDS if k in kinds]
-
-    def costs() -> tuple[dict[str, float], dict[str, float | None]]:
-        """Each kind's cost in plain steps and its standard error, from the rounds so far: a hybrid
-        real step over the plain work inside it, any other over the same rounds' plain steps."""
-        cost, se = {}, {}
-        for k in kinds:
-            x = [t / (FEATURE_BLOCK if k in ds_features else 1) for t in sec[k]]
-            y = plain_work[k] if k in pairs else sec["plain"]
-            cost[k] = sum(x) / sum(y) if sum(y) > 0 else float("nan")
-            se[k] = 0.0 if k == "plain" else ratio_se(x, y)
-        return cost, se
     narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
     pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
     # The rounds' sums after every round (``--profile-state``): a profile cut off goes on from the
@@ -1057,7 +1053,15 @@ def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: 
                                        "plain_work_rounds": plain_work, "pending_at": pending_at,
                                        "settled": settled, "narrowed_kinds": sorted(narrowed_kinds)}))
             os.replace(tmp, state)
-    cost, se = costs()
+    # Each kind's cost in plain steps and its standard error: a hybrid real step over the plain work
+    # inside it, any other over the same rounds' plain steps.
+    pairs = [k for k in PAIRED_KINDS if k in kinds]
+    cost, se = {}, {}
+    for k in kinds:
+        x = [t / (FEATURE_BLOCK if k in ds_features else 1) for t in sec[k]]
+        y = plain_work[k] if k in pairs else sec["plain"]
+        cost[k] = sum(x) / sum(y) if sum(y) > 0 else float("nan")
+        se[k] = 0.0 if k == "plain" else ratio_se(x, y)
     mean = {k: sum(v) / done / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     layout = engine._layout
     return {"seconds": mean, "cost": cost, "cost_se": se, "reps": done, "rounds_before": before,
@@ -1186,8 +1190,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     profile = None
     if not args.no_profile:
         print("profiling the step kinds ...", flush=True)
-        ds_arms = {a: raw["own_lr"].get(a, {}).get("best_lr", raw["best_lr"]) for a in suite.arms
-                   if report.ds_feature(ARMS[a].hybrid) and a not in raw["errors"]}
+        ds_arms = feature_lrs(suite.arms, raw)
         # (--reuse: a profile cut off goes on from its finished rounds; without it, a new one)
         state = out / "profile-state.json"
         if not args.reuse:
