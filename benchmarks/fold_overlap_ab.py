@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.bench import ARMS, deep_merge  # noqa: E402
+from ds_hybrid.bench_arms import ARMS, deep_merge  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 MEMORY = {"offload_predict": "device", "fold_source": "optimizer_state", "velocity_dtype": "int8"}

@@ -21,18 +21,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ds_hybrid import bench, bench_launch  # noqa: E402
+from ds_hybrid import bench_arms, bench_launch  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
+from ds_hybrid.dist_env import child_env  # noqa: E402
 
 
 def run_config(horizon: int) -> dict:
     """The offload suite's predict-gradient arm with ``horizon`` Predict steps after every real step."""
     suite = SUITES["offload"]
-    base = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
-    arm = bench.Arm("predict-gradient", "", bench._with(bench.ARMS["predict-gradient"].hybrid,
-                                                        min_predict_steps=horizon, max_predict_steps=horizon))
-    cfg, _ = bench.arm_config(base, arm, quick=False)
+    base = bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    hybrid = bench_arms.with_changes(bench_arms.ARMS["predict-gradient"].hybrid,
+                                     min_predict_steps=horizon, max_predict_steps=horizon)
+    arm = bench_arms.Arm("predict-gradient", "", hybrid)
+    cfg, _ = bench_arms.arm_config(base, arm, quick=False)
     cfg["wall_clock_breakdown"] = True   # (as the bench runs every arm)
     return cfg
 
@@ -53,7 +55,7 @@ def run(horizon: int, seed: int, lr: float, out: Path) -> dict:
                 "--layer-groups", str(suite.layer_groups), "--no-progress"]
         with open(out / "train.log", "w") as log:
             proc = subprocess.run(bench_launch.command(suite.launcher, "ds_hybrid.train", args), stdout=log,
-                                  stderr=subprocess.STDOUT, env=bench.child_env())
+                                  stderr=subprocess.STDOUT, env=child_env())
         if proc.returncode != 0:
             raise SystemExit(f"run {out} failed; see {out / 'train.log'}")
     s = json.loads((out / "summary.json").read_text())

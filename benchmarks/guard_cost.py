@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     import deepspeed
     from ds_hybrid import initialize
     from ds_hybrid.arguments import resolve_config
-    from ds_hybrid.bench import deep_merge
+    from ds_hybrid.bench_arms import deep_merge
     from ds_hybrid.bench_suites import SUITES
     from ds_hybrid.data import ByteDataset, train_batches
     from ds_hybrid.dist_env import ensure_distributed_env

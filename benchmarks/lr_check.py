@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ds_hybrid import bench  # noqa: E402
+from ds_hybrid import bench, bench_arms  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--result", required=True, help="a bench result (docs/results/SUITE.json) with plain runs")
     p.add_argument("--lr", type=float, required=True, help="the learning rate to run the arms at")
-    p.add_argument("--arms", nargs="+", default=["baseline", "predict-gradient"], choices=sorted(bench.ARMS))
+    p.add_argument("--arms", nargs="+", default=["baseline", "predict-gradient"], choices=sorted(bench_arms.ARMS))
     p.add_argument("--out", default="runs/bench", help="run folders: OUT/SUITE-lrLR/ARM-b1-sSEED")
     p.add_argument("--json", default=None, help="write the table's numbers here")
     args = p.parse_args(argv)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError, KeyError) as err:
         raise SystemExit(f"--result {args.result}: not a bench result with plain runs ({err})") from None
     # (a result keeps its suite, not the merged config: built again as the bench builds it)
-    base_cfg = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    base_cfg = bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides)
     if init and not Path(init).is_file():
         raise SystemExit(f"--result {args.result}: its pre-trained start {init} is gone (run the bench again)")
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     finals: dict[str, dict[str, float]] = {a: {} for a in args.arms}
     for seed in sorted(swept, key=int):
         for name in args.arms:
-            cfg, baseline = bench.arm_config(base_cfg, bench.ARMS[name], quick=False)
+            cfg, baseline = bench_arms.arm_config(base_cfg, bench_arms.ARMS[name], quick=False)
             cfg["wall_clock_breakdown"] = True   # (as the bench runs every arm)
             run = bench.Run(f"{name}-b1-s{seed}", name, int(seed), args.lr, 1.0, cfg,
                             out_dir / f"{name}-b1-s{seed}", suite.steps, baseline)

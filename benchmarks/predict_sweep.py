@@ -48,7 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_hybrid import frontier as fr  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.bench import ARMS, Run, Runner, _with, cost_of, deep_merge, pretrained, profile_steps, resolve_data  # noqa: E402
+from ds_hybrid.bench import Run, Runner, pretrained, resolve_data  # noqa: E402
+from ds_hybrid.bench_arms import ARMS, deep_merge, with_changes  # noqa: E402
+from ds_hybrid.bench_profile import cost_of, profile_steps  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 # name -> (what it changes, the section it starts from: the bench's `predict` arm or the preset's
@@ -80,7 +82,7 @@ def section_of(name: str, preset: dict) -> dict | None:
     _, base, changes, _ = VARIANTS[name]
     if base == "plain":
         return None
-    return _with(ARMS["predict"].hybrid if base == "predict" else preset["hybrid_predict"], **changes)
+    return with_changes(ARMS["predict"].hybrid if base == "predict" else preset["hybrid_predict"], **changes)
 
 
 def score(row: dict, profile: dict) -> dict:

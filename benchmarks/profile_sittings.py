@@ -3,7 +3,7 @@
 Takes a finished ``ds-hybrid bench`` suite (its result JSON and the run directories it names) and
 profiles its step kinds several times, one profile after another in the same session: every kind
 the layout has (``--order all``) or only those the suite's runs took (``needed``,
-``bench.kinds_needed``, what the bench times since 2026-11-30). Beside them, what the runs
+``bench_profile.kinds_needed``, what the bench times since 2026-11-30). Beside them, what the runs
 themselves measured, one at a time: each hybrid arm's Predict and real step over plain
 DeepSpeed's real step in the same seed's full-budget run.
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_hybrid import bench
+from ds_hybrid import bench, bench_launch, bench_profile
 from ds_hybrid.compare import load_run
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--result", required=True, help="a bench result JSON whose run directories are on this machine")
     p.add_argument("--order", nargs="+", default=["all", "needed", "needed"], choices=["all", "needed"],
                    help="the profiles to take, in order: every kind, or the suite's runs' kinds")
-    p.add_argument("--reps", type=int, default=bench.PROFILE_REPS, help="rounds per profile")
+    p.add_argument("--reps", type=int, default=bench_profile.PROFILE_REPS, help="rounds per profile")
     p.add_argument("--json", required=True, help="where to write the result")
     args = p.parse_args(argv)
     result = json.loads(Path(args.result).read_text())
@@ -63,20 +63,20 @@ def main(argv: list[str] | None = None) -> dict:
                          f"run `ds-hybrid bench --suite {name} --reuse` first")
     rows = {arm: {s: {b: load_run(Path(r["run"])) for b, r in by_b.items()} for s, by_b in by_s.items()}
             for arm, by_s in result["runs"].items()}
-    needed = bench.kinds_needed(rows)
-    ds_arms = bench.feature_lrs(result["suite"]["arms"], result)
+    needed = bench_profile.kinds_needed(rows)
+    ds_arms = bench_profile.feature_lrs(result["suite"]["arms"], result)
     data = bench.resolve_data(result.get("data") or suite.data)
     profiles = []
     for which in args.order:
         t0 = time.perf_counter()
-        prof = bench.profile_steps(suite, result["best_lr"], data, result.get("init"), reps=args.reps,
+        prof = bench_profile.profile_steps(suite, result["best_lr"], data, result.get("init"), reps=args.reps,
                                    ds_arms=ds_arms, kinds=None if which == "all" else needed)
         profiles.append({"kinds": which, "wall_seconds": time.perf_counter() - t0, "reps": prof["reps"],
                          "cost": prof["cost"], "cost_se": prof["cost_se"]})
         print(f"profile {len(profiles)} ({which}, {len(prof['cost'])} kinds): {profiles[-1]['wall_seconds']:.0f} s",
               flush=True)
     out = {"command": "python benchmarks/profile_sittings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "suite": name, "result": args.result, "date": time.strftime("%Y-%m-%d %H:%M"), "host": bench.host(),
+           "suite": name, "result": args.result, "date": time.strftime("%Y-%m-%d %H:%M"), "host": bench_launch.host(),
            "needed": sorted(needed), "profiles": profiles, "in_runs": in_run_costs(result)}
     Path(args.json).write_text(json.dumps(out, indent=1))
     kinds = [k for k in profiles[0]["cost"] if all(k in q["cost"] for q in profiles)]

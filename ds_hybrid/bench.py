@@ -9,8 +9,11 @@ One invocation runs, on the same model, data, seeds and machine:
 2. for every seed and every step budget (fractions of the suite's steps, each with its own full
    warmup-cosine schedule), one run of each system ("arm"): plain DeepSpeed and the hybrid
    variants, interleaved, so that machine noise hits them alike;
-3. a profile of every step kind (a plain step, a hybrid real step, partial steps, Predict steps)
-   in one process, which turns each run's steps into Full-step equivalents.
+3. a profile of every step kind the runs took (a plain step, a hybrid real step, partial steps,
+   Predict steps) in one process, which turns each run's steps into Full-step equivalents
+   (``bench_profile``).
+
+The systems are ``bench_arms``'s, the suites ``bench_suites``'s.
 
 ``cpu-finetune`` first pre-trains a model on the default corpus (cached between invocations)
 and every run starts from it, on a second corpus.
@@ -31,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -46,132 +48,21 @@ from typing import Any, Callable, Iterable
 from . import bench_launch
 from . import bench_report as report
 from . import frontier as fr
+from .bench_arms import ARMS, Arm, arm_config, deep_merge
+from .arguments import REPO_ROOT
+from .bench_launch import host
+from .bench_profile import PROFILE_REPS, eq_curve, feature_lrs, kinds_needed, own_kind, profile_steps, shifted_profile
 from .bench_suites import SUITES, Suite
 from .compare import load_run
+from .dist_env import child_env
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"target": 0.0, "target+1%": 0.01, "target+2%": 0.02}
 SWEEP_TIE = 0.01   # LRs whose final loss on the sweep's seed is within 1% of the best's are run on every seed
 
 
-@dataclass(frozen=True)
-class Arm:
-    """One system the bench runs at every budget."""
-
-    name: str
-    doc: str
-    hybrid: dict | str | None    # the hybrid_predict section; None: plain DeepSpeed; "preset": the preset's own
-    budgets: tuple[float, ...] | None = None   # None: every budget of the suite
-    # Another system's baseline (ZenFlow) tunes its own LR, as plain DeepSpeed's is tuned: swept at the
-    # full budget on the first seed around plain's best. The hybrid's arms keep plain's LR, so that a
-    # predicted step is never credited with what a better LR would have done.
-    own_lr: bool = False
-
-
-# Predicted steps everywhere they are allowed, so the frontier shows what they are worth.
-_WHOLE = {"enabled": True, "warmup_steps": 50, "full_steps": 4, "min_predict_steps": 2, "max_predict_steps": 2,
-          "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
-          "predictor": {"direction": "drift", "drift_beta": 0.95, "step_scale": 1.0, "max_step_scale": 1.0},
-          "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
-          "dynamics": {"progress_every": 0}}
-# Predict steps that take their own gradient: 3 after every real step from step 50 (the study's
-# 1 : 3, each worth a real step in loss; they pay where the optimizer step is dear: ZeRO-Offload).
-_GRADIENT = {"enabled": True, "warmup_steps": 50, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
-             "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
-             "predictor": {"direction": "gradient"},
-             "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
-             "dynamics": {"progress_every": 0}}
-_GROUPS = {"enabled": True, "warmup_steps": 50, "full_steps": 8, "whole_model": False, "predict_lr_fraction": 1.0,
-           "predictor": {"direction": "drift", "drift_beta": 0.95},
-           "group_predict": {"enabled": True, "refresh_every": 4, "min_gain": 0.05},
-           "dynamics": {"progress_every": 0}}
-
-
-def _with(base: dict, **changes: Any) -> dict:
-    out = json.loads(json.dumps(base))
-    for key, value in changes.items():
-        node = out
-        *parents, leaf = key.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-# Budgets: plain DeepSpeed's frontier below the full budget is what the looser targets are read
-# from; a hybrid run with 1/3 of its steps predicted has fewer real steps than plain DeepSpeed at
-# the same budget, so its arms also run longer budgets (it may reach the target only there).
-# Plain DeepSpeed runs those longer budgets too: a longer schedule's curve crosses the full
-# budget's final loss before its end, 3-9% sooner than that budget on cpu-small
-# (benchmarks/predict_sweep.py's `plain` variant), and without them the hybrid's ratio was
-# flattered by 0.05 (docs/predicted-steps.md).
-_PLAIN_BUDGETS = (0.75, 0.875, 1.0, 1.25, 1.5, 2.0)   # (2.0: only where a suite lists it)
-_HYBRID_BUDGETS = (1.0, 1.25, 1.5)
-
-ARMS: dict[str, Arm] = {a.name: a for a in [
-    Arm("baseline", "plain DeepSpeed (`hybrid_predict.enabled: false`), LR-tuned", None, budgets=_PLAIN_BUDGETS),
-    Arm("predict", "whole-model drift Predict runs (2 after every 4 real steps from step 50), checked by the "
-        "next real step's forward (`check: next_step`)", _WHOLE, budgets=_HYBRID_BUDGETS),
-    Arm("predict-skip", "its control: the same runs with `predictor.direction: none` (Predict steps advance the "
-        "schedule and move nothing)", _with(_WHOLE, predictor__direction="none"), budgets=(1.0, 1.25)),
-    Arm("predict-gradient", "whole-model Predict runs whose steps take their own gradient (`predictor.direction: "
-        "gradient`: Adam's step with the second moment held, the run's first moment handed to the optimizer when "
-        "kept; 3 after every real step from step 50), checked by the next real step's forward", _GRADIENT,
-        budgets=_HYBRID_BUDGETS),
-    Arm("predict-gradient-half", "the same, each Predict step's gradient from half of its batch "
-        "(`predictor.gradient_batch_fraction: 0.5`: half a real step's forward and backward)",
-        _with(_GRADIENT, predictor__gradient_batch_fraction=0.5), budgets=_HYBRID_BUDGETS),
-    # A quarter of the batch, 7 after every real step: grad_step_study's best worth per cost (at its
-    # batch 64, 1 : 7, each worth 0.48 +- 0.02 of a real step). Its real steps are 1 in 8, so it may
-    # reach plain's final loss only past plain's budget: it runs up to twice that.
-    Arm("predict-gradient-quarter", "each Predict step's gradient from a quarter of its batch "
-        "(`predictor.gradient_batch_fraction: 0.25`), 7 after every real step from step 50",
-        _with(_GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=7, max_predict_steps=7),
-        budgets=(1.0, 1.5, 2.0)),
-    # The same share, 15 after every real step, up to 3x plain's budget: grad_step_study's first setting to
-    # reach plain AdamW's final loss (batch 64, 3 seeds, a 3x schedule) in under 0.6x plain's time by the
-    # H200's timers (docs/memory.md, "Toward plain's final loss"). Its real steps are 1 in 16. (4x where a
-    # suite lists it: on offload-b64 one seed of three ended 0.85% above plain's final loss at 3x.)
-    Arm("predict-gradient-quarter-15", "each Predict step's gradient from a quarter of its batch, 15 after every "
-        "real step from step 50, up to 3x plain's budget (4x on `offload-b64`)",
-        _with(_GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=15, max_predict_steps=15),
-        budgets=(1.0, 2.0, 3.0, 4.0)),
-    Arm("groups", "layer-group Predict chosen by the planner (`group_predict`), no whole-model runs", _GROUPS,
-        budgets=(1.0,)),
-    Arm("groups-pinned", "the lower 2 of 4 layer groups predicted on 3 of every 4 Full steps",
-        _with(_GROUPS, group_predict__pinned=2), budgets=(1.0,)),
-    Arm("groups-freeze", "its control: the same steps with the predicted groups frozen (`step_scale: 0`)",
-        _with(_GROUPS, group_predict__pinned=2, group_predict__step_scale=0.0), budgets=(1.0,)),
-    Arm("default", "the preset's own `hybrid_predict` section as shipped (the no-argument `ds-hybrid train`)",
-        "preset", budgets=(1.0,)),
-]}
-
-
-# ZenFlow: plain DeepSpeed with its own asynchronous CPU updates (the offload suite's comparator).
-# Its tutorial's settings but for the selection: "auto" means once per epoch of DeepSpeed's own
-# data loader, and without one (this loop feeds its batches) DeepSpeed never re-selects; so the
-# important columns are re-selected every 100 steps, from a top 10%, with the CPU step in line.
-# A 60-step check (gpt2-tiny, seed 1, offload suite's config): the tutorial's settings ended at
-# 3.22 in 211 ms/step, these at 3.02 in 151 ms/step (plain ZeRO-Offload 2.79, 172 ms/step).
-_ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step", "select_interval": 100,
-            "full_warm_up_rounds": 0, "overlap_step": False}
-ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`: top 10% of columns updated "
-                      "every step, re-selected every 100, the rest every 4 on the CPU)",
-                      {"__ds__": {"zero_optimization": {"zenflow": _ZENFLOW}}}, budgets=_PLAIN_BUDGETS, own_lr=True)
-# ZenFlow as its tutorial recommends it beside a GPU: each CPU step overlapped with the next steps'
-# forward and backward (`overlap_step: true`, the CPU step in a process of its own), the offload-gpu
-# suite's. On the 2-core CPU that process takes a core from the training one: 120 steps of the
-# offload suite's config (gpt2-tiny, seed 1) took 132 ms/step and ended at 2.666 in line, 109 ms/step
-# and 2.641 without, so the CPU suites keep the CPU step in line.
-ARMS["zenflow-overlap"] = Arm("zenflow-overlap", "DeepSpeed's ZenFlow as `zenflow`, each CPU step overlapped with "
-                              "the next steps' forward and backward (its tutorial's `overlap_step: true`)",
-                              {"__ds__": {"zero_optimization": {"zenflow": dict(_ZENFLOW, overlap_step=True)}}},
-                              budgets=_PLAIN_BUDGETS, own_lr=True)
 
 QUICK = dict(model="gpt2-test", steps=40, seq_len=32, seeds=(1, 2), lr_multipliers=(1.0, 2.0), eval_every=10,
              val_batches=2, budgets=(0.75, 1.0, 1.25))
-# A quick run is too short for the arms' warmup: predict early so every path runs.
-QUICK_HYBRID = {"warmup_steps": 6}
 
 
 def resolve_data(data: str | None) -> str | None:
@@ -197,31 +88,6 @@ class Run:
     steps: int
     baseline: bool
 
-
-def deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def arm_config(base_cfg: dict, arm: Arm, quick: bool) -> tuple[dict, bool]:
-    """The ds_config of an arm's runs and whether they run as plain DeepSpeed (``--baseline``)."""
-    cfg = json.loads(json.dumps(base_cfg))
-    if arm.hybrid is None:
-        return cfg, True
-    if arm.hybrid == "preset":
-        section = cfg.get("hybrid_predict", {})
-    elif report.ds_feature(arm.hybrid):    # a DeepSpeed feature, no hybrid
-        return deep_merge(cfg, arm.hybrid["__ds__"]), True
-    else:
-        section = json.loads(json.dumps(arm.hybrid))
-    if quick:
-        section = dict(section, **QUICK_HYBRID)
-        if "full_steps" in section:
-            section["full_steps"] = min(section["full_steps"], 4)
-    cfg["hybrid_predict"] = section
-    return cfg, False
 
 
 class Runner:
@@ -331,14 +197,6 @@ class Runner:
             (a, pa), (b, pb) = list(self.gpus.items())[:2]
             raise RuntimeError(f"bench: runs on different GPUs in one suite ({a} in {pa}, {b} in {pb}); "
                                "remove the other card's run folders or run without --reuse")
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child is its own world of 1
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def pretrained(suite: Suite, base_cfg: dict, cache: Path, live: bool) -> str | None:
@@ -516,76 +374,6 @@ def _slim(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- analysis
 
-# The shares of the batch the profile times a gradient Predict step from, by kind name (another
-# share is costed as the whole batch's: ``cost_of``).
-GRADIENT_SHARES = {1.0: "predict_gradient", 0.5: "predict_gradient_f0.5", 0.25: "predict_gradient_f0.25"}
-
-
-def cost_of(kind: str, profile: dict | None) -> float:
-    """A step kind's cost in Full-step equivalents (plain DeepSpeed's real step = 1)."""
-    if not profile:
-        return 1.0
-    c = profile["cost"]
-    base, *extras = kind.split("+")
-    if base not in c and base.startswith("predict_gradient_f"):   # a batch share not measured: the whole batch's
-        base = "predict_gradient"
-    # a partial prefix (or, in an older profile, real_groups) not measured: a real step
-    value = c.get(base, c["real"])
-    if "commit" in extras and "real_commit" in c:   # after a kept drift run: its commit (older profiles: in every step)
-        value = c["real_commit"] if base == "real" else value + max(0.0, c["real_commit"] - c["real"])
-    if "run" in extras:   # a run's first step: its moments or its velocity copied in (older profiles: in every step)
-        if f"{base}_run" in c:
-            value = c[f"{base}_run"]
-        elif base == "predict_verified" and "predict_run" in c:   # (the drift run's copy, timed unverified)
-            value += max(0.0, c["predict_run"] - c["predict"])
-    return value + (c["forward"] if "forward" in extras else 0.0)
-
-
-def kinds_needed(rows: dict) -> set[str]:
-    """The step kinds a suite's runs took (``compare.step_kinds``) and every kind ``cost_of`` reads
-    their costs from: what the profile must time. Plain DeepSpeed's step (the unit), DeepSpeed's own
-    engine beside it and the hybrid's real step (``cost_of``'s fallback) always."""
-    need = {"plain", "deepspeed", "real"}
-    for by_seed in rows.values():
-        for by_budget in by_seed.values():
-            for row in by_budget.values():
-                for kind in set(row["step_kinds"]):
-                    base, *extras = kind.split("+")
-                    if base.startswith("predict_gradient_f") and base not in GRADIENT_SHARES.values():
-                        base = "predict_gradient"   # (a share the profile does not time: the whole batch's)
-                    need.add(base)
-                    if "run" in extras:
-                        need.add(f"{base}_run")
-                        if base == "predict_verified":   # (the drift run's copy, timed unverified)
-                            need |= {"predict", "predict_run"}
-                    if "commit" in extras:
-                        need.add("real_commit")
-                    if "forward" in extras:
-                        need.add("forward")
-    return need
-
-
-def shifted_profile(profile: dict, sign: int) -> dict:
-    """The profile with every kind's cost one standard error higher (``sign`` 1) or lower (-1);
-    plain DeepSpeed's step, the unit, stays 1."""
-    se = profile.get("cost_se") or {}
-    return {**profile, "cost": {k: c if k == "plain" else c + sign * (se.get(k) or 0.0)
-                                for k, c in profile["cost"].items()}}
-
-
-def own_kind(arm: str, profile: dict | None) -> str | None:
-    """The profiled kind a DeepSpeed feature's runs (ZenFlow: --baseline runs) are costed as: the
-    arm's own name where the profile timed it (older profiles cost its steps as plain steps)."""
-    feature = arm in ARMS and report.ds_feature(ARMS[arm].hybrid)
-    return arm if feature and profile and arm in profile["cost"] else None
-
-
-def eq_curve(row: dict, own: str | None, profile: dict | None) -> list[tuple[float, float]]:
-    """A run's validation curve against its steps' cost in Full-step equivalents."""
-    return fr.step_costs_curve(row["val_points"], [cost_of(own if own and k == "plain" else k, profile)
-                                                   for k in row["step_kinds"]])
-
-
 def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
     """The arm's mean ratio in Full-step equivalents at each target with every kind's cost one
     standard error lower and higher, [low, high]: the uncertainty within the profile's rounds, the
@@ -695,389 +483,6 @@ def wall_clock(rows: dict) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- profile
-
-# Step kinds that run plain DeepSpeed's whole forward, backward and step plus the hybrid's work:
-# costed by their time over the plain work inside the same steps (_profile_worker).
-PAIRED_KINDS = ("real", "real_idle", "real_groups", "real_gradient", "real_commit")
-# Rounds of the profile. Two 20-round profiles of the same runs differed by up to 3% in a kind's
-# cost: as much as the hybrid's real-step overhead it measures. Twice the rounds halve the variance.
-# (Not fewer where the rounds agree: four 40-round profiles of offload-b64 in a row put one kind at
-# 0.222-0.241 of a plain step with standard errors of 0.002-0.004, benchmarks/profile_sittings.py: a
-# kind's standard error is a floor on how well it is known, not a measure of it.)
-PROFILE_REPS = 40
-FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per round: two of its update intervals
-FEATURE_LEAD = 4    # its untimed steps before them: the block's first boundary waits on an update 4 steps old
-
-
-def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
-    """Untimed, after a DeepSpeed feature's block: wait until ZenFlow's overlapped optimizer
-    process (its last update still running, to be waited on at the next update boundary) has
-    been idle for ``quiet`` seconds, its CPU time unchanged, so that its update does not run beside
-    the next kind's steps. Returns the seconds waited (0.0 where there is no such process)."""
-    proc = getattr(getattr(eng, "optimizer", None), "process", None)
-    if proc is None or not proc.is_alive():
-        return 0.0
-    import psutil   # (a DeepSpeed dependency)
-    worker, t0 = psutil.Process(proc.pid), time.perf_counter()
-
-    def cpu() -> float:
-        t = worker.cpu_times()
-        return t.user + t.system
-    last = cpu()
-    while time.perf_counter() - t0 < limit:
-        time.sleep(quiet)
-        now = cpu()
-        if now == last:
-            break
-        last = now
-    return time.perf_counter() - t0 - quiet
-
-
-def ratio_se(x: list[float], y: list[float]) -> float | None:
-    """The standard error of ``sum(x) / sum(y)``, a ratio of means of paired rounds (the delta
-    method: the spread of ``x - R y`` over the rounds); None below two rounds."""
-    n = len(x)
-    if n < 2 or sum(y) <= 0:
-        return None
-    r = sum(x) / sum(y)
-    return math.sqrt(sum((a - r * b) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) / (sum(y) / n)
-
-
-def feature_lrs(arms: Iterable[str], result: dict) -> dict[str, float]:
-    """The suite's DeepSpeed features (ZenFlow) that ran, each at the LR its runs took: its own
-    sweep's best where it has one, else plain DeepSpeed's (``result``: a bench's runs or result)."""
-    own = result.get("own_lr") or {}
-    return {a: own.get(a, {}).get("best_lr", result["best_lr"]) for a in arms
-            if report.ds_feature(ARMS[a].hybrid) and a not in result.get("errors", {})}
-
-
-def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
-                  ds_arms: dict[str, float] | None = None, state: Path | None = None,
-                  kinds: Iterable[str] | None = None) -> dict:
-    """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
-    ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
-    timed too, each as a kind of its own name: their steps are not plain DeepSpeed's. ``state``:
-    a file the rounds' times are kept in after every round, from which a profile cut off (a device
-    call's time limit) goes on (``_profile_worker``). ``kinds``: time only these (``kinds_needed``:
-    the ones the suite's runs took; None: every kind this layout has), and each of ``ds_arms``."""
-    args = ["--profile-worker", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
-            "--seq-len", str(suite.seq_len)]
-    if kinds is not None:
-        args += ["--kinds", ",".join(sorted(kinds))]
-    if state is not None:
-        args += ["--profile-state", str(state)]
-    for name, arm_lr in (ds_arms or {}).items():
-        args += ["--ds-arm", f"{name}={arm_lr!r}"]
-    if data:
-        args += ["--data", data]
-    if init:
-        args += ["--init", init]
-    # Started as the suite's runs are (the same core binding), so its costs are theirs.
-    proc = subprocess.run(bench_launch.command(suite.launcher, "ds_hybrid.bench", args), capture_output=True,
-                          text=True, env=child_env())
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench profile failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-    # The worker prints its result as one JSON line; the launcher logs after it.
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-
-
-def _profile_worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
-                    ds_arms: dict[str, float] | None = None, state_path: str | None = None,
-                    wanted: set[str] | None = None) -> dict:
-    import torch
-    from . import initialize
-    from .data import ByteDataset, train_batches
-    from .engine import default_loss
-    from .models import build_model, layer_groups
-    from .phases import Phase
-    from .dist_env import ensure_distributed_env
-    from .arguments import resolve_config
-    from .train import apply_lr, load_init_weights, quiet_logs
-
-    ensure_distributed_env()
-    quiet_logs(False)
-    # (the cores this process was started on: every kind but a DeepSpeed feature's runs on them)
-    cores, omp_threads = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
-    preset, _ = resolve_config(suite.config)
-    cfg = deep_merge(preset, suite.overrides)
-    apply_lr(cfg, lr)
-    # Layer-group Predict (the partial kinds) needs ZeRO 0-2; on ZeRO 3 the whole-model kinds only.
-    groups = int((cfg.get("zero_optimization") or {}).get("stage", 0) or 0) < 3
-    if groups:
-        cfg["hybrid_predict"] = _with(_GROUPS, whole_model=True, warmup_steps=5, full_steps=10**6,
-                                      confidence_threshold=0.0, check="next_step",
-                                      group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
-    else:
-        cfg["hybrid_predict"] = _with(_WHOLE, warmup_steps=5, full_steps=10**6)
-    def built(make_engine: Callable, config: dict):   # (every engine from the same weights)
-        torch.manual_seed(0)
-        m = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
-        if init:
-            load_init_weights(m, init)
-        return make_engine(model=m, model_parameters=layer_groups(m, suite.layer_groups), config=config)[0]
-    engine = built(initialize, cfg)
-    # DeepSpeed's own engine beside it (no ds_hybrid code): how far the unit, the bench's plain
-    # DeepSpeed step (the hybrid's engine with the hybrid off: its non-finite guard included), is from it.
-    import deepspeed
-    plain_cfg = {k: v for k, v in cfg.items() if k != "hybrid_predict"}
-    ds_engine = built(deepspeed.initialize, plain_cfg)
-    # Each DeepSpeed feature among the arms (ZenFlow), built as its runs are, at its own LR.
-    ds_features = {}
-    for name, arm_lr in (ds_arms or {}).items():
-        feature_cfg = arm_config(plain_cfg, ARMS[name], quick=False)[0]
-        apply_lr(feature_cfg, arm_lr)
-        ds_features[name] = built(deepspeed.initialize, feature_cfg)
-    train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
-    stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
-    gas = engine.gradient_accumulation_steps()
-    dev = engine.device
-
-    def batches():
-        return [{k: v.to(dev) for k, v in next(stream).items()} for _ in range(gas)]
-
-    for _ in range(8):  # Adam state, velocity and the planner's statistics exist
-        engine.train_step(batches())
-
-    # Inside every step, the time of plain DeepSpeed's own work (forward, backward, optimizer
-    # step; the hybrid's first-forward callback, which holds its capture, taken out): a hybrid
-    # real step's overhead is then measured against the plain work of the same step, so the
-    # step-to-step noise of the forward and backward (several %) cancels out of it.
-    inner = [0.0]
-
-    def time_plain_work(eng) -> None:
-        real_step = eng._real_step
-
-        def timed_real_step(batches, loss_fn, on_first_forward=None, cut=None):
-            spent = [0.0]
-
-            def callback(loss, batch):
-                t0 = time.perf_counter()
-                try:
-                    return on_first_forward(loss, batch)
-                finally:
-                    spent[0] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            real_step(batches, loss_fn, callback if on_first_forward is not None else None, cut)
-            inner[0] += time.perf_counter() - t0 - spent[0]
-        eng._real_step = timed_real_step
-    time_plain_work(engine)
-    ctl = engine.controller
-    planner = engine._planner
-
-    def plain():
-        engine._real_step(batches(), default_loss)
-
-    def deepspeed_step(eng=ds_engine):
-        for b in batches():
-            loss = default_loss(eng, b)
-            eng.backward(loss)
-            eng.step()
-        loss.item()
-
-    def full(k: int, with_planner: bool = True, phase: Phase = Phase.FULL):
-        ctl.phase, ctl.remaining = phase, 10**6   # (a warmup step this far from its end: an idle one)
-        engine._next_groups, engine._check_groups = k, None
-        engine._planner = planner if with_planner else None
-        try:
-            engine.train_step(batches())
-        finally:
-            engine._planner = planner
-        engine._check_groups = None   # each timed step on its own: no check of the last one
-
-    def forward_only():
-        with torch.no_grad():
-            for b in batches():
-                default_loss(engine, b).item()
-
-    def predict(verified: bool):
-        engine.hybrid_config.check = "forward" if verified else "next_step"
-        engine.hybrid_config.verify_every = 1 if verified else 10**9
-        ctl.phase, ctl.horizon, ctl.predict_index = Phase.PREDICT, 10**9, 1   # mid-run: no snapshot
-        engine.predictor.accept = lambda observed, step, div, *more: (True, observed)
-        engine.train_step(batches())
-
-    # A DeepSpeed feature's steps are timed FEATURE_BLOCK at a time: ZenFlow's CPU step (every
-    # update_interval steps, overlapped with the next ones' forward and backward where
-    # overlap_step is set) runs as in its runs, not with other kinds' steps hiding its wait.
-    # ZenFlow's overlapped step, at its first CPU step, narrows this (training) thread to its share
-    # of the cores, the rest its optimizer process's, and sets OMP_NUM_THREADS: its own steps run
-    # so, as in its runs, and every other kind's on the cores the profile started with. Its CPU
-    # update, submitted at one boundary, is waited on at the next: so each block follows
-    # FEATURE_LEAD untimed steps (its first boundary waits on an update as old as in a run), and the
-    # last update the block submitted finishes, untimed, before the next kind (``settle_feature``).
-    narrowed: dict[str, set[int]] = {}   # (a feature's own cores, as it left them)
-
-    def feature_steps(name: str, eng, steps: int) -> None:
-        if name in narrowed:
-            os.sched_setaffinity(0, narrowed[name])
-        try:
-            for _ in range(steps):
-                deepspeed_step(eng)
-        finally:
-            narrowed[name] = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, cores)
-            if omp_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = omp_threads
-
-    prepare: dict[str, Callable[[], Any]] = {   # untimed, before a kind's timed step: the state it needs
-        name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_LEAD)) for name, e in ds_features.items()}
-    settled = dict.fromkeys(ds_features, 0.0)   # (untimed, after a feature's block: its last update's tail)
-    kinds = {"plain": plain, "deepspeed": deepspeed_step,
-             **{name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_BLOCK)) for name, e in ds_features.items()},
-             "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
-             # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
-             "real_idle": lambda: full(0, with_planner=False, phase=Phase.WARMUP)}
-    if groups:
-        kinds["real_groups"] = lambda: full(0)   # the layer-group arms' whole step: the planner observes
-        for k in range(1, engine._layout.max_prefix + 1):
-            kinds[f"partial_{k}"] = lambda k=k: full(k)
-    kinds.update(forward=forward_only, predict=lambda: predict(False), predict_verified=lambda: predict(True))
-    device, velocity = engine._device_predict, engine._velocity
-    if device is not None:
-        # On the device path a kept drift run's masters catch up at the next real step (its commit;
-        # inside DeepSpeed's CPU Adam step where memory.fold_in_step is on): a run's first real step
-        # pays it, the others not. So ``real`` is timed with no run pending (one ended, untimed,
-        # before it) and ``real_commit`` right after a drift Predict step; ``compare.step_kinds``
-        # marks a real step after a kept drift run ``+commit``.
-        prepare["real"] = lambda: full(0, with_planner=False) if device.pending else None
-        kinds["real_commit"] = lambda: full(0, with_planner=False)
-        prepare["real_commit"] = lambda: predict(False)
-    if device is not None and device.upload_due(velocity):
-        # Beside a GPU the device path copies the velocity there at a run's first Predict step
-        # (a real step's fold changed it), once a run: the drift kinds above are steps in the middle
-        # of a run (the copy made, untimed, before them), ``predict_run`` one that begins a run
-        # after a real step (untimed), which ``compare.step_kinds``'s ``+run`` costs once a run.
-        prepare["predict"] = lambda: device.upload(velocity) if device.upload_due(velocity) else None
-        kinds["predict_run"] = lambda: predict(False)
-        prepare["predict_run"] = lambda: full(0, with_planner=False)
-    try:   # a Predict step that takes its own gradient (predictor.direction: gradient), on this suite's layout
-        gradient = engine._make_gradient_predict()
-    except ValueError:
-        gradient = None
-    if gradient is not None:
-        # A run of such steps copies the optimizer's moments in at its first step and hands its
-        # first moment back (on the device path the masters catch up too) when it is kept: costs
-        # of the run, not of each step. So two kinds each: a step in the middle of a run
-        # (``predict_gradient``), and a step that begins a run and keeps it (``..._run``), which
-        # the first Predict step of each run costs (``compare.step_kinds``'s ``+run``).
-        def predict_gradient(fraction: float, whole_run: bool = False):
-            engine._gradient, gradient.batch_fraction = gradient, fraction
-            try:
-                predict(False)
-                if whole_run:
-                    gradient.commit()
-            finally:
-                engine._gradient = None
-
-        def in_a_run(fraction: float):   # (untimed: a run going, begun by a step of its own)
-            if gradient.m is None:
-                predict_gradient(fraction)
-
-        def no_run():                    # (untimed: none going, so that the timed step begins one)
-            if gradient.m is not None:
-                gradient.discard()
-        # ... from the whole batch, half and a quarter of it (the -half and -quarter arms')
-        for fraction, name in GRADIENT_SHARES.items():
-            kinds[name] = lambda f=fraction: predict_gradient(f)
-            prepare[name] = lambda f=fraction: in_a_run(f)
-            kinds[f"{name}_run"] = lambda f=fraction: predict_gradient(f, whole_run=True)
-            prepare[f"{name}_run"] = no_run
-    if gradient is not None and (wanted is None or "real_gradient" in wanted):
-        # The gradient arms' real step: no velocity to fold or direction to probe (they move by
-        # Adam's own step), so not the drift engine's; one of an engine set up as theirs are.
-        grad_cfg = dict(json.loads(json.dumps(cfg)), hybrid_predict=_with(_GRADIENT, warmup_steps=5, full_steps=10**6))
-        grad_engine = built(initialize, grad_cfg)
-        for _ in range(8):
-            grad_engine.train_step(batches())
-        time_plain_work(grad_engine)
-
-        def real_gradient():
-            grad_engine.controller.phase, grad_engine.controller.remaining = Phase.FULL, 10**6
-            grad_engine.train_step(batches())
-        kinds["real_gradient"] = real_gradient
-    if wanted is not None:
-        # Only the kinds the suite's runs took (and DeepSpeed's features): on a GPU's device call
-        # every kind timed is time the runs do not get.
-        kinds = {k: fn for k, fn in kinds.items() if k in wanted or k in ds_features}
-    # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
-    # warming up) lands on every kind alike instead of on whichever was timed then.
-    for name, fn in kinds.items():
-        prepare.get(name, lambda: None)()
-        fn()  # warm
-        if name in ds_features:
-            settle_feature(ds_features[name])
-    # Each round's time of each kind, and of the plain work inside it: the means and, from the
-    # rounds' spread, how well each kind's cost is known.
-    sec: dict[str, list[float]] = {k: [] for k in kinds}
-    plain_work: dict[str, list[float]] = {k: [] for k in kinds}
-    narrowed_kinds = set()   # (kinds timed on fewer cores than the profile started with: none)
-    pending_at = dict.fromkeys(kinds, 0)   # (real steps timed with a drift run to commit: real_commit's only)
-    # The rounds' sums after every round (``--profile-state``): a profile cut off goes on from the
-    # rounds it finished, where the same kinds of the same suite, LRs and machine kind were timed
-    # (a device call's time limit; a resumed profile's rounds may come from another machine of the
-    # same kind, as runs resumed with --reuse do).
-    key = {"suite": suite.name, "model": suite.model, "seq_len": suite.seq_len, "lr": lr, "ds_arms": ds_arms or {},
-           "data": data, "init": init, "kinds": list(kinds), "host": host()}
-    state = Path(state_path) if state_path else None
-    saved = json.loads(state.read_text()) if state is not None and state.is_file() else None
-    done = 0
-    if saved is not None and saved["key"] == key and "seconds_rounds" in saved:   # (older states: sums only)
-        done = saved["rounds"]
-    before = done   # (rounds timed in an earlier sitting)
-    if before:
-        sec, plain_work, pending_at = saved["seconds_rounds"], saved["plain_work_rounds"], saved["pending_at"]
-        settled, narrowed_kinds = saved["settled"], set(saved["narrowed_kinds"])
-    while done < reps:
-        for name, fn in kinds.items():
-            prepare.get(name, lambda: None)()
-            if os.sched_getaffinity(0) != cores:
-                narrowed_kinds.add(name)
-            # (the drift engine's real steps: real_gradient's is another engine's, with no drift run)
-            if device is not None and device.pending and name != "real_gradient" and (
-                    name in PAIRED_KINDS or name.startswith("partial_")):
-                pending_at[name] += 1
-            inner[0] = 0.0
-            t0 = time.perf_counter()
-            fn()
-            sec[name].append(time.perf_counter() - t0)
-            plain_work[name].append(inner[0])
-            if name in ds_features:
-                settled[name] += settle_feature(ds_features[name])
-        done += 1
-        if state is not None:
-            tmp = state.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "rounds": done, "seconds_rounds": sec,
-                                       "plain_work_rounds": plain_work, "pending_at": pending_at,
-                                       "settled": settled, "narrowed_kinds": sorted(narrowed_kinds)}))
-            os.replace(tmp, state)
-    # Each kind's cost in plain steps and its standard error: a hybrid real step over the plain work
-    # inside it, any other over the same rounds' plain steps.
-    pairs = [k for k in PAIRED_KINDS if k in kinds]
-    cost, se = {}, {}
-    for k in kinds:
-        x = [t / (FEATURE_BLOCK if k in ds_features else 1) for t in sec[k]]
-        y = plain_work[k] if k in pairs else sec["plain"]
-        cost[k] = sum(x) / sum(y) if sum(y) > 0 else float("nan")
-        se[k] = 0.0 if k == "plain" else ratio_se(x, y)
-    mean = {k: sum(v) / done / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
-    layout = engine._layout
-    return {"seconds": mean, "cost": cost, "cost_se": se, "reps": done, "rounds_before": before,
-            "unpaired_cost": {k: mean[k] / mean["plain"] for k in pairs},
-            # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
-            "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
-            "narrowed_kinds": sorted(narrowed_kinds),
-            # a feature's last update, still running after its block: the mean wait, untimed
-            "settled_seconds": {k: v / done for k, v in settled.items()},
-            "commits_in": {k: n for k, n in pending_at.items() if n},
-            "plain_work_seconds": {k: sum(plain_work[k]) / done for k in pairs},
-            "layer_groups": layout.names if layout is not None else [],
-            "partial_share": {f"partial_{k}": layout.share_below(k) for k in range(1, layout.max_prefix + 1)}
-            if layout is not None else {}}
-
-
 # --------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1111,16 +516,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true",
                    help="keep finished runs in the output directory whose config and arguments match (times "
                         "then come from different sittings; run the bench alone on a quiet machine)")
-    # internal: the profile runs in a child process
-    p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reps", type=int, default=PROFILE_REPS, help=argparse.SUPPRESS)
-    p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--init", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--ds-arm", action="append", default=[], help=argparse.SUPPRESS)   # NAME=LR
-    p.add_argument("--profile-state", default=None, help=argparse.SUPPRESS)   # the rounds' times, to go on from
-    p.add_argument("--kinds", default=None, help=argparse.SUPPRESS)   # comma-separated: time only these
-    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
 
@@ -1145,23 +540,13 @@ def resolve_suite(args) -> Suite:
         if bad:
             raise SystemExit(f"--budgets: fractions of the suite's steps in (0, 4], got {bad}")
         suite = replace(suite, budgets=tuple(sorted(set(args.budgets) | {1.0})), budgets_for_all=True)
-    if getattr(args, "seq_len", None):
-        suite = replace(suite, seq_len=args.seq_len)
-    if getattr(args, "launcher", None):
+    if args.launcher:
         suite = replace(suite, launcher=args.launcher)
     return suite
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
-    if args.profile_worker:
-        suite = resolve_suite(argparse.Namespace(**{**vars(args), "suite": args.profile_worker, "quick": False,
-                                                    "arms": None, "budgets": None}))
-        ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
-        wanted = set(args.kinds.split(",")) if args.kinds else None
-        print(json.dumps(_profile_worker(suite, args.lr, args.reps, args.data, args.init, ds_arms,
-                                         args.profile_state, wanted)))
-        return None
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         result["json_path"] = args.from_json
@@ -1222,16 +607,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.readme:
         print("updated", *report.update_readme(result, REPO_ROOT))
     return result
-
-
-def host() -> str:
-    """The machine a result (or a profile's rounds) was timed on: its CPU cores and GPU."""
-    try:
-        import torch
-        gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
-    except Exception:
-        gpu = ""
-    return f"{platform.machine()} {os.cpu_count()} CPU cores{gpu}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ DeepSpeed's launcher takes it as ``--bind_core_list``, a plain process under ``t
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import socket
 import sys
@@ -103,3 +104,13 @@ def threads_env(env: dict, launcher: str, cores: list[int] | None) -> dict:
     if cores and launcher == "python":
         env = dict(env, OMP_NUM_THREADS=str(len(cores)))
     return env
+
+
+def host() -> str:
+    """The machine a result (or a profile's rounds) was timed on: its CPU cores and GPU."""
+    try:
+        import torch
+        gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
+    except Exception:
+        gpu = ""
+    return f"{platform.machine()} {os.cpu_count()} CPU cores{gpu}"

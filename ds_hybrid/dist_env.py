@@ -10,6 +10,8 @@ import logging
 import os
 import socket
 
+from .arguments import REPO_ROOT
+
 logger = logging.getLogger(__name__)
 
 # Set by MPI launchers (Open MPI, MPICH / Intel MPI, PMIx, MVAPICH) and Slurm: DeepSpeed's own
@@ -30,6 +32,16 @@ def ensure_distributed_env() -> bool:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return True
 
+
+
+def child_env() -> dict:
+    """The environment of a run this process starts (a bench run, the profile, a planner
+    measurement): a world of its own, whatever world this one is in, with this checkout importable."""
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child is its own world of 1
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
 
 # DeepSpeed's CPU shared-memory allreduce names each rank's segment so (deepspeed/ops/csrc/cpu/comm/shm.cpp).
 _SHM_SEGMENT = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_hybrid import bench, bench_launch, bench_report
+from ds_hybrid import bench, bench_arms, bench_launch, bench_profile, bench_report
 from ds_hybrid import frontier as fr
 
 
@@ -40,36 +40,38 @@ def test_step_costs_curve_and_ratios():
 
 def test_cost_of_step_kinds():
     profile = {"cost": {"plain": 1.0, "real": 1.02, "partial_1": 0.8, "forward": 0.3, "predict": 0.02}}
-    assert bench.cost_of("predict", profile) == 0.02
-    assert bench.cost_of("predict+forward", profile) == pytest.approx(0.32)   # a rejected run's check
-    assert bench.cost_of("partial_3", profile) == 1.02                         # not profiled: a real step
-    assert bench.cost_of("real_idle", profile) == 1.02                         # an older profile: a real step
-    assert bench.cost_of("real_idle", dict(profile, cost=dict(profile["cost"], real_idle=0.99))) == 0.99
-    assert bench.cost_of("real", None) == 1.0
-    assert bench.cost_of("real_gradient", profile) == 1.02   # an older profile: the drift engine's real step
-    assert bench.cost_of("real_gradient", dict(profile, cost=dict(profile["cost"], real_gradient=1.01))) == 1.01
+    assert bench_profile.cost_of("predict", profile) == 0.02
+    assert bench_profile.cost_of("predict+forward", profile) == pytest.approx(0.32)   # a rejected run's check
+    assert bench_profile.cost_of("partial_3", profile) == 1.02                         # not profiled: a real step
+    assert bench_profile.cost_of("real_idle", profile) == 1.02                         # an older profile: a real step
+    assert bench_profile.cost_of("real_idle", dict(profile, cost=dict(profile["cost"], real_idle=0.99))) == 0.99
+    assert bench_profile.cost_of("real", None) == 1.0
+    assert bench_profile.cost_of("real_gradient", profile) == 1.02   # an older profile: the drift engine's real step
+    assert bench_profile.cost_of("real_gradient", dict(profile, cost=dict(profile["cost"], real_gradient=1.01))) == 1.01
     grad = dict(profile, cost=dict(profile["cost"], predict_gradient=0.97, **{"predict_gradient_f0.5": 0.52}))
-    assert bench.cost_of("predict_gradient_f0.5", grad) == 0.52
-    assert bench.cost_of("predict_gradient_f0.25", grad) == 0.97   # a share not profiled: the whole batch's
+    assert bench_profile.cost_of("predict_gradient_f0.5", grad) == 0.52
+    assert bench_profile.cost_of("predict_gradient_f0.25", grad) == 0.97   # a share not profiled: the whole batch's
     # A gradient run's first step costs the profile's step that begins and keeps a run (its moments
     # copied in and handed back); an older profile, whose every step began one, costs it as any
-    assert bench.cost_of("predict_gradient_f0.5+run", grad) == 0.52
+    assert bench_profile.cost_of("predict_gradient_f0.5+run", grad) == 0.52
     grad["cost"].update({"predict_gradient_f0.5_run": 0.7, "predict_gradient_run": 1.1})
-    assert bench.cost_of("predict_gradient_f0.5+run", grad) == 0.7 and bench.cost_of("predict_gradient_f0.5", grad) == 0.52
-    assert bench.cost_of("predict_gradient_f0.25+run", grad) == 1.1   # (the whole batch's, as above)
-    assert bench.cost_of("predict_gradient_f0.5+run+forward", grad) == pytest.approx(1.0)
+    assert bench_profile.cost_of("predict_gradient_f0.5+run", grad) == 0.7
+    assert bench_profile.cost_of("predict_gradient_f0.5", grad) == 0.52
+    assert bench_profile.cost_of("predict_gradient_f0.25+run", grad) == 1.1   # (the whole batch's, as above)
+    assert bench_profile.cost_of("predict_gradient_f0.5+run+forward", grad) == pytest.approx(1.0)
     # A drift run's first step: beside a GPU it copies the velocity there (``predict_run``); a
     # verified one costs that copy on top of its own step; a profile without the kind (no copy,
     # or older ones, whose every drift step made it) costs it as any
-    assert bench.cost_of("predict+run", profile) == 0.02 and bench.cost_of("predict_verified+run", profile) == 1.02
+    assert bench_profile.cost_of("predict+run", profile) == 0.02
+    assert bench_profile.cost_of("predict_verified+run", profile) == 1.02
     drift = dict(profile, cost=dict(profile["cost"], predict_verified=0.33, predict_run=0.05))
-    assert bench.cost_of("predict+run", drift) == 0.05 and bench.cost_of("predict", drift) == 0.02
-    assert bench.cost_of("predict_verified+run", drift) == pytest.approx(0.36)
-    assert bench.cost_of("predict_verified", drift) == 0.33
-    assert bench.cost_of("predict+run+forward", drift) == pytest.approx(0.35)
+    assert bench_profile.cost_of("predict+run", drift) == 0.05 and bench_profile.cost_of("predict", drift) == 0.02
+    assert bench_profile.cost_of("predict_verified+run", drift) == pytest.approx(0.36)
+    assert bench_profile.cost_of("predict_verified", drift) == 0.33
+    assert bench_profile.cost_of("predict+run+forward", drift) == pytest.approx(0.35)
     # the real step after a kept drift run: its commit (real_commit) where the profile timed one
-    assert bench.cost_of("real+commit", drift) == 1.02
-    assert bench.cost_of("real+commit", dict(drift, cost=dict(drift["cost"], real_commit=1.04))) == 1.04
+    assert bench_profile.cost_of("real+commit", drift) == 1.02
+    assert bench_profile.cost_of("real+commit", dict(drift, cost=dict(drift["cost"], real_commit=1.04))) == 1.04
 
 
 def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(tmp_path, monkeypatch):
@@ -198,11 +200,11 @@ def test_the_profile_times_every_kind_a_runs_cost_is_read_from():
     taken = ["plain", "real+commit", "real_groups+commit", "predict+run", "predict", "predict_verified+run",
              "predict_gradient_f0.25+run", "predict_gradient_f0.25", "predict_gradient_f0.125+run", "partial_2",
              "real_idle+forward", "real_gradient"]
-    needed = bench.kinds_needed({"arm": {"1": {"1": {"step_kinds": taken}}}})
+    needed = bench_profile.kinds_needed({"arm": {"1": {"1": {"step_kinds": taken}}}})
     part = {"cost": {k: c for k, c in full["cost"].items() if k in needed}}
     assert len(part["cost"]) < len(full["cost"]) and "partial_1" not in needed and "predict_gradient_f0.5" not in needed
     for kind in taken:
-        assert bench.cost_of(kind, part) == bench.cost_of(kind, full), kind
+        assert bench_profile.cost_of(kind, part) == bench_profile.cost_of(kind, full), kind
 
 
 def _row(points, seconds_per_step=1.0, kinds=None, stats=None):
@@ -268,7 +270,7 @@ def _result(tmp_path):
     an = bench.analyse(raw, None)
     suite = bench.SUITES["cpu-small"]
     result = {"suite": {**bench.asdict(suite), "budgets": [0.75, 1.0]},
-              "arms": {a: bench.asdict(bench.ARMS[a]) for a in ("baseline", "predict")},
+              "arms": {a: bench.asdict(bench_arms.ARMS[a]) for a in ("baseline", "predict")},
               "command": "ds-hybrid bench --suite cpu-small", "sweep": {"1": {"final_val_loss": 2.0}},
               "best_lr_multiplier": 1.0, "best_lr": 2e-3, "analysis": an, "profile": None, "bench_seconds": 60.0,
               "errors": {}, "host": "test", "date": "2026-01-01",
@@ -298,7 +300,7 @@ def test_headline_names_deepspeeds_own_alternatives(tmp_path):
     raw = _raw()
     raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=2.0)} for s in ("1", "2")}
     result["analysis"] = bench.analyse(raw, None)
-    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    result["arms"]["zenflow"] = bench.asdict(bench_arms.ARMS["zenflow"])
     line = bench_report.headline(result)
     assert "best hybrid system `predict`" in line and "`zenflow` reaches 1% above plain DeepSpeed's final loss in 2.00 ± 0.00x its time" in line
     raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.5)])} for s in ("1", "2")}
@@ -328,7 +330,7 @@ def test_runs_several_at_a_time_lead_with_full_step_equivalents(tmp_path):
     raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=2.0)} for s in ("1", "2")}
     profile = {"cost": {"plain": 1.0, "real": 1.0, "predict": 0.2, "forward": 0.3, "zenflow": 0.7}}
     result["analysis"] = bench.analyse(raw, profile)
-    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    result["arms"]["zenflow"] = bench.asdict(bench_arms.ARMS["zenflow"])
     line = bench_report.headline(dict(result, jobs=4))
     assert "best hybrid system `predict` reaches 1% above plain DeepSpeed's final validation loss in **0.60 ± 0.00x**" \
            in line and "in Full-step equivalents (each step kind timed alone" in line
@@ -389,7 +391,7 @@ def test_the_offload_suites_share_one_readme_table(tmp_path):
     raw = _raw()
     raw["rows"]["zenflow"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.5)])} for s in ("1", "2")}
     result["analysis"] = bench.analyse(raw, None)
-    result["arms"]["zenflow"] = bench.asdict(bench.ARMS["zenflow"])
+    result["arms"]["zenflow"] = bench.asdict(bench_arms.ARMS["zenflow"])
     result["suite"] = dict(result["suite"], name="offload-b64", model="gpt2-tiny")
     result["own_lr"] = {"zenflow": {"sweep": {}, "best_lr": 2e-3}}
     readme, sections = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
@@ -429,70 +431,72 @@ def test_the_gpu_offload_suite_is_zero_offload_with_a_batch_small_beside_its_mod
     8 a step, bf16, DeepSpeed's timers on; ZenFlow's arm on top of the same."""
     from ds_hybrid.arguments import resolve_config
     suite = bench.SUITES["offload-gpu"]
-    base = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    base = bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides)
     for arm in suite.arms:
-        cfg, plain = bench.arm_config(base, bench.ARMS[arm], quick=False)
+        cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS[arm], quick=False)
         zo = cfg["zero_optimization"]
         assert zo["stage"] == 2 and zo["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
         assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 1
         assert cfg["bf16"]["enabled"] and plain == (arm in ("baseline", "zenflow-overlap"))
     # ZenFlow as its tutorial recommends it beside a GPU: the CPU step overlapped (in line on the CPU suites)
-    zenflow = bench.arm_config(base, bench.ARMS["zenflow-overlap"], quick=False)[0]["zero_optimization"]["zenflow"]
+    zenflow_cfg = bench_arms.arm_config(base, bench_arms.ARMS["zenflow-overlap"], quick=False)[0]
+    zenflow = zenflow_cfg["zero_optimization"]["zenflow"]
     assert zenflow["overlap_step"] is True and zenflow["update_interval"] == 4 and zenflow["topk_ratio"] == 0.1
-    assert bench.ARMS["zenflow-overlap"].own_lr and "zenflow" in bench.SUITES["offload-b64"].arms
-    assert bench.arm_config(base, bench.ARMS["zenflow"], quick=False)[0]["zero_optimization"]["zenflow"][
+    assert bench_arms.ARMS["zenflow-overlap"].own_lr and "zenflow" in bench.SUITES["offload-b64"].arms
+    assert bench_arms.arm_config(base, bench_arms.ARMS["zenflow"], quick=False)[0]["zero_optimization"]["zenflow"][
         "overlap_step"] is False
 
 
 def test_arm_configs():
     base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "hybrid_predict": {"enabled": True, "warmup_steps": 9}}
-    cfg, plain = bench.arm_config(base, bench.ARMS["baseline"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["baseline"], quick=False)
     assert plain and cfg == base
-    cfg, plain = bench.arm_config(base, bench.ARMS["default"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["default"], quick=False)
     assert not plain and cfg["hybrid_predict"] == base["hybrid_predict"]
-    cfg, plain = bench.arm_config(base, bench.ARMS["predict-skip"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["predict-skip"], quick=False)
     assert not plain and cfg["hybrid_predict"]["predictor"]["direction"] == "none"
     assert cfg["hybrid_predict"]["check"] == "next_step"
-    cfg, plain = bench.arm_config(base, bench.ARMS["groups-freeze"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["groups-freeze"], quick=False)
     assert cfg["hybrid_predict"]["group_predict"] == {"enabled": True, "refresh_every": 4, "min_gain": 0.05,
                                                       "pinned": 2, "step_scale": 0.0}
-    cfg, plain = bench.arm_config(base, bench.ARMS["zenflow"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["zenflow"], quick=False)
     assert plain and "zenflow" in cfg["zero_optimization"]
     # A quarter of the batch, 7 Predict steps a real one; it and the offload suite's plain arms run up to 2x
-    cfg, plain = bench.arm_config(base, bench.ARMS["predict-gradient-quarter"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["predict-gradient-quarter"], quick=False)
     hp = cfg["hybrid_predict"]
     assert not plain and hp["predictor"] == {"direction": "gradient", "gradient_batch_fraction": 0.25}
     assert (hp["full_steps"], hp["min_predict_steps"], hp["max_predict_steps"]) == (1, 7, 7)
     assert 2.0 in bench.SUITES["offload"].budgets and 2.0 not in bench.SUITES["cpu-small"].budgets
-    assert {a: 2.0 in bench.ARMS[a].budgets for a in ("baseline", "zenflow", "predict-gradient-quarter", "predict")} \
+    arms = ("baseline", "zenflow", "predict-gradient-quarter", "predict")
+    assert {a: 2.0 in bench_arms.ARMS[a].budgets for a in arms} \
         == {"baseline": True, "zenflow": True, "predict-gradient-quarter": True, "predict": False}
     # The same share, 15 a real one, up to 3x: the offload-gpu suite runs it, plain DeepSpeed up to 2x beside it
-    cfg, plain = bench.arm_config(base, bench.ARMS["predict-gradient-quarter-15"], quick=False)
+    cfg, plain = bench_arms.arm_config(base, bench_arms.ARMS["predict-gradient-quarter-15"], quick=False)
     hp = cfg["hybrid_predict"]
     assert not plain and hp["predictor"]["gradient_batch_fraction"] == 0.25
     assert (hp["full_steps"], hp["min_predict_steps"], hp["max_predict_steps"]) == (1, 15, 15)
     gpu = bench.SUITES["offload-gpu"]
     assert "predict-gradient-quarter-15" in gpu.arms and 3.0 in gpu.budgets
-    assert 3.0 not in bench.ARMS["baseline"].budgets and 2.0 in bench.ARMS["baseline"].budgets
+    assert 3.0 not in bench_arms.ARMS["baseline"].budgets and 2.0 in bench_arms.ARMS["baseline"].budgets
     # offload-b64: the same arm at grad_step_study's batch on the CPU, ZeRO-Offload, 3x and 4x against plain's and ZenFlow's up to 1.5x
     b64 = bench.SUITES["offload-b64"]
     from ds_hybrid.arguments import resolve_config
     preset, _ = resolve_config(b64.config)
-    cfg, plain = bench.arm_config(bench.deep_merge(preset, b64.overrides), bench.ARMS["predict-gradient-quarter-15"],
-                                  quick=False)
+    cfg, plain = bench_arms.arm_config(bench_arms.deep_merge(preset, b64.overrides),
+                                       bench_arms.ARMS["predict-gradient-quarter-15"], quick=False)
     assert not plain and cfg["train_micro_batch_size_per_gpu"] == 64
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert cfg["optimizer"]["params"]["lr"] == 4e-3 and cfg["optimizer"]["params"]["betas"] == [0.9, 0.999]
     assert b64.arms == ("baseline", "predict-gradient-quarter-15", "zenflow") and not b64.needs_gpu
     for comparator in ("baseline", "zenflow"):   # plain and ZenFlow to 1.5x, the quarter to 3x
-        assert [b for b in b64.budgets if b in bench.ARMS[comparator].budgets] == [1.0, 1.25, 1.5]
-    assert [b for b in b64.budgets if b in bench.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0, 4.0]
+        assert [b for b in b64.budgets if b in bench_arms.ARMS[comparator].budgets] == [1.0, 1.25, 1.5]
+    assert [b for b in b64.budgets if b in bench_arms.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0, 4.0]
     assert 4.0 not in gpu.budgets   # (the GPU suite's quarter stops at 3x)
     # Every arm's section parses.
     from ds_hybrid.config import parse_hybrid_config
-    for arm in bench.ARMS.values():
-        cfg, plain = bench.arm_config(base, arm, quick=False)
+    for arm in bench_arms.ARMS.values():
+        cfg, plain = bench_arms.arm_config(base, arm, quick=False)
         if not plain:
             parse_hybrid_config(cfg)
 
@@ -604,8 +608,8 @@ def test_a_run_started_by_the_launcher_bound_to_its_cores(tmp_path):
     suite = bench.replace(bench.SUITES["offload"], **bench.QUICK)
     runner = bench.Runner(suite, tmp_path, None, None, live=False, reuse=False)
     from ds_hybrid.arguments import resolve_config
-    base = bench.deep_merge(resolve_config(suite.config)[0], suite.overrides)
-    cfg, _ = bench.arm_config(base, bench.ARMS["predict"], quick=True)
+    base = bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides)
+    cfg, _ = bench_arms.arm_config(base, bench_arms.ARMS["predict"], quick=True)
     cfg["wall_clock_breakdown"] = True
     row = runner(bench.Run("predict-b1-s1", "predict", 1, 2e-3, 1.0, cfg, tmp_path / "r", 20, False))
     log = (tmp_path / "r" / "train.log").read_text()
@@ -644,7 +648,7 @@ def test_quick_bench_end_to_end(tmp_path):
     from ds_hybrid.compare import load_run
     rows = {arm: {s: {b: load_run(Path(r["run"])) for b, r in by_b.items()} for s, by_b in by_s.items()}
             for arm, by_s in runs.items()}
-    needed = bench.kinds_needed(rows)
+    needed = bench_profile.kinds_needed(rows)
     assert set(prof["cost"]) <= needed and "predict_gradient_f0.5" not in prof["cost"]
     # (but the device path's velocity copy and commit, which this CPU's host path does not make)
     assert needed - set(prof["cost"]) <= {"predict_run", "real_commit"}
@@ -662,7 +666,7 @@ def test_quick_bench_end_to_end(tmp_path):
     assert "Optimizer steps to reach the target +1%" in (out / "result.md").read_text()
     # Whole hybrid real steps are costed against the plain work inside them (more than none of it);
     # real_commit is the device path's (beside a GPU), not this CPU's host path
-    assert set(prof["plain_work_seconds"]) == set(bench.PAIRED_KINDS) & set(prof["cost"])
+    assert set(prof["plain_work_seconds"]) == set(bench_profile.PAIRED_KINDS) & set(prof["cost"])
     assert {"real", "real_groups", "real_gradient"} <= set(prof["plain_work_seconds"]) and "real_commit" not in prof["cost"]
     for kind in prof["plain_work_seconds"]:
         assert prof["cost"][kind] > 1.0 and 0 < prof["plain_work_seconds"][kind] < prof["seconds"][kind]
@@ -681,7 +685,7 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     """The step-kind profile builds each DeepSpeed feature among the arms (ZenFlow) as its runs are,
     at its own LR, and times its steps as a kind of the arm's name."""
     suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
-    prof = bench.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=2,
+    prof = bench_profile.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=2,
                                ds_arms={"zenflow": 4e-3, "zenflow-overlap": 2e-3})
     assert prof["cost"]["plain"] == 1.0 and prof["cost"]["deepspeed"] > 0
     # (each timed 8 steps at a time: a step's mean, not 8 steps')
@@ -724,7 +728,7 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     monkeypatch.setattr(PredictiveEngine, "_timed", counted)
     suite = bench.replace(bench.SUITES["offload-gpu"], **bench.QUICK, launcher="python", needs_gpu=False)
     reps = 2
-    prof = bench._profile_worker(suite, 2e-3, reps, bench.resolve_data(suite.data), None, {"zenflow-overlap": 2e-3})
+    prof = bench_profile.worker(suite, 2e-3, reps, bench.resolve_data(suite.data), None, {"zenflow-overlap": 2e-3})
     assert prof["seconds"]["predict_run"] > 0 and prof["cost"]["predict"] > 0
     assert prof["cost"]["zenflow-overlap"] > 0 and prof["narrowed_kinds"] == []
     assert {"real_gradient", "predict_gradient_f0.25_run"} <= set(prof["cost"])
@@ -737,7 +741,7 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     # without the copy (this CPU as it is) the kind is not there and its steps are costed as before
     monkeypatch.setattr(DevicePredict, "__init__", init)
     uploads.clear()
-    prof = bench._profile_worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
+    prof = bench_profile.worker(suite, 2e-3, 1, bench.resolve_data(suite.data), None)
     assert "predict_run" not in prof["cost"] and uploads == []
     assert prof["commits_in"] == {"real_commit": 1}   # (the device path's commit is there on the CPU too)
 
@@ -748,7 +752,7 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     after the runs; the next call's ``--reuse`` resumes it); another key starts again."""
     suite = bench.replace(bench.SUITES["cpu-small"], **bench.QUICK)
     data, state = bench.resolve_data(suite.data), tmp_path / "profile-state.json"
-    bench._profile_worker(suite, 2e-3, 1, data, None, state_path=str(state))
+    bench_profile.worker(suite, 2e-3, 1, data, None, state_path=str(state))
     saved = json.loads(state.read_text())
     assert saved["rounds"] == 1 and set(saved["seconds_rounds"]) == set(saved["key"]["kinds"])
     assert all(len(v) == 1 for v in saved["seconds_rounds"].values())
@@ -758,13 +762,13 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     saved["seconds_rounds"] = {k: [1.0, 3.0] for k in saved["seconds_rounds"]}
     saved["seconds_rounds"]["plain"] = [0.5, 1.5]
     state.write_text(json.dumps(saved))
-    prof = bench._profile_worker(suite, 2e-3, 2, data, None, state_path=str(state))
+    prof = bench_profile.worker(suite, 2e-3, 2, data, None, state_path=str(state))
     assert prof["reps"] == prof["rounds_before"] == 2 and prof["seconds"]["plain"] == 1.0
     assert prof["cost"]["forward"] == 2.0 and prof["cost_se"]["forward"] == 0.0   # (each round 2x plain)
     md = bench_report.markdown({**_result(tmp_path), "profile": prof})
     assert "mean of 2 steps, 2 of them timed in an earlier sitting (a profile cut off and resumed)" in md
     # asked for three: one more round, added to the rounds
-    prof = bench._profile_worker(suite, 2e-3, 3, data, None, state_path=str(state))
+    prof = bench_profile.worker(suite, 2e-3, 3, data, None, state_path=str(state))
     again = json.loads(state.read_text())
     assert prof["reps"] == again["rounds"] == 3 and again["seconds_rounds"]["plain"][:2] == [0.5, 1.5]
     assert 2.0 < sum(again["seconds_rounds"]["plain"]) < 3.0 and prof["cost_se"]["forward"] > 0.0
@@ -772,7 +776,7 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     assert "± one standard error over the rounds" in md
     assert f"| {prof['cost']['forward']:.3f} ± {prof['cost_se']['forward']:.3f} |" in md
     # another LR is another profile: it starts from nothing
-    prof = bench._profile_worker(suite, 4e-3, 1, data, None, state_path=str(state))
+    prof = bench_profile.worker(suite, 4e-3, 1, data, None, state_path=str(state))
     assert prof["reps"] == 1 and prof["rounds_before"] == 0 and json.loads(state.read_text())["key"]["lr"] == 4e-3
 
 
@@ -781,9 +785,9 @@ def test_a_kinds_cost_has_the_standard_error_of_a_ratio_of_means():
     kind's mean over that time; none where every round has the same ratio; None below 2 rounds."""
     import statistics
     x, y = [1.0, 1.4, 0.9, 1.3], [2.0] * 4
-    assert bench.ratio_se(x, y) == pytest.approx(statistics.stdev(x) / 2 / 4 ** 0.5)
-    assert bench.ratio_se([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 0.0
-    assert bench.ratio_se([1.0], [1.0]) is None
+    assert bench_profile.ratio_se(x, y) == pytest.approx(statistics.stdev(x) / 2 / 4 ** 0.5)
+    assert bench_profile.ratio_se([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 0.0
+    assert bench_profile.ratio_se([1.0], [1.0]) is None
 
 
 def test_settle_feature_waits_out_a_busy_optimizer_process():
@@ -799,13 +803,13 @@ def test_settle_feature_waits_out_a_busy_optimizer_process():
         time.sleep(0.1)   # (started and computing)
         eng = SimpleNamespace(optimizer=SimpleNamespace(process=SimpleNamespace(
             pid=busy.pid, is_alive=lambda: busy.poll() is None)))
-        waited = bench.settle_feature(eng)
+        waited = bench_profile.settle_feature(eng)
         assert 0.3 < waited < 5.0   # (its 0.6 s of computing, less what had run before the call)
-        assert bench.settle_feature(eng) < 0.05   # (idle now: one quiet interval)
+        assert bench_profile.settle_feature(eng) < 0.05   # (idle now: one quiet interval)
     finally:
         busy.kill()
         busy.wait()
-    assert bench.settle_feature(SimpleNamespace(optimizer=object())) == 0.0
+    assert bench_profile.settle_feature(SimpleNamespace(optimizer=object())) == 0.0
 
 
 def _predict_sweep():
@@ -824,7 +828,7 @@ def test_predict_sweep_variants_parse_and_change_only_their_keys():
     from ds_hybrid.arguments import resolve_config
     sweep = _predict_sweep()
     preset, _ = resolve_config("tiny-cpu")
-    assert sweep.section_of("predict", preset) == bench.ARMS["predict"].hybrid
+    assert sweep.section_of("predict", preset) == bench_arms.ARMS["predict"].hybrid
     assert sweep.section_of("default", preset) == preset["hybrid_predict"]
     assert sweep.section_of("default-every-24", preset)["full_steps"] == 24
     assert sweep.section_of("plain", preset) is None
@@ -963,8 +967,8 @@ def test_gradient_horizons_runs_the_bench_arm_with_longer_runs(tmp_path):
     from ds_hybrid.arguments import resolve_config
     suite = bench.SUITES["offload"]
     cfg = mod.run_config(7)
-    want, _ = bench.arm_config(bench.deep_merge(resolve_config(suite.config)[0], suite.overrides),
-                               bench.ARMS["predict-gradient"], quick=False)
+    want, _ = bench_arms.arm_config(bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides),
+                               bench_arms.ARMS["predict-gradient"], quick=False)
     assert cfg["hybrid_predict"] == dict(want["hybrid_predict"], min_predict_steps=7, max_predict_steps=7)
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and cfg["wall_clock_breakdown"]
     with pytest.raises(SystemExit, match="--horizons"):
@@ -998,7 +1002,7 @@ def test_lr_check_runs_the_bench_arms_at_another_lr_beside_the_result(tmp_path, 
                                                           ("predict-gradient", 1, 0.002, False),
                                                           ("baseline", 2, 0.002, True),
                                                           ("predict-gradient", 2, 0.002, False)]
-    assert seen[1][4] == bench.ARMS["predict-gradient"].hybrid
+    assert seen[1][4] == bench_arms.ARMS["predict-gradient"].hybrid
     grad = out["arms"]["predict-gradient"]["per_seed"]
     assert grad["1"]["vs_plain_same_lr_pct"] == pytest.approx(1.0)
     assert grad["2"]["vs_swept_plain_pct"] == pytest.approx(100 * (2.12 - 2.2) / 2.2)

@@ -52,7 +52,7 @@ def test_the_runs_own_step_costs_are_read_beside_the_profiles(ps, tmp_path, monk
         asked.append(kinds)
         cost = {k: 1.0 for k in (kinds or ["plain", "real", "partial_1"])}
         return {"reps": reps, "cost": cost, "cost_se": {k: 0.0 for k in cost}}
-    monkeypatch.setattr(ps.bench, "profile_steps", profile)
+    monkeypatch.setattr(ps.bench_profile, "profile_steps", profile)
     out = ps.main(["--result", str(path), "--order", "all", "needed", "--reps", "2", "--json", str(tmp_path / "o.json")])
     # every kind first, then the suite's: its runs' gradient steps from a quarter of the batch
     assert asked[0] is None and {"plain", "real", "predict_gradient_f0.25", "predict_gradient_f0.25_run"} <= asked[1]

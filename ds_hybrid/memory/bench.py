@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arguments import HelpFormatter, resolve_config
-from .planner import _child_env
+from ..dist_env import child_env
 from .profiler import ALLOC_COUNTS
 
 
@@ -221,7 +221,7 @@ def run_one(model: BenchModel, kind: str, out: Path, live: bool = False, preset:
         cmd += ["--baseline", "--profile-warmup", str(cfg["hybrid_predict"]["warmup_steps"])]
     with open(out / "train.log", "w") as log:
         try:
-            proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=_child_env(),
+            proc = subprocess.run(cmd, stdout=None if live else log, stderr=subprocess.STDOUT, env=child_env(),
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"memory-bench run {model.name}/{kind} did not finish in --run-timeout "

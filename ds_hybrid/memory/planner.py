@@ -41,9 +41,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
-from ..arguments import (PRESET_DIR, REPO_ROOT, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
+from ..arguments import (PRESET_DIR, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
 # (the counts live below the planner, where the engine reads them too; named here for the planner's users)
+from ..dist_env import child_env
 from ..pinned import QUEUE_BUFFERS, STAGE_CHUNK, STAGER_BUFFERS, pinned_block_bytes
 from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
@@ -830,7 +831,7 @@ def validate_cpu(models: Iterable[str] = ("gpt2-tiny", "gpt2-124m"), steps: int 
         cmd = [sys.executable, "-m", "ds_hybrid.train", "--config", str(cfg_path), "--model", name,
                "--steps", str(steps), "--seq-len", str(seq_len), "--eval-every", str(steps), "--val-batches", "1",
                "--out", str(run), "--no-plot", "--no-progress"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         if proc.returncode != 0:
             raise RuntimeError(f"validation run {name} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}"
                                f"\n{proc.stderr[-2000:]}")
@@ -860,15 +861,6 @@ def _validation_line(r: dict) -> str:
     return (f"{r['model']:<10} {r['params'] / 1e6:7.2f}M  ZeRO {r['stage']}  {r['micro_batch']}x{r['seq_len']}"
             f"{' AC' if r['checkpointing'] else '   '}  estimated {r['estimated_bytes'] / MiB:8.1f} MiB  "
             f"measured {r['measured_bytes'] / MiB:8.1f} MiB  ratio {r['ratio']:.3f}")
-
-
-def _child_env() -> dict:
-    import os
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child is its own world of 1
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 # ============================================================== CLI
