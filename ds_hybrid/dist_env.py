@@ -2,7 +2,8 @@
 
 ``deepspeed.initialize`` with no ``RANK`` / ``WORLD_SIZE`` falls back to MPI discovery, which
 fails with ``No module named 'mpi4py'`` for a plain ``python my_script.py``. Imports nothing
-heavy, so ``ds_hybrid.initialize`` and the main job can both call it first.
+heavy, so ``ds_hybrid.initialize`` and the main job can both call it first. ``child_env``: the
+same from the other side, a process this one starts as a world of one of its own.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def ensure_distributed_env() -> bool:
     return True
 
 
-
 def child_env() -> dict:
     """The environment of a run this process starts (a bench run, the profile, a planner
     measurement): a world of its own, whatever world this one is in, with this checkout importable."""
@@ -42,6 +42,7 @@ def child_env() -> dict:
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     return env
+
 
 # DeepSpeed's CPU shared-memory allreduce names each rank's segment so (deepspeed/ops/csrc/cpu/comm/shm.cpp).
 _SHM_SEGMENT = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"

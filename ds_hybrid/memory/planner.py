@@ -43,8 +43,8 @@ from typing import Iterable
 
 from ..arguments import (PRESET_DIR, GiB, HelpFormatter, InputError, MiB, TiB, find_preset, parse_size,
                          resolve_config)
-# (the counts live below the planner, where the engine reads them too; named here for the planner's users)
 from ..dist_env import child_env
+# (the counts live below the planner, where the engine reads them too; named here for the planner's users)
 from ..pinned import QUEUE_BUFFERS, STAGE_CHUNK, STAGER_BUFFERS, pinned_block_bytes
 from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
