@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     for which in args.order:
         t0 = time.perf_counter()
         prof = bench_profile.profile_steps(suite, result["best_lr"], data, result.get("init"), reps=args.reps,
-                                   ds_arms=ds_arms, kinds=None if which == "all" else needed)
+                                           ds_arms=ds_arms, kinds=None if which == "all" else needed)
         profiles.append({"kinds": which, "wall_seconds": time.perf_counter() - t0, "reps": prof["reps"],
                          "cost": prof["cost"], "cost_se": prof["cost_se"]})
         print(f"profile {len(profiles)} ({which}, {len(prof['cost'])} kinds): {profiles[-1]['wall_seconds']:.0f} s",

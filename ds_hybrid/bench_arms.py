@@ -29,21 +29,21 @@ class Arm:
 
 # Predicted steps everywhere they are allowed, so the frontier shows what they are worth.
 WHOLE = {"enabled": True, "warmup_steps": 50, "full_steps": 4, "min_predict_steps": 2, "max_predict_steps": 2,
-          "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
-          "predictor": {"direction": "drift", "drift_beta": 0.95, "step_scale": 1.0, "max_step_scale": 1.0},
-          "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
-          "dynamics": {"progress_every": 0}}
+         "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
+         "predictor": {"direction": "drift", "drift_beta": 0.95, "step_scale": 1.0, "max_step_scale": 1.0},
+         "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
+         "dynamics": {"progress_every": 0}}
 # Predict steps that take their own gradient: 3 after every real step from step 50 (the study's
 # 1 : 3, each worth a real step in loss; they pay where the optimizer step is dear: ZeRO-Offload).
 GRADIENT = {"enabled": True, "warmup_steps": 50, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
-             "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
-             "predictor": {"direction": "gradient"},
-             "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
-             "dynamics": {"progress_every": 0}}
+            "confidence_threshold": 0.0, "predict_lr_fraction": 1.0, "correction_steps": 0, "check": "next_step",
+            "predictor": {"direction": "gradient"},
+            "divergence": {"rel_tolerance": 0.02, "z_threshold": 3.0, "max_loss_ratio": 1.5},
+            "dynamics": {"progress_every": 0}}
 GROUPS = {"enabled": True, "warmup_steps": 50, "full_steps": 8, "whole_model": False, "predict_lr_fraction": 1.0,
-           "predictor": {"direction": "drift", "drift_beta": 0.95},
-           "group_predict": {"enabled": True, "refresh_every": 4, "min_gain": 0.05},
-           "dynamics": {"progress_every": 0}}
+          "predictor": {"direction": "drift", "drift_beta": 0.95},
+          "group_predict": {"enabled": True, "refresh_every": 4, "min_gain": 0.05},
+          "dynamics": {"progress_every": 0}}
 
 
 def with_changes(base: dict, **changes: Any) -> dict:

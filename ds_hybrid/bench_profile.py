@@ -184,8 +184,8 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
 
 
 def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
-                    ds_arms: dict[str, float] | None = None, state_path: str | None = None,
-                    wanted: set[str] | None = None) -> dict:
+           ds_arms: dict[str, float] | None = None, state_path: str | None = None,
+           wanted: set[str] | None = None) -> dict:
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -207,8 +207,8 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     groups = int((cfg.get("zero_optimization") or {}).get("stage", 0) or 0) < 3
     if groups:
         cfg["hybrid_predict"] = with_changes(GROUPS, whole_model=True, warmup_steps=5, full_steps=10**6,
-                                      confidence_threshold=0.0, check="next_step",
-                                      group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
+                                             confidence_threshold=0.0, check="next_step",
+                                             group_predict__refresh_every=10**6, group_predict__min_gain=0.0)
     else:
         cfg["hybrid_predict"] = with_changes(WHOLE, warmup_steps=5, full_steps=10**6)
     def built(make_engine: Callable, config: dict):   # (every engine from the same weights)

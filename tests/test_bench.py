@@ -686,7 +686,7 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     at its own LR, and times its steps as a kind of the arm's name."""
     suite = bench.replace(bench.SUITES["offload"], **bench.QUICK, launcher="python")
     prof = bench_profile.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=2,
-                               ds_arms={"zenflow": 4e-3, "zenflow-overlap": 2e-3})
+                                       ds_arms={"zenflow": 4e-3, "zenflow-overlap": 2e-3})
     assert prof["cost"]["plain"] == 1.0 and prof["cost"]["deepspeed"] > 0
     # (each timed 8 steps at a time: a step's mean, not 8 steps')
     for kind in ("zenflow", "zenflow-overlap"):
@@ -968,7 +968,7 @@ def test_gradient_horizons_runs_the_bench_arm_with_longer_runs(tmp_path):
     suite = bench.SUITES["offload"]
     cfg = mod.run_config(7)
     want, _ = bench_arms.arm_config(bench_arms.deep_merge(resolve_config(suite.config)[0], suite.overrides),
-                               bench_arms.ARMS["predict-gradient"], quick=False)
+                                    bench_arms.ARMS["predict-gradient"], quick=False)
     assert cfg["hybrid_predict"] == dict(want["hybrid_predict"], min_predict_steps=7, max_predict_steps=7)
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and cfg["wall_clock_breakdown"]
     with pytest.raises(SystemExit, match="--horizons"):
