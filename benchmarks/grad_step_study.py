@@ -64,7 +64,21 @@ it; the engine's ``predictor.gradient_lr_scale``): whether a noisier share step 
 rule for Adam takes ``1 - F (1 - 0.9)`` at a share ``F``: a noisier gradient weighs less in the moment).
 
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
-update), as a 2-bytes-a-value copy would.
+update), as a 2-bytes-a-value copy would. ``--state-dtype int8-factored`` holds it in about one byte a parameter, the least
+a 7B model's Predict step would need beside its 13 GB of bf16 weights under a 24 GB cap (docs/memory.md): ``m`` in
+int8 blocks of 256 values with stochastic rounding (``ds_hybrid.quant.CompactBuffer``, the int8 velocity's format),
+rounded after every update and handed back so (``adam-carry``); ``v_hat`` of a matrix from its row and column means
+(Adafactor's factoring, ``v_ij ~ r_i c_j / mean(r)``, taken once per run as the state is frozen), of a vector exactly.
+
+``--predict-clip last-real`` scales each gradient Predict step's gradient by the factor that clipped the last real
+step's instead of clipping it by its own norm; ``previous`` by the factor that would have clipped the previous Predict
+step's own gradient (the first one, the last real step's); ``expected`` by the factor that would clip the norm the
+gradient noise scale expects a share step's gradient to have (``NoiseScale.expected_share_sq``: the last real step's
+squared norm plus the trace's share term; the last real step's factor before the first pair, and always with the
+whole batch). These are what an update applied as the backward produces each parameter's gradient can use (it cannot
+wait for the whole gradient's norm), which is how a 7B step would avoid holding a gradient beside the weights and
+moments. A share of the batch has a larger norm than the whole batch (its noise), so the last real step's factor
+under-clips it.
 
 Each hybrid run is placed on plain AdamW's curve: plain AdamW runs of several lengths, each on its own full
 schedule (the hybrid's real-step count among them), give validation loss against steps; the hybrid's loss read on
@@ -104,6 +118,7 @@ from ds_hybrid.data import val_batches  # noqa: E402
 from ds_hybrid.frontier import time_to_target as crossing  # noqa: E402
 from ds_hybrid.grad_predict import batch_samples, batch_share  # noqa: E402
 from ds_hybrid.noise_scale import NoiseScale  # noqa: E402
+from ds_hybrid.quant import CompactBuffer  # noqa: E402
 from ds_hybrid.models import block_list, build_model  # noqa: E402
 
 MODES = ("skip", "drift", "rms", "adam-local", "adam-carry")
@@ -129,7 +144,7 @@ def run_key(row: dict) -> tuple:
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
             row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"),
             row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0),
-            row.get("gradient_lr_scale", 1.0), row.get("gradient_beta1"))
+            row.get("gradient_lr_scale", 1.0), row.get("gradient_beta1"), row.get("predict_clip", "own"))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -143,7 +158,8 @@ def job_key(args: tuple, kw: dict) -> tuple:
             kw.get("lower", "still") if top is not None else None,
             kw.get("cut_clip", "own") if top is not None else None,
             window, kw.get("window_cover", "none") if window is not None else None,
-            kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0), kw.get("gradient_beta1"))
+            kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0), kw.get("gradient_beta1"),
+            kw.get("predict_clip", "own"))
 
 
 def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
@@ -159,6 +175,16 @@ def stochastic_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=x.device)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)   # low 16 bits zero: exact in bf16
+
+
+def factored_rms(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` of a second moment ``v`` as a factored copy holds it (``--state-dtype int8-factored``): a matrix
+    from its row and column means only, ``v_ij ~ r_i c_j / mean(r)`` (Adafactor's rank-one fit, exact where ``v`` is
+    an outer product); anything else exactly."""
+    if v.dim() != 2:
+        return v.sqrt()
+    r, c = v.mean(dim=1, keepdim=True), v.mean(dim=0, keepdim=True)
+    return (r * c / r.mean().clamp_min(torch.finfo(v.dtype).tiny)).sqrt()
 
 
 def cut_backward(model: torch.nn.Module, top_blocks: int) -> list[bool]:
@@ -189,12 +215,13 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
           window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0,
           gradient_lr_scale: float = 1.0, gradient_beta1: float | None = None, eval_every: int | None = None,
-          eval_from: int = 0) -> dict:
+          eval_from: int = 0, predict_clip: str = "own") -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
     real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``,
-    ``gradient_lr_scale``, ``gradient_beta1``, ``eval_every``, ``eval_from``: see the module docstring."""
+    ``gradient_lr_scale``, ``gradient_beta1``, ``eval_every``, ``eval_from``, ``predict_clip``: see the module
+    docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -202,6 +229,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     lr_at = schedule(lr, steps)
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
     held = torch.bfloat16 if state_dtype == "bf16" else torch.float32
+    compact = state_dtype == "int8-factored"   # m in int8 blocks, v factored (the 7B state)
     rounding = torch.Generator(device=device).manual_seed(seed)
     cut = cut_backward(model, top_blocks) if top_blocks is not None else [False]
     embedding = model.get_input_embeddings().weight
@@ -223,24 +251,37 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         eval_seconds[0] += time.perf_counter() - t_eval
 
     clip_coef = [1.0]   # the last real step's clipping factor
+    share_coef = [None]   # --predict-clip previous: the factor that would have clipped the last Predict gradient
     beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1   # the Predict steps' first-moment decay
     # The gradient noise scale from the share steps' norms and the real steps' (the engine's estimator,
     # ds_hybrid.noise_scale): the worth it projects for a share step, beside the worth measured here
     noise, taken_norm = NoiseScale(), [None, 0]
 
-    def gradient(fraction: float = 1.0) -> float:
+    def gradient(fraction: float = 1.0, clip: str = "own") -> float:
         # (a whole batch from the stream whatever share of it the step takes; the engine's rule cuts it)
+        expected_sq = noise.expected_share_sq() if clip == "expected" else None   # (before this step's norm)
         (batch_in,) = batch_share([next(stream)], fraction)
         taken_norm[:] = [None, batch_samples([batch_in])]
         with autocast():
             loss = model(**batch_in).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if cut[0] and cut_clip == "last-real":
-            # a cut gradient's norm leaves out the blocks below: scaled as the last whole one was instead
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(clip_coef[0])
+        streamed = clip != "own"   # --predict-clip: a factor known before the backward
+        if (cut[0] and cut_clip == "last-real") or streamed:
+            # a cut gradient's norm leaves out the blocks below, a streamed update cannot wait for the whole
+            # norm: scaled by a factor from an earlier step instead
+            grads = [p.grad for p in params if p.grad is not None]
+            factor = clip_coef[0]
+            if streamed:   # the norm is still known once the backward ends: the noise scale's, the next step's
+                norm = float(torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt())
+                taken_norm[0] = norm
+                if clip == "previous":
+                    factor = clip_coef[0] if share_coef[0] is None else share_coef[0]
+                    share_coef[0] = min(1.0, CLIP / (norm + 1e-6))
+                elif clip == "expected" and expected_sq is not None:
+                    factor = min(1.0, CLIP / (expected_sq ** 0.5 + 1e-6))
+            for g in grads:
+                g.mul_(factor)
         else:
             norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
             if not cut[0]:
@@ -263,10 +304,14 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                 k = int(opt.state[params[0]]["step"])
                 m_src = [opt.state[p]["exp_avg"] for p in params]
                 v_src = [opt.state[p]["exp_avg_sq"] for p in params]
-            denom = [(v / (1 - BETAS[1] ** k)).sqrt().to(held) for v in v_src]
+            rms = factored_rms if compact else torch.sqrt
+            denom = [rms(v / (1 - BETAS[1] ** k)).to(held) for v in v_src]
             # clone: the optimizer's own m is touched only where adam-carry hands the run's m back
             m_loc = ([m.to(held).float().clone() for m in m_src]
                      if mode in ("adam-local", "adam-carry") else None)
+            if compact and m_loc is not None:   # the run's m as the GPU's int8 copy of the optimizer's holds it
+                m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
+                m_loc = [held_int8(b, m, rounding) for b, m in zip(m_int8, m_loc)]
             taken = 0
             sixteen = weights == "bf16-sr" and mode in GRADIENT_MODES
             if sixteen:   # the GPU's 16-bit weights, which the Predict steps' forwards see
@@ -290,7 +335,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                                 if window_cover == "last" and unit_before is not None:
                                     p.add_(unit_before[i], alpha=last_lr)
                     try:
-                        gradient(gradient_fraction)
+                        gradient(gradient_fraction, clip=predict_clip)
                         if taken_norm[0] is not None and not stale:
                             noise.observe(taken_norm[0] ** 2, taken_norm[1], False, t + j)
                     finally:
@@ -313,6 +358,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                             else:
                                 g = p.grad if p.grad is not None else torch.zeros_like(p)   # (--lower coast)
                                 m_loc[i] = m_loc[i].mul_(beta1).add_(g, alpha=1 - beta1).to(held).float()
+                                if compact:   # stored in int8 after every update, and used as stored
+                                    m_loc[i] = held_int8(m_int8[i], m_loc[i], rounding)
                                 d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
                             p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
                             if sixteen:
@@ -371,9 +418,16 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "gradient_fraction": gradient_fraction if mode in GRADIENT_MODES else 1.0,
             "gradient_lr_scale": gradient_lr_scale if mode in GRADIENT_MODES else 1.0,
             "gradient_beta1": gradient_beta1 if mode in ("adam-local", "adam-carry") else None,
+            "predict_clip": predict_clip if mode in GRADIENT_MODES else "own",
             "val_loss": val,
             "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
             "curve": curve if eval_every else None, "train_seconds": seconds}
+
+
+def held_int8(buf: CompactBuffer, m: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``m`` stored in the int8 buffer ``buf`` (stochastic rounding) and read back: the value the run then holds."""
+    buf.store(m.detach().flatten().float(), generator=generator)
+    return buf.load().view_as(m)
 
 
 def steps_worth(val: float, curve: list[tuple[int, float]]) -> tuple[float | None, str]:
@@ -545,7 +599,7 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
                       "window": args.window, "window_cover": args.window_cover,
                       "gradient_fraction": args.gradient_fraction,
                       "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
-                      "device": args.device,
+                      "predict_clip": args.predict_clip, "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads,
                       "eval_every": args.eval_every, "eval_from": args.eval_from, "target_steps": args.target_steps,
                       "real_cost": args.real_cost, "predict_cost": args.predict_cost},
@@ -575,8 +629,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rms: the gradient over the frozen sqrt(v_hat), no first moment; none: plain runs only")
     p.add_argument("--plain-steps", type=float, nargs="*", default=[0.75, 1.0],
                    help="plain run lengths besides the hybrids' real-step counts, as fractions of --steps")
-    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="precision of the frozen optimizer state the Predict steps use")
+    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8-factored"],
+                   help="precision of the frozen optimizer state the Predict steps use (int8-factored: m in int8 "
+                        "blocks, v of a matrix from its row and column means)")
+    p.add_argument("--predict-clip", default="own", choices=["own", "last-real", "previous", "expected"],
+                   help="a gradient Predict step's gradient clipped by its own norm, or scaled by the factor that "
+                        "clipped the last real step's, or that would have clipped the previous Predict step's, or "
+                        "the norm the noise scale expects (an update streamed through the backward cannot wait "
+                        "for the whole norm)")
     p.add_argument("--weights", default="fp32", choices=["fp32", "bf16-sr"],
                    help="what a gradient Predict step updates: the weights exactly (fp32 displacement on the GPU), "
                         "or 16-bit weights with stochastic rounding, the masters catching up by their change")
@@ -634,6 +694,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--schedules: F and H at least 1; --steps above --start")
     if args.top_blocks is None and (args.lower, args.cut_clip) != ("still", "own"):
         p.error("--lower and --cut-clip say what a cut backward does: give --top-blocks too")
+    if args.top_blocks is not None and args.predict_clip != "own":
+        p.error("--predict-clip with --top-blocks: --cut-clip says how a cut gradient is scaled")
+    if args.predict_clip != "own" and not set(args.modes) <= set(GRADIENT_MODES):
+        p.error(f"--predict-clip: the Predict steps must take a gradient, --modes among "
+                f"{', '.join(GRADIENT_MODES)} (got {' '.join(args.modes)})")
     if not 0.0 < args.gradient_fraction <= 1.0:
         p.error(f"--gradient-fraction: above 0 and at most 1 (got {args.gradient_fraction})")
     if args.gradient_fraction < 1.0 and not set(args.modes) <= set(GRADIENT_MODES):
@@ -703,7 +768,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "top_blocks": args.top_blocks, "lower": args.lower, "cut_clip": args.cut_clip,
                      "window": args.window, "window_cover": args.window_cover,
                      "gradient_fraction": args.gradient_fraction,
-                     "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1})
+                     "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
+                     "predict_clip": args.predict_clip})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

@@ -112,6 +112,17 @@ class NoiseScale:
         x = b_noise / self.big
         return (1.0 + x) / (1.0 + x / f)
 
+    def expected_share_sq(self) -> float | None:
+        """The squared norm a share step's gradient is expected to have now: the last real step's plus
+        ``tr(Sigma) (1 / small - 1 / big)`` (the relation above, with the pairs' trace), known before
+        its backward. What a clip must use where the update cannot wait for the gradient's own norm (an
+        update applied as the backward produces each parameter's gradient; ``grad_step_study.py
+        --predict-clip expected``). None before a pair or once the last real step is too old."""
+        if not self.pairs or self._last is None:
+            return None
+        trace = max(self._trace.get(), 0.0)
+        return self._last[0] + trace * (1.0 / self.small - 1.0 / self.big)
+
     def state_dict(self) -> dict:
         """Everything ``observe`` has gathered, so a resumed run's estimate goes on from the same
         pairs (it travels in the engine's ``hybrid_state_dict``)."""

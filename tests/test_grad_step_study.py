@@ -330,8 +330,62 @@ def test_the_predict_steps_first_moment_decays_by_its_own_beta1(study):
     assert study.run_key(slow) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30), dict(gradient_beta1=0.99))
 
 
+def test_a_factored_second_moment_is_exact_for_an_outer_product_and_a_vector(study):
+    """``--state-dtype int8-factored``: a matrix's ``sqrt(v)`` from its row and column means alone, exact where
+    ``v`` is a rank-one outer product (Adafactor's fit), close otherwise; a vector's exactly."""
+    r, c = torch.rand(6, 1) + 0.1, torch.rand(1, 5) + 0.1
+    torch.testing.assert_close(study.factored_rms(r * c), (r * c).sqrt())
+    v = torch.rand(7)
+    assert torch.equal(study.factored_rms(v), v.sqrt())
+    noisy = (r * c) * (1 + 0.05 * torch.rand(6, 5))
+    err = (study.factored_rms(noisy) / noisy.sqrt() - 1).abs().max()
+    assert 0 < float(err) < 0.05
+
+
+def test_an_int8_factored_state_and_a_streamed_clip_each_move_a_run_their_own_way(study, monkeypatch):
+    """The 7B state (``m`` in int8 stochastic-rounded blocks, ``v`` factored) and the clips a streamed update can
+    use (the last real step's factor, the previous Predict step's) each change the run, stay within a few percent
+    of the exact one in loss, are the same on a rerun, and are told apart by their keys. The int8 state is what
+    the run holds: each Predict step's ``m`` goes through ``CompactBuffer`` int8 (checked by counting its
+    stores)."""
+    kw = dict(start=30, **SHAPE)
+    exact = study.train(1, 2e-3, 36, "adam-carry", 1, 3, **kw)
+    stores = []
+    real_store = study.CompactBuffer.store
+
+    def store(self, values, *a, **k):
+        stores.append((self.dtype, values.numel()))
+        return real_store(self, values, *a, **k)
+
+    monkeypatch.setattr(study.CompactBuffer, "store", store)
+    compact = study.train(1, 2e-3, 36, "adam-carry", 1, 3, state_dtype="int8-factored", **kw)
+    n_params = sum(p.numel() for p in study.build_model("gpt2-tiny", vocab_size=256, seq_len=64).parameters())
+    # two Predict runs (3 steps, then 2): each stores the optimizer's m once, then once a step
+    assert {d for d, _ in stores} == {"int8"} and sum(n for _, n in stores) == (2 + 5) * n_params
+    monkeypatch.undo()
+    again = study.train(1, 2e-3, 36, "adam-carry", 1, 3, state_dtype="int8-factored", **kw)
+    clipped = study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="last-real", **kw)
+    previous = study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="previous", **kw)
+    runs = (exact, compact, clipped, previous)
+    assert again["val_loss"] == compact["val_loss"]
+    assert len({r["val_loss"] for r in runs}) == 4
+    for r in runs[1:]:
+        assert r["val_loss"] == pytest.approx(exact["val_loss"], rel=0.03)
+    assert clipped["predict_clip"] == "last-real" and compact["state_dtype"] == "int8-factored"
+    assert study.run_key(previous) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30),
+                                                    dict(predict_clip="previous"))
+    assert len({study.run_key(r) for r in runs}) == 4
+    # from a share of the batch the noise scale pairs each share step with the real one: from the second share
+    # step on, the expected norm's factor is not the last real step's
+    share = dict(gradient_fraction=0.5, **kw)
+    assert (study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="expected", **share)["val_loss"]
+            != study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="last-real", **share)["val_loss"])
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--window-cover", "last"], "give --window too"),
+    (["--predict-clip", "last-real", "--modes", "drift"], "--predict-clip: the Predict steps must take a gradient"),
+    (["--predict-clip", "last-real", "--top-blocks", "2"], "--predict-clip with --top-blocks"),
     (["--window", "-1"], "--window: 0 or more"),
     (["--window", "2", "--modes", "skip", "adam-carry"], "--window: the Predict steps must take a gradient"),
     (["--window", "2", "--top-blocks", "2"], "--window and --top-blocks"),

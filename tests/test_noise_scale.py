@@ -39,6 +39,21 @@ def test_it_recovers_a_known_noise_scale_and_projects_the_worth_of_a_share_step(
     assert summary["batch_samples"] == big and summary["share_samples"] == small
 
 
+def test_a_share_steps_squared_norm_is_expected_from_the_last_real_steps_and_the_trace():
+    """Before a share step's backward (what a clip streamed through it must use): ``|G|^2 + tr(Sigma) / small``,
+    from the last real step's squared norm and the pairs' trace; None before a pair."""
+    gen = torch.Generator().manual_seed(1)
+    d, sigma, big, small = 4000, 0.05, 64, 8
+    true = torch.full((d,), sigma / 32 ** 0.5, dtype=torch.float64)   # B_noise 32 sequences
+    ns = NoiseScale(decay=0.99, max_age=8)
+    assert ns.expected_share_sq() is None
+    for step in range(1600):
+        real = step % 8 == 0
+        ns.observe(_noisy_norms(true, sigma, big if real else small, gen), big if real else small, real, step)
+    expected = sigma ** 2 * d * (1 / 32 + 1 / small)
+    assert ns.expected_share_sq() == pytest.approx(expected, rel=0.05)
+
+
 def test_the_worth_is_the_share_where_noise_swamps_the_signal_and_none_before_a_pair():
     ns = NoiseScale()
     ns.observe(1.0, 16, False, 0)       # no real step before it: no pair
