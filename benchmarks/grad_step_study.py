@@ -64,21 +64,25 @@ it; the engine's ``predictor.gradient_lr_scale``): whether a noisier share step 
 rule for Adam takes ``1 - F (1 - 0.9)`` at a share ``F``: a noisier gradient weighs less in the moment).
 
 ``--state-dtype bf16`` holds the GPU's copy of the state in bf16 (``sqrt(v_hat)`` and ``m``, rounded after every
-update), as a 2-bytes-a-value copy would. ``--state-dtype int8-factored`` holds it in about one byte a parameter, the least
-a 7B model's Predict step would need beside its 13 GB of bf16 weights under a 24 GB cap (docs/memory.md): ``m`` in
-int8 blocks of 256 values with stochastic rounding (``ds_hybrid.quant.CompactBuffer``, the int8 velocity's format),
-rounded after every update and handed back so (``adam-carry``); ``v_hat`` of a matrix from its row and column means
-(Adafactor's factoring, ``v_ij ~ r_i c_j / mean(r)``, taken once per run as the state is frozen), of a vector exactly.
+update), as a 2-bytes-a-value copy would. ``--state-dtype int8-factored`` holds it in about one byte a parameter,
+the least a 7B model's Predict step would need beside its 13 GB of bf16 weights under a 24 GB cap (docs/memory.md):
+``m`` in int8 blocks of 256 values with stochastic rounding (``ds_hybrid.quant.CompactBuffer``, the int8 velocity's
+format), rounded after every update and handed back so (``adam-carry``); ``v_hat`` of a matrix from its row and
+column means (Adafactor's factoring, ``v_ij ~ r_i c_j / mean(r)``, taken once per run as the state is frozen), of a
+vector exactly. ``int4-factored`` holds ``m`` in 4 bits (blocks of 256, values -7..7 of an absmax scale, stochastic
+rounding; ``held_int4``, the study's own quantizer), half a byte a parameter.
 
 ``--predict-clip last-real`` scales each gradient Predict step's gradient by the factor that clipped the last real
-step's instead of clipping it by its own norm; ``previous`` by the factor that would have clipped the previous Predict
-step's own gradient (the first one, the last real step's); ``expected`` by the factor that would clip the norm the
-gradient noise scale expects a share step's gradient to have (``NoiseScale.expected_share_sq``: the last real step's
-squared norm plus the trace's share term; the last real step's factor before the first pair, and always with the
-whole batch). These are what an update applied as the backward produces each parameter's gradient can use (it cannot
-wait for the whole gradient's norm), which is how a 7B step would avoid holding a gradient beside the weights and
-moments. A share of the batch has a larger norm than the whole batch (its noise), so the last real step's factor
-under-clips it.
+step's instead of clipping it by its own norm; ``previous`` by the factor that would have clipped the previous
+Predict step's own gradient (the first one, the last real step's); ``expected`` by the factor that would clip the
+norm the gradient noise scale expects a share step's gradient to have (``NoiseScale.expected_share_sq``: the last
+real step's squared norm plus the trace's share term; the last real step's factor before the first pair, and always
+with the whole batch); ``tensor`` clips each parameter's gradient by its own norm to its share of the clip
+threshold, the share its gradient had of the last step's (real or Predict) whole norm: where the proportions hold,
+the whole gradient's own clip. These are what an update applied as the backward produces each parameter's gradient
+can use (it cannot wait for the whole gradient's norm), which is how a 7B step would avoid holding a gradient beside
+the weights and moments. A share of the batch has a larger norm than the whole batch (its noise), so the last real
+step's factor under-clips it.
 
 Each hybrid run is placed on plain AdamW's curve: plain AdamW runs of several lengths, each on its own full
 schedule (the hybrid's real-step count among them), give validation loss against steps; the hybrid's loss read on
@@ -229,7 +233,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     lr_at = schedule(lr, steps)
     flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
     held = torch.bfloat16 if state_dtype == "bf16" else torch.float32
-    compact = state_dtype == "int8-factored"   # m in int8 blocks, v factored (the 7B state)
+    compact = state_dtype in ("int8-factored", "int4-factored")   # m in 8- or 4-bit blocks, v factored (7B)
     rounding = torch.Generator(device=device).manual_seed(seed)
     cut = cut_backward(model, top_blocks) if top_blocks is not None else [False]
     embedding = model.get_input_embeddings().weight
@@ -252,6 +256,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
 
     clip_coef = [1.0]   # the last real step's clipping factor
     share_coef = [None]   # --predict-clip previous: the factor that would have clipped the last Predict gradient
+    # --predict-clip tensor: each parameter's share of the last gradient's norm (any step's, before clipping)
+    norm_shares: list[list[float] | None] = [None]
     beta1 = BETAS[0] if gradient_beta1 is None else gradient_beta1   # the Predict steps' first-moment decay
     # The gradient noise scale from the share steps' norms and the real steps' (the engine's estimator,
     # ds_hybrid.noise_scale): the worth it projects for a share step, beside the worth measured here
@@ -267,6 +273,20 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         opt.zero_grad(set_to_none=True)
         loss.backward()
         streamed = clip != "own"   # --predict-clip: a factor known before the backward
+        if predict_clip == "tensor" and not cut[0]:
+            norms = [float(p.grad.float().norm()) if p.grad is not None else 0.0 for p in params]
+            total = sum(n * n for n in norms) ** 0.5
+            shares_before, norm_shares[0] = norm_shares[0], [n / (total + 1e-12) for n in norms]
+            if clip == "tensor" and shares_before is not None:
+                # each parameter clipped where the whole would have clipped it had its norm kept the last
+                # gradient's proportions: known from its own gradient alone, as the backward produces it
+                taken_norm[0] = total
+                for p, n, share in zip(params, norms, shares_before):
+                    if p.grad is not None:
+                        p.grad.mul_(min(1.0, CLIP * share / (n + 1e-12)))
+                return float(loss.detach())
+            if clip == "tensor":
+                streamed = False   # (the first Predict step before any shares: clipped by its own norm)
         if (cut[0] and cut_clip == "last-real") or streamed:
             # a cut gradient's norm leaves out the blocks below, a streamed update cannot wait for the whole
             # norm: scaled by a factor from an earlier step instead
@@ -309,9 +329,11 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             # clone: the optimizer's own m is touched only where adam-carry hands the run's m back
             m_loc = ([m.to(held).float().clone() for m in m_src]
                      if mode in ("adam-local", "adam-carry") else None)
-            if compact and m_loc is not None:   # the run's m as the GPU's int8 copy of the optimizer's holds it
+            if compact and m_loc is not None:   # the run's m as the GPU's compact copy of the optimizer's holds it
                 m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
-                m_loc = [held_int8(b, m, rounding) for b, m in zip(m_int8, m_loc)]
+                hold = ((lambda i, m: held_int8(m_int8[i], m, rounding)) if state_dtype == "int8-factored"
+                        else (lambda i, m: held_int4(m, rounding)))
+                m_loc = [hold(i, m) for i, m in enumerate(m_loc)]
             taken = 0
             sixteen = weights == "bf16-sr" and mode in GRADIENT_MODES
             if sixteen:   # the GPU's 16-bit weights, which the Predict steps' forwards see
@@ -358,8 +380,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                             else:
                                 g = p.grad if p.grad is not None else torch.zeros_like(p)   # (--lower coast)
                                 m_loc[i] = m_loc[i].mul_(beta1).add_(g, alpha=1 - beta1).to(held).float()
-                                if compact:   # stored in int8 after every update, and used as stored
-                                    m_loc[i] = held_int8(m_int8[i], m_loc[i], rounding)
+                                if compact:   # stored in 8 or 4 bits after every update, and used as stored
+                                    m_loc[i] = hold(i, m_loc[i])
                                 d = m_loc[i] / (1 - BETAS[0] ** (k + j + 1))
                             p.mul_(1 - step_lr * WEIGHT_DECAY).addcdiv_(d, denom[i].float() + EPS, value=-step_lr)
                             if sixteen:
@@ -428,6 +450,20 @@ def held_int8(buf: CompactBuffer, m: torch.Tensor, generator: torch.Generator) -
     """``m`` stored in the int8 buffer ``buf`` (stochastic rounding) and read back: the value the run then holds."""
     buf.store(m.detach().flatten().float(), generator=generator)
     return buf.load().view_as(m)
+
+
+def held_int4(m: torch.Tensor, generator: torch.Generator, block: int = 256) -> torch.Tensor:
+    """``m`` as 4 bits a value would hold it (``--state-dtype int4-factored``): blocks of ``block`` values, each an
+    absmax / 7 scale and values in -7..7 rounded stochastically (unbiased), read back as fp32. The study's own
+    quantizer: the package stores no 4-bit buffer; this prices what one would cost in loss."""
+    flat = m.detach().flatten().float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 7.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    noise = torch.rand(blocks.shape, generator=generator, device=blocks.device)
+    q = (blocks / safe + noise).floor_().clamp_(-7, 7)
+    return (q * scale).flatten()[:n].view_as(m)
 
 
 def steps_worth(val: float, curve: list[tuple[int, float]]) -> tuple[float | None, str]:
@@ -629,14 +665,15 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rms: the gradient over the frozen sqrt(v_hat), no first moment; none: plain runs only")
     p.add_argument("--plain-steps", type=float, nargs="*", default=[0.75, 1.0],
                    help="plain run lengths besides the hybrids' real-step counts, as fractions of --steps")
-    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8-factored"],
+    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8-factored", "int4-factored"],
                    help="precision of the frozen optimizer state the Predict steps use (int8-factored: m in int8 "
-                        "blocks, v of a matrix from its row and column means)")
-    p.add_argument("--predict-clip", default="own", choices=["own", "last-real", "previous", "expected"],
+                        "blocks, v of a matrix from its row and column means; int4-factored: m in 4-bit blocks)")
+    p.add_argument("--predict-clip", default="own",
+                   choices=["own", "last-real", "previous", "expected", "tensor"],
                    help="a gradient Predict step's gradient clipped by its own norm, or scaled by the factor that "
                         "clipped the last real step's, or that would have clipped the previous Predict step's, or "
-                        "the norm the noise scale expects (an update streamed through the backward cannot wait "
-                        "for the whole norm)")
+                        "the norm the noise scale expects, or each parameter to its share of the last gradient's "
+                        "norm (an update streamed through the backward cannot wait for the whole norm)")
     p.add_argument("--weights", default="fp32", choices=["fp32", "bf16-sr"],
                    help="what a gradient Predict step updates: the weights exactly (fp32 displacement on the GPU), "
                         "or 16-bit weights with stochastic rounding, the masters catching up by their change")

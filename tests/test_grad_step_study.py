@@ -342,12 +342,34 @@ def test_a_factored_second_moment_is_exact_for_an_outer_product_and_a_vector(stu
     assert 0 < float(err) < 0.05
 
 
+def test_a_four_bit_first_moment_holds_15_levels_a_block_unbiased(study):
+    """``--state-dtype int4-factored``: each block of 256 values keeps its absmax exactly and the rest on 15 levels
+    of it, rounded stochastically so that the mean over draws is the value; a run with it differs from int8's."""
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(3, 300, generator=g)
+    q = study.held_int4(m, g)
+    assert q.shape == m.shape
+    blocks = torch.nn.functional.pad(q.flatten(), (0, 124)).view(-1, 256)
+    mb = torch.nn.functional.pad(m.flatten(), (0, 124)).view(-1, 256)
+    scale = mb.abs().amax(dim=1, keepdim=True) / 7
+    levels = blocks / scale
+    torch.testing.assert_close(levels, levels.round(), atol=1e-5, rtol=0)
+    assert float(levels.abs().max()) <= 7 + 1e-5
+    torch.testing.assert_close(blocks.abs().amax(dim=1), mb.abs().amax(dim=1))
+    mean = torch.stack([study.held_int4(m, g) for _ in range(400)]).mean(0)
+    assert float((mean - m).abs().max()) < 0.1 * float(m.abs().max())
+    kw = dict(start=30, **SHAPE)
+    four = study.train(1, 2e-3, 36, "adam-carry", 1, 3, state_dtype="int4-factored", **kw)
+    eight = study.train(1, 2e-3, 36, "adam-carry", 1, 3, state_dtype="int8-factored", **kw)
+    assert four["val_loss"] != eight["val_loss"] and study.run_key(four) != study.run_key(eight)
+
+
 def test_an_int8_factored_state_and_a_streamed_clip_each_move_a_run_their_own_way(study, monkeypatch):
     """The 7B state (``m`` in int8 stochastic-rounded blocks, ``v`` factored) and the clips a streamed update can
-    use (the last real step's factor, the previous Predict step's) each change the run, stay within a few percent
-    of the exact one in loss, are the same on a rerun, and are told apart by their keys. The int8 state is what
-    the run holds: each Predict step's ``m`` goes through ``CompactBuffer`` int8 (checked by counting its
-    stores)."""
+    use (the last real step's factor, the previous Predict step's, per parameter) each change the run, stay within
+    a few percent of the exact one in loss, are the same on a rerun, and are told apart by their keys. The int8
+    state is what the run holds: each Predict step's ``m`` goes through ``CompactBuffer`` int8 (checked by
+    counting its stores)."""
     kw = dict(start=30, **SHAPE)
     exact = study.train(1, 2e-3, 36, "adam-carry", 1, 3, **kw)
     stores = []
@@ -366,15 +388,16 @@ def test_an_int8_factored_state_and_a_streamed_clip_each_move_a_run_their_own_wa
     again = study.train(1, 2e-3, 36, "adam-carry", 1, 3, state_dtype="int8-factored", **kw)
     clipped = study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="last-real", **kw)
     previous = study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="previous", **kw)
-    runs = (exact, compact, clipped, previous)
+    tensor = study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="tensor", **kw)
+    runs = (exact, compact, clipped, previous, tensor)
     assert again["val_loss"] == compact["val_loss"]
-    assert len({r["val_loss"] for r in runs}) == 4
+    assert len({r["val_loss"] for r in runs}) == 5
     for r in runs[1:]:
         assert r["val_loss"] == pytest.approx(exact["val_loss"], rel=0.03)
     assert clipped["predict_clip"] == "last-real" and compact["state_dtype"] == "int8-factored"
     assert study.run_key(previous) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 30),
                                                     dict(predict_clip="previous"))
-    assert len({study.run_key(r) for r in runs}) == 4
+    assert len({study.run_key(r) for r in runs}) == 5
     # from a share of the batch the noise scale pairs each share step with the real one: from the second share
     # step on, the expected norm's factor is not the last real step's
     share = dict(gradient_fraction=0.5, **kw)
