@@ -330,9 +330,11 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             m_loc = ([m.to(held).float().clone() for m in m_src]
                      if mode in ("adam-local", "adam-carry") else None)
             if compact and m_loc is not None:   # the run's m as the GPU's compact copy of the optimizer's holds it
-                m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
-                hold = ((lambda i, m: held_int8(m_int8[i], m, rounding)) if state_dtype == "int8-factored"
-                        else (lambda i, m: held_int4(m, rounding)))
+                if state_dtype == "int8-factored":
+                    m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
+                    hold = lambda i, m: held_int8(m_int8[i], m, rounding)  # noqa: E731
+                else:
+                    hold = lambda i, m: held_int4(m, rounding)  # noqa: E731
                 m_loc = [hold(i, m) for i, m in enumerate(m_loc)]
             taken = 0
             sixteen = weights == "bf16-sr" and mode in GRADIENT_MODES
