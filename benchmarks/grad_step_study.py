@@ -277,7 +277,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             norms = [float(p.grad.float().norm()) if p.grad is not None else 0.0 for p in params]
             total = sum(n * n for n in norms) ** 0.5
             shares_before, norm_shares[0] = norm_shares[0], [n / (total + 1e-12) for n in norms]
-            if clip == "tensor" and shares_before is not None:
+            if clip == "tensor":   # (a real step comes before every Predict run: its shares are set)
                 # each parameter clipped where the whole would have clipped it had its norm kept the last
                 # gradient's proportions: known from its own gradient alone, as the backward produces it
                 taken_norm[0] = total
@@ -285,8 +285,6 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                     if p.grad is not None:
                         p.grad.mul_(min(1.0, CLIP * share / (n + 1e-12)))
                 return float(loss.detach())
-            if clip == "tensor":
-                streamed = False   # (the first Predict step before any shares: clipped by its own norm)
         if (cut[0] and cut_clip == "last-real") or streamed:
             # a cut gradient's norm leaves out the blocks below, a streamed update cannot wait for the whole
             # norm: scaled by a factor from an earlier step instead
