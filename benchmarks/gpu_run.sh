@@ -102,6 +102,8 @@
 #            2.11 cannot: the rounding alone is 19.7 GiB at 7B, over the host; ds_hybrid/pinned.py).
 #            (7b-24gb, ZeRO 3 with the parameters offloaded too, needs 125.5 GiB of host memory for
 #            DeepSpeed's buffers alone: more than this machine has; docs/results/offload-host-layout.json)
+#            TRAIN7B_GRADIENT=int4-factored: the hybrid arm's Predict steps take their own gradient in the
+#            compact state (memory.gradient_state_dtype; ds_hybrid/compact_moments.py), not the drift step.
 #            TRAIN7B_ARMS (default "hybrid plain") runs one arm a call where both do not fit one (the
 #            build of 6.5B weights on the CPU, DeepSpeed's CPU Adam build and pageable copies of 13-26 GB a
 #            step: a few minutes an arm), TRAIN7B_STEPS (12) the steps of each
@@ -270,14 +272,19 @@ for stage in "$@"; do
     train7b)
       # (ds-hybrid train's byte-level data: llama-7b with a 256-entry vocabulary, 6.48B parameters)
       $PY -c "
-import json
+import json, os
 from ds_hybrid.pinned import can_limit_pinned_rounding
 c = json.load(open('ds_configs/7b-24gb-z2.json'))
 c['zero_optimization']['offload_optimizer']['pin_memory'] = can_limit_pinned_rounding()
 c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2,
                            confidence_threshold=0.0, check='next_step')
+state = os.environ.get('TRAIN7B_GRADIENT')
+if state:   # (a gradient Predict step in the compact state: memory.gradient_state_dtype)
+    c['hybrid_predict']['predictor'] = {'direction': 'gradient'}
+    c['hybrid_predict']['memory'] = {'offload_predict': 'device', 'gradient_state_dtype': state}
 json.dump(c, open('/tmp/7b-short.json', 'w'))
-print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_optimizer']['pin_memory'])"
+print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_optimizer']['pin_memory'],
+      'predictor', c['hybrid_predict']['predictor'])"
       # (the plan for the config as run, and the presets as they are)
       $DSH plan --model llama-7b --vocab-size 256 --gpu-mem 24GB --cpu-mem "$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)" \
         --seq-len 2048 --presets /tmp/7b-short.json 7b-24gb-z2 7b-24gb --json "$OUT/plan-7b.json" | tail -8

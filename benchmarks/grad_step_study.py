@@ -79,7 +79,10 @@ norm the gradient noise scale expects a share step's gradient to have (``NoiseSc
 real step's squared norm plus the trace's share term; the last real step's factor before the first pair, and always
 with the whole batch); ``tensor`` clips each parameter's gradient by its own norm to its share of the clip
 threshold, the share its gradient had of the last step's (real or Predict) whole norm: where the proportions hold,
-the whole gradient's own clip. These are what an update applied as the backward produces each parameter's gradient
+the whole gradient's own clip; ``tensor-v`` the same, but a run's first step takes the shares of the norm the
+second moment expects (``sqrt(sum v)`` per parameter), as the engine's compact state does
+(``memory.gradient_state_dtype: int8-factored``, ``ds_hybrid/compact_moments.py``: it has no per-parameter norms
+of a real step's gradient). These are what an update applied as the backward produces each parameter's gradient
 can use (it cannot wait for the whole gradient's norm), which is how a 7B step would avoid holding a gradient beside
 the weights and moments. A share of the batch has a larger norm than the whole batch (its noise), so the last real
 step's factor under-clips it.
@@ -273,11 +276,11 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         opt.zero_grad(set_to_none=True)
         loss.backward()
         streamed = clip != "own"   # --predict-clip: a factor known before the backward
-        if predict_clip == "tensor" and not cut[0]:
+        if predict_clip in ("tensor", "tensor-v") and not cut[0]:
             norms = [float(p.grad.float().norm()) if p.grad is not None else 0.0 for p in params]
             total = sum(n * n for n in norms) ** 0.5
             shares_before, norm_shares[0] = norm_shares[0], [n / (total + 1e-12) for n in norms]
-            if clip == "tensor":   # (a real step comes before every Predict run: its shares are set)
+            if clip in ("tensor", "tensor-v"):   # (a real step comes before every Predict run: its shares are set)
                 # each parameter clipped where the whole would have clipped it had its norm kept the last
                 # gradient's proportions: known from its own gradient alone, as the backward produces it
                 taken_norm[0] = total
@@ -322,6 +325,10 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
                 k = int(opt.state[params[0]]["step"])
                 m_src = [opt.state[p]["exp_avg"] for p in params]
                 v_src = [opt.state[p]["exp_avg_sq"] for p in params]
+            if predict_clip == "tensor-v":   # the run's first shares: each parameter's of the norm v expects
+                v_norms = [float(v.double().sum()) ** 0.5 for v in v_src]
+                v_total = sum(x * x for x in v_norms) ** 0.5
+                norm_shares[0] = [x / (v_total + 1e-12) for x in v_norms]
             rms = factored_rms if compact else torch.sqrt
             denom = [rms(v / (1 - BETAS[1] ** k)).to(held) for v in v_src]
             # clone: the optimizer's own m is touched only where adam-carry hands the run's m back
@@ -669,11 +676,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="precision of the frozen optimizer state the Predict steps use (int8-factored: m in int8 "
                         "blocks, v of a matrix from its row and column means; int4-factored: m in 4-bit blocks)")
     p.add_argument("--predict-clip", default="own",
-                   choices=["own", "last-real", "previous", "expected", "tensor"],
+                   choices=["own", "last-real", "previous", "expected", "tensor", "tensor-v"],
                    help="a gradient Predict step's gradient clipped by its own norm, or scaled by the factor that "
                         "clipped the last real step's, or that would have clipped the previous Predict step's, or "
                         "the norm the noise scale expects, or each parameter to its share of the last gradient's "
-                        "norm (an update streamed through the backward cannot wait for the whole norm)")
+                        "norm (an update streamed through the backward cannot wait for the whole norm; tensor-v: "
+                        "a run's first shares from the second moment, as the engine's compact state takes them)")
     p.add_argument("--weights", default="fp32", choices=["fp32", "bf16-sr"],
                    help="what a gradient Predict step updates: the weights exactly (fp32 displacement on the GPU), "
                         "or 16-bit weights with stochastic rounding, the masters catching up by their change")

@@ -96,6 +96,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         "real step from step 50, up to 3x plain's budget (4x on `offload-b64`)",
         with_changes(GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=15, max_predict_steps=15),
         budgets=(1.0, 2.0, 3.0, 4.0)),
+    # The same with the run's state in half a byte a parameter and no gradient held (what fits 7B under 24 GB):
+    # a 4-bit first moment, a factored second, each parameter clipped to its share as its gradient arrives.
+    Arm("predict-gradient-quarter-15-int4f", "`predict-gradient-quarter-15` with the run's moments in the compact "
+        "state on the device path (`memory.gradient_state_dtype: int4-factored`)",
+        with_changes(GRADIENT, predictor__gradient_batch_fraction=0.25, min_predict_steps=15, max_predict_steps=15,
+                     memory__offload_predict="device", memory__gradient_state_dtype="int4-factored"),
+        budgets=(1.0, 2.0, 3.0, 4.0)),
     Arm("groups", "layer-group Predict chosen by the planner (`group_predict`), no whole-model runs", GROUPS,
         budgets=(1.0,)),
     Arm("groups-pinned", "the lower 2 of 4 layer groups predicted on 3 of every 4 Full steps",

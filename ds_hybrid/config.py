@@ -11,6 +11,7 @@ configuration table of the README, and a test keeps the two in step.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 from typing import Any, Literal, Mapping
 
@@ -295,14 +296,22 @@ class MemoryConfig(_Section):
     state, are in host memory. ``auto``: ``device`` where the masters are in host memory
     beside a GPU."""
 
-    gradient_state_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    gradient_state_dtype: Literal["auto", "fp32", "bf16", "int8-factored", "int4-factored"] = "auto"
     """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype
     of the run's copies of Adam's first and second moments beside the 16-bit parameters
     (8 bytes per parameter of the rank's partition in fp32, 4 in bf16; the first moment goes
     back to the optimizer when the run is kept), and of the step's gradient summed over
     micro-batches and ranks (with gradient accumulation or several ranks: 4 or 2 bytes a
     parameter). ``auto``: bf16 where the parameters are bf16 on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
-    0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.)"""
+    0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.) ``int8-factored`` (ZeRO 1/2,
+    for 7B under 24 GB): about a byte a parameter in all and no gradient held: the first moment in
+    int8 blocks, the second a matrix's row and column means, each parameter's gradient clipped by
+    its own norm to its share of ``gradient_clipping`` and folded into the first moment as the
+    backward produces it (``ds_hybrid/compact_moments.py``; 0.94-0.95 of a real step at 1 : 3 and
+    1 : 7 on the study's model, against 0.95-0.96 with the whole gradient's clip).
+    ``int4-factored``: the first moment in 4 bits (1.00 and 1.06 there): what fits 7B under 24 GB
+    (docs/memory.md). Neither with ``cpu_step_behind``; their moments are made at the run's first
+    step (no prefetch)."""
 
     gradient_prefetch: bool = True
     """``predictor.direction: gradient`` on the device path (``offload_predict``) beside a GPU:
@@ -738,3 +747,31 @@ def reference_markdown() -> str:
 
     walk(HybridPredictConfig, f"{SECTION}.")
     return "\n".join(rows)
+
+
+def apply_overrides(ds_config: dict, overrides: list[str]) -> None:
+    """``--set KEY=VALUE`` (``ds-hybrid train``, ``ds-hybrid plan``): KEY is a dotted path inside
+    ``hybrid_predict``, VALUE JSON (``true``, ``4``, ``0.5``, ``"int8"``) or else a plain string.
+    The whole section is validated afterwards, so a bad key or value fails here (``ConfigError``),
+    naming both."""
+    section = ds_config.setdefault("hybrid_predict", {})
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set: expected KEY=VALUE (a hybrid_predict key), got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = section
+        *parents, leaf = key.strip().split(".")
+        for name in parents:
+            child = node.setdefault(name, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item}: hybrid_predict.{name} is not a section")
+            node = child
+        node[leaf] = value
+    try:
+        parse_hybrid_config(ds_config)
+    except ConfigError as err:
+        raise ConfigError(f"--set: {err}") from None

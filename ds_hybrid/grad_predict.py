@@ -43,6 +43,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from . import host_kernels, kernels
+from .compact_moments import CompactMoments
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .staging import QueuedDownloads, Stager
@@ -132,8 +133,15 @@ class GradientPredict(WorkerOwner):
 
     def __init__(self, access: MasterAccess, clip: float, all_reduce: Callable[[torch.Tensor], None], world: int,
                  on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0):
+                 seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0, compact: str | None = None):
         self.access = access
+        # memory.gradient_state_dtype: int8-factored or int4-factored (the device path, ZeRO 1/2):
+        # "int8" / "int4", the run's moments in about a byte or half a byte a parameter and the gradient
+        # folded into them as the backward produces it (compact_moments.py); the run's state is then
+        # ``moments``, and ``m`` stays None
+        self.compact = compact
+        self.moments: CompactMoments | None = None
+        self._beta1: dict = {}   # each parameter's Adam beta1 (its group's), for the compact fold
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -202,7 +210,7 @@ class GradientPredict(WorkerOwner):
     @property
     def pending(self) -> bool:
         """A run's first moment the optimizer has not taken yet."""
-        return self.m is not None
+        return self.m is not None or self.moments is not None
 
     def _shard(self, i: int) -> torch.Tensor:
         return _flat(self.access.device_shard(i))
@@ -217,6 +225,8 @@ class GradientPredict(WorkerOwner):
             # the run goes on: the run's state is the GPU's)
             self.wait(behind=False)
         batches = batch_share(batches, self.batch_fraction)
+        if self.compact:
+            return self._take_compact(engine, batches, loss_fn, timed)
         # (predictor.gradient_checkpointing; the run's moments allocated: a measured peak holds them)
         ready = self.m is not None or self._prefetching or self._next is not None
         recompute = self.recompute.scope(batches, ready) if self.recompute is not None else contextlib.nullcontext()
@@ -264,6 +274,92 @@ class GradientPredict(WorkerOwner):
                         m[ms:ms + n].add_(g.reshape(-1)[ps:ps + n].to(m.device),
                                           alpha=(1.0 - beta1) / coef)
         return True
+
+    def _take_compact(self, engine: Any, batches: list, loss_fn: Callable, timed: Timer) -> bool:
+        """``take`` with the compact state: the gradient folded into the run's first moment a
+        parameter at a time (``_stream_gradient``)."""
+        key = _round_key(self.seed, int(engine.global_steps), 0, salt=0x7F4A7C15)
+        if self.moments is None:
+            with timed("state_upload"):
+                self._begin_compact(key)
+        recompute = self.recompute.scope(batches, True) if self.recompute is not None else contextlib.nullcontext()
+        with timed("gradient"), recompute:
+            sq = self._stream_gradient(engine, batches, loss_fn, key)
+        samples = batch_samples(batches)
+        if sq is None:   # (some parameter's gradient was NaN/Inf on the ranks, and went into the moment)
+            self.last_sq = self.last_samples = None
+            self.nonfinite += 1
+            self.moments.reset_m(list(self.access.partitions()), key)
+            return False
+        self.moments.take_shares(sq)
+        # (the whole gradient's norm: from one micro-batch's per-parameter norms; with several, none)
+        one = len(batches) == 1
+        self.last_sq = sum(sq.values()) if one else None
+        self.last_samples = samples * self._world if one and samples else None
+        return True
+
+    def _begin_compact(self, key: int) -> None:
+        """The run's compact moments, built from the optimizer's (collective: the shares' sums)."""
+        self.wait()
+        parts = list(self.access.partitions())
+        device = self._shard(0).device
+        self.moments = CompactMoments(self._slices, self.params, device, self.compact)
+        self.moments.build(parts, key, self._all_reduce)
+        self._beta1 = {}
+        for i, part in enumerate(parts):
+            for p, _, _, _ in self._slices[i]:
+                self._beta1[p] = part.group.get("betas", (0.9, 0.999))[0]
+
+    def _stream_gradient(self, engine: Any, batches: list, loss_fn: Callable, key: int) -> dict | None:
+        """The step's gradient folded into the compact first moment as the backward produces it:
+        a tensor hook per parameter all-reduces the parameter's gradient (several ranks), clips
+        it to its share of the threshold (``CompactMoments.fold``) and hands autograd a
+        zero-stride zero, so no gradient is held past its own hook. Sets ``last_loss``. Returns
+        each parameter's squared gradient norm summed over the micro-batches (the same on every
+        rank), or None where one was not finite (its NaN/Inf is then in the first moment, which the
+        caller takes again from the optimizer's). The norms are read once, after the backward:
+        a hook that waited for each would stall a GPU's backward at every parameter."""
+        moments, world, n = self.moments, self._world, len(batches)
+        norms: list = []   # (parameter, its gradient's norm as a 0-d tensor) per hook call
+        first = [True]
+
+        def hook(p: torch.nn.Parameter) -> Callable:
+            def take(g: torch.Tensor) -> torch.Tensor:
+                flat = g.detach().reshape(-1)
+                if world > 1:
+                    flat = flat.to(torch.float32, copy=True)
+                    self._all_reduce(flat)
+                # (read after the backward, once: a NaN folds NaN into the moment, which is then taken again)
+                norm = torch.linalg.vector_norm(flat, dtype=torch.float32) / world
+                norms.append((p, norm))
+                moments.fold(p, flat, norm, self.clip, self._beta1.get(p, 0.9), 1.0 / (n * world), first[0], key)
+                return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+            return take
+
+        caller = ModuleCaller(engine)
+        trained = [p for p in self.params if p.requires_grad]
+        handles = [p.register_hook(hook(p)) for p in trained]
+        losses = []
+        try:
+            for k, batch in enumerate(batches):
+                first[0] = k == 0
+                with torch.enable_grad():
+                    loss = loss_fn(caller, batch)
+                    torch.autograd.grad(loss, trained, allow_unused=True)
+                losses.append(loss.detach().float().reshape(1))
+        finally:
+            for h in handles:
+                h.remove()
+        loss_sum = torch.cat(losses).sum().reshape(1)
+        self._all_reduce(loss_sum)
+        self.last_loss = float(loss_sum) / (n * world)
+        values = torch.stack([x for _, x in norms]).double().cpu().tolist() if norms else []
+        if not all(math.isfinite(x) for x in values):
+            return None
+        sq: dict = {}
+        for (p, _), x in zip(norms, values):
+            sq[p] = sq.get(p, 0.0) + x * x
+        return sq
 
     @staticmethod
     def _device(grads: list) -> torch.device:
@@ -481,7 +577,7 @@ class GradientPredict(WorkerOwner):
         (the device path beside a GPU), or stay in host memory beside one (``prefetch_host``:
         the GPU runs the forward and backward meanwhile); elsewhere (DeepSpeed's CPU accelerator,
         where the thread would take the forward's cores) ``_begin`` copies in place of it."""
-        if not self.on_device or self.m is not None or self._worker.running:
+        if not self.on_device or self.compact or self.m is not None or self._worker.running:
             return
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))]
@@ -521,6 +617,9 @@ class GradientPredict(WorkerOwner):
                                    lr_scale=self.lr_scale)
             self.access.propagate()
             return
+        if self.moments is not None:
+            self._apply_compact(step)
+            return
         for i, part in enumerate(self.access.partitions()):
             if self.m[i] is None:
                 continue
@@ -530,6 +629,20 @@ class GradientPredict(WorkerOwner):
                             beta1=beta1, beta2=beta2,
                             eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
                             bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
+        self.access.gather_device_shards()
+
+    def _apply_compact(self, step: int) -> None:
+        """``apply`` from the compact state: Adam's step a range at a time (``CompactMoments.step``)."""
+        for i, part in enumerate(self.access.partitions()):
+            if not self.moments.parts[i]:
+                continue
+            g = part.group
+            beta1, beta2 = g.get("betas", (0.9, 0.999))
+            kw = dict(lr=float(g["lr"]) * self.lr_scale, beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8),
+                      step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
+                      bias_correction=g.get("bias_correction", True))
+            self.moments.step(i, self._shard(i), lambda x, m, v, key: self._held_adam(x, m, v, key=key, **kw),
+                              key=_round_key(self.seed, step, i))
         self.access.gather_device_shards()
 
     def _held_adam(self, shard: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
@@ -565,6 +678,9 @@ class GradientPredict(WorkerOwner):
         moments bit for bit. Whoever reads or writes the masters or the moments next calls
         ``wait`` first (the engine: before the optimizer step, a checkpoint; ``take`` itself)."""
         self.wait()
+        if self.moments is not None:
+            self._commit_compact(resync)
+            return
         if self.m is None:
             return
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
@@ -578,6 +694,20 @@ class GradientPredict(WorkerOwner):
             return
         self._hand_over(parts, run, shards)
         if self.on_device and resync:
+            self.access.lp_current = False
+            self.access.propagate()
+
+    def _commit_compact(self, resync: bool) -> None:
+        """``commit`` of the compact state: each partition's first moment into the optimizer's and
+        the masters caught up with the 16-bit weights, inline (``memory.commit_overlap`` does not
+        apply: the moments' dequantization runs where they lie)."""
+        moments, self.moments = self.moments, None
+        for i, part in enumerate(self.access.partitions()):
+            if not moments.parts[i]:
+                continue
+            moments.write_m(i, part.state["exp_avg"])
+            _catch_up(_flat(part.master), self._shard(i), self._stager, None, self.host_kernel)
+        if resync:
             self.access.lp_current = False
             self.access.propagate()
 
@@ -624,7 +754,7 @@ class GradientPredict(WorkerOwner):
         exact rollback; a collective on ZeRO 1/2). On the host path the engine restores the
         masters from its snapshot."""
         self.wait()
-        self.m, self.v = None, []
+        self.m, self.v, self.moments = None, [], None
         self.covered = False
         if self.on_device:
             self.access.lp_current = False
@@ -636,6 +766,10 @@ class GradientPredict(WorkerOwner):
         16-bit partitions, which hold the run while the masters hold the last good point."""
         self.wait()
         sd: dict = {"nonfinite": self.nonfinite, "on_device": self.on_device, "m": None, "shards": None}
+        if self.moments is not None:   # (the compact state's first moments; its second is read again)
+            sd["compact"] = self.moments.state_dict()
+            sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.moments.parts))]
+            return sd
         if self.m is not None:
             sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
             if self.on_device:
@@ -651,10 +785,13 @@ class GradientPredict(WorkerOwner):
         or there was none); the loaded weights are then the last good point."""
         self.wait()
         self.m, self.v, self._next = None, [], None   # (a prefetch was made from the state being replaced)
+        self.moments = None
         self.covered = False
         if not sd:
             return None
         self.nonfinite = int(sd.get("nonfinite", 0))
+        if sd.get("compact") is not None or self.compact:
+            return self._load_compact(sd)
         saved = sd.get("m")
         if saved is None:
             return None
@@ -690,6 +827,41 @@ class GradientPredict(WorkerOwner):
                 self._shard(i).copy_(t.view(-1))
             self.access.gather_device_shards()
         return None
+
+    def _load_compact(self, sd: dict) -> str | None:
+        """``load_state_dict`` where the saved run or this one has the compact state."""
+        saved = sd.get("compact")
+        parts = list(self.access.partitions())
+        if saved is None:   # (this engine is compact; the run was saved with full-size moments)
+            if sd.get("m") is None:
+                return None
+            sizes = [None if t is None else t.numel() for t in sd["m"]]
+            if not sd.get("on_device") and sizes == [p.master.numel() if "exp_avg" in p.state and p.master.numel()
+                                                     else None for p in parts]:
+                self._hand_over(parts, sd["m"], [])   # (the masters hold the run: it is kept)
+                return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
+            self._repropagate()
+            return ("saved on the device path with full-size moments: the run is dropped (the masters hold its "
+                    "last good point)")
+        if not self.compact or any(d["dtype"] != self.compact for sl in saved["m"] if sl for d in sl):
+            self._repropagate()
+            return ("saved with another memory.gradient_state_dtype (int8-factored or int4-factored): the run is "
+                    "dropped (the masters hold its last good point)")
+        self._begin_compact(0)   # (the second moment and the shares read again from the optimizer)
+        if not self.moments.load_state_dict(saved) or len(sd["shards"]) != len(parts):
+            self.moments = None
+            self._repropagate()
+            return "this rank's partitions have other sizes here (another world size)"
+        for i, t in enumerate(sd["shards"]):
+            self._shard(i).copy_(t.view(-1))
+        self.access.gather_device_shards()
+        return None
+
+    def _repropagate(self) -> None:
+        """The 16-bit weights written from the masters (a collective on ZeRO 1/2): a saved device-path
+        run dropped at a load, its last good point being the masters."""
+        self.access.lp_current = False
+        self.access.propagate()
 
 
 def _round_key(seed: int, step: int, i: int, salt: int = 0) -> int:

@@ -119,7 +119,20 @@ class MemoryPaths:
                 logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
             on_device = False
         dtype = torch.float32
-        if on_device:
+        compact = {"int8-factored": "int8", "int4-factored": "int4"}.get(mem.gradient_state_dtype)
+        if compact:
+            why = None
+            if not on_device:
+                why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
+            elif self._masters.kind != "zero1-2":
+                why = f"the optimizer is {self._masters.kind}, not ZeRO 1 or 2 (zero_optimization.stage)"
+            elif mem.cpu_step_behind:
+                why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
+            elif mem.commit_overlap is True:
+                why = "memory.commit_overlap is true (a compact run's commit runs inline; leave it auto)"
+            if why is not None:
+                raise ConfigError(f"hybrid_predict.memory.gradient_state_dtype: {mem.gradient_state_dtype}, but {why}")
+        elif on_device:
             shard = self._masters.device_shard(0)
             if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
                                                       and shard.dtype == torch.bfloat16):
@@ -130,7 +143,7 @@ class MemoryPaths:
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
                                    seed=self.hybrid_config.dynamics.seed,
                                    batch_fraction=pred.gradient_batch_fraction,
-                                   lr_scale=pred.gradient_lr_scale)
+                                   lr_scale=pred.gradient_lr_scale, compact=compact)
         except NotImplementedError as err:
             raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None

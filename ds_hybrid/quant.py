@@ -1,4 +1,4 @@
-"""Compact storage for the predictor's per-parameter buffers: fp32, bf16 or int8.
+"""Compact storage for the predictor's per-parameter buffers: fp32, bf16, int8 or int4.
 
 The drift velocity (and the Adam direction cached for a Predict run) is one value per
 parameter of the rank's master partition: 4 bytes in fp32, the same as the fp32
@@ -22,6 +22,10 @@ masters themselves. ``CompactBuffer`` stores it as
   is all unbiasedness needs (stores of up to ``SMALL_STORE`` values draw directly). The
   table is a hash of the index (``noise_table_values``), so the C++ fold computes a
   window's values from its offset instead of reading them.
+* ``int4``: half a byte per value (two to a byte, the first in the low bits) plus the block's
+  fp32 scale (absmax / 7), values -7..7, rounded stochastically as int8 is. Only the compact
+  gradient state's first moment uses it (``compact_moments.py``); the kernels take fp32, bf16
+  and int8.
 
 Values are read and written in chunks (``load`` / ``store`` take a range), so the
 fp32 transient is one chunk, not one partition. Callers on the hot path pass a reusable
@@ -37,7 +41,9 @@ import torch
 
 BLOCK = 256          # int8: values per absmax scale
 CHUNK = 1 << 22      # elements per fp32 transient (16 MiB); a multiple of BLOCK
-DTYPES = ("fp32", "bf16", "int8")
+DTYPES = ("fp32", "bf16", "int8", "int4")
+BLOCKED = ("int8", "int4")   # an fp32 scale per BLOCK values
+_LEVELS = {"int8": 127.0, "int4": 7.0}
 NOISE_TABLE_SEED = 0x5EED
 SMALL_STORE = 1 << 16   # values; up to this a CPU store draws its noise from the generator
 _noise_table: torch.Tensor | None = None
@@ -121,7 +127,10 @@ class CompactBuffer:
             self.data = torch.zeros(self.numel, dtype=torch.bfloat16, **kw)
         else:
             nblocks = (self.numel + BLOCK - 1) // BLOCK
-            self.data = torch.zeros(nblocks * BLOCK, dtype=torch.int8, **kw)
+            if dtype == "int8":
+                self.data = torch.zeros(nblocks * BLOCK, dtype=torch.int8, **kw)
+            else:   # (two values a byte)
+                self.data = torch.zeros(nblocks * BLOCK // 2, dtype=torch.uint8, **kw)
             self.scale = torch.zeros(nblocks, dtype=torch.float32, **kw)
 
     @classmethod
@@ -130,7 +139,7 @@ class CompactBuffer:
         whole blocks, with their ``scale``), e.g. one staged chunk of a buffer on another device."""
         buf = cls.__new__(cls)
         buf.numel, buf.dtype, buf.device, buf.data = int(numel), dtype, data.device, data
-        if dtype == "int8":
+        if dtype in BLOCKED:
             buf.scale = scale
         return buf
 
@@ -140,14 +149,16 @@ class CompactBuffer:
         if start % BLOCK or not 0 <= start <= end <= self.numel:
             raise ValueError(f"CompactBuffer.window: [{start}, {end}) must start on a multiple of {BLOCK} "
                              f"and lie in the {self.numel} values")
-        if self.dtype != "int8":
+        if self.dtype not in BLOCKED:
             return CompactBuffer.wrap(self.data[start:end], None, self.dtype, end - start)
         b0, b1 = start // BLOCK, -(-end // BLOCK)
-        return CompactBuffer.wrap(self.data[start:b1 * BLOCK], self.scale[b0:b1], self.dtype, end - start)
+        per = 2 if self.dtype == "int4" else 1   # values a stored byte
+        return CompactBuffer.wrap(self.data[start // per:b1 * BLOCK // per], self.scale[b0:b1], self.dtype,
+                                  end - start)
 
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
-        if self.dtype == "int8":
+        if self.dtype in BLOCKED:
             n += self.scale.numel() * self.scale.element_size()
         return n
 
@@ -162,13 +173,17 @@ class CompactBuffer:
         end = self.numel if end is None else end
         b0, b1 = start // BLOCK, (end + BLOCK - 1) // BLOCK
         fits = out is not None and out.numel() >= (b1 - b0) * BLOCK
-        if self.dtype != "int8":
+        if self.dtype not in BLOCKED:
             if not fits:
                 return self.data[start:end].to(torch.float32, copy=True)
             dst = out[:end - start]
             dst.copy_(self.data[start:end])
             return dst
-        q = self.data[b0 * BLOCK:b1 * BLOCK].view(b1 - b0, BLOCK)
+        if self.dtype == "int4":
+            packed = self.data[b0 * BLOCK // 2:b1 * BLOCK // 2]
+            q = torch.stack([packed & 15, packed >> 4], dim=1).view(b1 - b0, BLOCK).to(torch.int8).sub_(8)
+        else:
+            q = self.data[b0 * BLOCK:b1 * BLOCK].view(b1 - b0, BLOCK)
         if fits:   # one pass: int8 x fp32 scale -> fp32, no int8 -> fp32 temporary
             vals = out[:(b1 - b0) * BLOCK]
             torch.mul(q, self.scale[b0:b1].unsqueeze(1), out=vals.view(b1 - b0, BLOCK))
@@ -184,11 +199,11 @@ class CompactBuffer:
         ``clobber`` lets it quantize in ``values``' memory (the caller's work buffer) instead of
         a copy."""
         end = start + values.numel()
-        if self.dtype != "int8":
+        if self.dtype not in BLOCKED:
             self.data[start:end].copy_(values)
             return
         if start % BLOCK:
-            raise ValueError(f"CompactBuffer.store: int8 writes start on a multiple of {BLOCK} (got {start})")
+            raise ValueError(f"CompactBuffer.store: {self.dtype} writes start on a multiple of {BLOCK} (got {start})")
         b0, nb = start // BLOCK, (values.numel() + BLOCK - 1) // BLOCK
         if values.numel() == nb * BLOCK:   # whole blocks (every chunk but a partition's last)
             blocks = values.reshape(nb, BLOCK)
@@ -199,7 +214,8 @@ class CompactBuffer:
             clobber = True
         # absmax per block without an |x| copy: max(max x, -min x) (on the CPU 3x faster than
         # abs().amax(), 20x faster than vector_norm(inf))
-        scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
+        levels = _LEVELS[self.dtype]
+        scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(levels)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         x = blocks.div_(safe.unsqueeze(1)) if clobber and blocks.is_contiguous() else blocks / safe.unsqueeze(1)
         if noise_key is not None:
@@ -208,19 +224,23 @@ class CompactBuffer:
             x.add_(_cpu_noise(x.numel(), generator).view_as(x))
         else:
             x.add_(torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32))
-        q = x.floor_().clamp_(-127, 127)
-        # integral values: the float -> int8 cast in copy_ is exact (no int8 temporary)
-        self.data[b0 * BLOCK:(b0 + nb) * BLOCK].view(nb, BLOCK).copy_(q)
+        q = x.floor_().clamp_(-levels, levels)
+        if self.dtype == "int4":   # (-7..7 stored as 1..15, the pair's first value in the low bits)
+            nib = q.add_(8).to(torch.uint8).view(-1, 2)
+            self.data[b0 * BLOCK // 2:(b0 + nb) * BLOCK // 2].copy_(nib[:, 0] | (nib[:, 1] << 4))
+        else:
+            # integral values: the float -> int8 cast in copy_ is exact (no int8 temporary)
+            self.data[b0 * BLOCK:(b0 + nb) * BLOCK].view(nb, BLOCK).copy_(q)
         self.scale[b0:b0 + nb].copy_(scale)
 
     def zero_(self) -> None:
         self.data.zero_()
-        if self.dtype == "int8":
+        if self.dtype in BLOCKED:
             self.scale.zero_()
 
     def state_dict(self) -> dict:
         sd = {"dtype": self.dtype, "numel": self.numel, "data": self.data.detach().cpu().clone()}
-        if self.dtype == "int8":
+        if self.dtype in BLOCKED:
             sd["scale"] = self.scale.detach().cpu().clone()
         return sd
 
@@ -228,7 +248,7 @@ class CompactBuffer:
         if sd["dtype"] != self.dtype or sd["numel"] != self.numel:
             raise ValueError(f"saved buffer is {sd['dtype']} x {sd['numel']}, this one {self.dtype} x {self.numel}")
         self.data.copy_(sd["data"])
-        if self.dtype == "int8":
+        if self.dtype in BLOCKED:
             self.scale.copy_(sd["scale"])
 
 

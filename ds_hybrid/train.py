@@ -195,34 +195,6 @@ def apply_lr(ds_config: dict, lr: float) -> None:
             params[key] = lr
 
 
-def apply_overrides(ds_config: dict, overrides: list[str]) -> None:
-    """``--set KEY=VALUE``: KEY is a dotted path inside ``hybrid_predict``, VALUE JSON
-    (``true``, ``4``, ``0.5``, ``"int8"``) or else a plain string. The whole section is
-    validated afterwards, so a bad key or value fails here, naming both."""
-    from .config import ConfigError, parse_hybrid_config
-    section = ds_config.setdefault("hybrid_predict", {})
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--set: expected KEY=VALUE (a hybrid_predict key), got {item!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        node = section
-        *parents, leaf = key.strip().split(".")
-        for name in parents:
-            child = node.setdefault(name, {})
-            if not isinstance(child, dict):
-                raise SystemExit(f"--set {item}: hybrid_predict.{name} is not a section")
-            node = child
-        node[leaf] = value
-    try:
-        parse_hybrid_config(ds_config)
-    except ConfigError as err:
-        raise SystemExit(f"--set: {err}") from None
-
-
 def enable_checkpointing(model) -> None:
     """Recompute each transformer block in backward, non-reentrant. transformers renamed
     ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (5.2x); take either."""
@@ -424,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     flag = "--deepspeed_config" if args.config is None and args.deepspeed_config else "--config"
     args.config = config_source(args)   # one name from here on (a resumed run checks it)
     ds_config, config_path = resolve_config(args.config, flag)
-    from .config import ConfigError, parse_hybrid_config
+    from .config import ConfigError, apply_overrides, parse_hybrid_config
     if args.baseline:
         ds_config.setdefault("hybrid_predict", {})["enabled"] = False
     try:
@@ -435,7 +407,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lr is not None:
         apply_lr(ds_config, args.lr)
     if args.overrides:
-        apply_overrides(ds_config, args.overrides)
+        try:
+            apply_overrides(ds_config, args.overrides)
+        except ConfigError as err:
+            raise SystemExit(str(err)) from None
     if args.predictor or args.trajectory:
         section = ds_config.setdefault("hybrid_predict", {"enabled": False})
         if args.predictor:

@@ -165,3 +165,21 @@ class BackwardCounter:
             return original(*args, **kwargs)
 
         monkeypatch.setattr(torch.autograd, "backward", counting)
+
+
+def steps_alike(ref, resumed, batches, seed: int, state, steps: int = 6) -> None:
+    """``ref`` trains on ``batches``, ``resumed`` on a ``Batches(seed)`` from generator ``state`` (where
+    ``batches`` stood at the save): every step the same phase, loss and check, and after it the same
+    weights, masters and first moments, bit for bit."""
+    again = Batches(seed=seed)
+    again.gen.set_state(state)
+    for _ in range(steps):
+        r1, r2 = ref.train_step(batches.step()), resumed.train_step(again.step())
+        assert (r1.phase, r1.loss, r1.checked) == (r2.phase, r2.loss, r2.checked)
+        for got, want in ((full_params(resumed), full_params(ref)), (master_copies(resumed), master_copies(ref)),
+                          (first_moments(resumed), first_moments(ref))):
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def first_moments(engine) -> list[torch.Tensor]:
+    return [p.state["exp_avg"].detach().clone() for p in engine._masters.partitions()]

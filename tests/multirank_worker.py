@@ -68,6 +68,8 @@ parser.add_argument("--checkpointing", default=None, choices=["auto", "true", "f
                          "predictor.gradient_checkpointing")
 parser.add_argument("--no-room-rank", type=int, default=None,
                     help="with --checkpointing auto: this rank finds no room for the blocks' activations")
+parser.add_argument("--gradient-state-dtype", default="auto",
+                    help="with --direction gradient --offload-predict device: memory.gradient_state_dtype")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -100,6 +102,7 @@ if args.offload_predict:
                          "fold_overlap": args.fold_overlap or "auto",
                          "fold_during_run": {"auto": "auto", "true": True, "false": False}[args.fold_during_run],
                          "fold_in_step": {"auto": "auto", "true": True, "false": False}[args.fold_in_step],
+                         "gradient_state_dtype": args.gradient_state_dtype,
                          **({"cpu_step_behind": True} if args.cpu_step_behind else {})}}
     offload = {"offload_opt": "cpu"}
 cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)

@@ -493,6 +493,12 @@ def test_arm_configs():
         assert [b for b in b64.budgets if b in bench_arms.ARMS[comparator].budgets] == [1.0, 1.25, 1.5]
     assert [b for b in b64.budgets if b in bench_arms.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0, 4.0]
     assert 4.0 not in gpu.budgets   # (the GPU suite's quarter stops at 3x)
+    # The same in the compact state (what fits 7B under 24 GB), on the device path its state needs
+    cfg, plain = bench_arms.arm_config(bench_arms.deep_merge(preset, b64.overrides),
+                                       bench_arms.ARMS["predict-gradient-quarter-15-int4f"], quick=False)
+    hp = cfg["hybrid_predict"]
+    assert not plain and hp["memory"] == {"offload_predict": "device", "gradient_state_dtype": "int4-factored"}
+    assert (hp["min_predict_steps"], hp["predictor"]["gradient_batch_fraction"]) == (15, 0.25)
     # Every arm's section parses.
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench_arms.ARMS.values():

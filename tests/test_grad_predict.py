@@ -9,7 +9,7 @@ from ds_hybrid.config import ConfigError
 from ds_hybrid.engine import default_loss
 from ds_hybrid.grad_predict import batch_share
 from ds_hybrid.phases import Phase
-from engine_utils import EAGER, MICRO, Batches, ds_config, full_params, make_engine, master_copies
+from engine_utils import EAGER, MICRO, Batches, ds_config, full_params, make_engine, master_copies, steps_alike
 
 GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
 SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
@@ -471,14 +471,7 @@ def test_a_save_in_the_middle_of_a_device_run_resumes_bit_for_bit(stage, bf16, t
     resumed = make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, hybrid=hybrid), seed=1)
     resumed.load_checkpoint(str(tmp_path), tag="mid")
     assert resumed._gradient.pending
-    b2 = Batches(seed=6)
-    b2.gen.set_state(state)
-    for _ in range(6):
-        r1, r2 = ref.train_step(b.step()), resumed.train_step(b2.step())
-        assert (r1.phase, r1.loss, r1.checked) == (r2.phase, r2.loss, r2.checked)
-        for got, want in ((full_params(resumed), full_params(ref)), (master_copies(resumed), master_copies(ref)),
-                          (_moments(resumed, "exp_avg"), _moments(ref, "exp_avg"))):
-            assert _equal(got, want)
+    steps_alike(ref, resumed, b, 6, state)
     assert ref.statistics()["predict_accepted"] >= 2
 
 

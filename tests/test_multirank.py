@@ -213,6 +213,26 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_compact_gradient_state_keeps_the_ranks_together(stage, tmp_path):
+    """memory.gradient_state_dtype: int8-factored, ZeRO 1 and 2 under offload, 2 ranks, with the faults:
+    each parameter's gradient all-reduced in its hook (its clip share from norms every rank shares),
+    each rank folding its own slices (a parameter cut between the ranks: a partial first or last row
+    held dense); the same steps, checks and rollbacks on both ranks, the same weights at the end."""
+    ranks = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
+                                              "--offload-predict", "device", "--direction", "gradient",
+                                              "--gradient-state-dtype", "int8-factored"], 2, tmp_path)
+    cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
+    first, other = ranks
+    for col in cols:
+        assert [s[col] for s in other["record"]] == [s[col] for s in first["record"]], f"ranks differ in '{col}'"
+    assert first["weights_sha256"] == other["weights_sha256"]
+    for rep in ranks:
+        st = rep["statistics"]
+        assert st["gradient_nonfinite_steps"] == 1 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_cpu_step_behind_the_run_keeps_the_ranks_together(stage, tmp_path):
     """memory.cpu_step_behind, ZeRO 2 and 3 under offload, 2 ranks, with the faults: each rank's GPU

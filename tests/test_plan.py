@@ -333,6 +333,31 @@ def test_gradient_predict_on_the_offload_preset_counts_its_moments_and_gradient_
     assert spec.gradient and spec.velocity_bytes_per_value == 0.0 and spec.device_predict("cuda")
 
 
+def test_a_compact_gradient_state_holds_no_whole_gradient_and_a_byte_or_half_a_parameter_of_state():
+    """memory.gradient_state_dtype: int8-factored / int4-factored on 7b-24gb-z2 beside a GPU (``--set``
+    as ds-hybrid train takes it): one parameter's gradient at a time, the run's state 1 or 0.5 bytes a
+    parameter and a scale per 256 values, on the GPU; at 7B under 24 GB the 4-bit state fits the cap
+    and the int8 one does not (the planner's assumed 10% fragmentation and 1 GiB of context)."""
+    shape = pl.model_shape("llama-7b", vocab_size=256)
+    P = shape.params
+    fits = {}
+    for dtype, per in (("int8-factored", 1.0), ("int4-factored", 0.5)):
+        (spec,) = pl.load_presets(["7b-24gb-z2"], ["predictor.direction=gradient",
+                                                   f"memory.gradient_state_dtype={dtype}"])
+        assert spec.name == "7b-24gb-z2+set" and spec.compact_gradient_state and spec.device_predict("cuda")
+        est = pl.estimate(shape, spec, accelerator="cuda", seq_len=2048)
+        items = {i.what: i for i in est.items}
+        state = [i for n, i in items.items() if "first moment and factored second" in n]
+        own = [i for n, i in items.items() if n.startswith("gradient Predict step's own gradient")]
+        assert len(state) == 1 and state[0].where == "gpu" and state[0].bytes == pytest.approx((per + 4 / 256) * P)
+        assert len(own) == 1 and own[0].bytes == pytest.approx(2 * shape.largest_module_params)
+        assert not any("Adam moments beside" in n or "velocity" in n for n in items)
+        fits[dtype] = pl.make_plan(shape, [spec], 24 * GB, 128 * GiB, seq_len=2048, pinned_round_mb=64).picked
+    assert fits == {"int8-factored": None, "int4-factored": "7b-24gb-z2+set"}
+    with pytest.raises(pl.PlanError, match="7b-24gb-z2: --set: hybrid_predict.memory.gradient_state_dtype"):
+        pl.load_presets(["7b-24gb-z2"], ["memory.gradient_state_dtype=int9"])
+
+
 def test_gradient_predict_on_zero_3_holds_no_whole_gradient_and_keeps_its_state_beside_the_host_shards():
     """predictor.direction: gradient on 7b-24gb (ZeRO 3, optimizer and parameters offloaded to the
     host): the private gradient on the GPU is one parameter's at a time, and this rank's share of

@@ -1,5 +1,6 @@
 """Every ds_configs/ preset: parsed by DeepSpeed and by our section, batch identity, documented, as described."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,13 @@ def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
     stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
     flat = json.dumps(stats)
     assert '"predict": 4' in flat and '"free_velocity_copy": false' in flat
+    # TRAIN7B_GRADIENT=int4-factored: the hybrid arm's Predict steps take their own gradient in the compact state
+    env = dict(os.environ, TRAIN7B_GRADIENT="int4-factored")
+    subprocess.run([sys.executable, "-c", snippet.replace("/tmp/7b-short.json", str(tmp_path / "7b-grad.json"))],
+                   cwd=PRESET_DIR.parent, capture_output=True, text=True, check=True, env=env)
+    grad = json.loads((tmp_path / "7b-grad.json").read_text())["hybrid_predict"]
+    assert grad["predictor"] == {"direction": "gradient"} and grad["memory"]["gradient_state_dtype"] == "int4-factored"
+    common[1] = str(tmp_path / "7b-grad.json")
+    assert train.main(common + ["--out", str(tmp_path / "grad")])["steps_done"] == 12
+    flat = json.dumps(json.loads((tmp_path / "grad" / "summary.json").read_text()))
+    assert '"predict": 4' in flat and '"gradient_nonfinite_steps": 0' in flat

@@ -164,6 +164,11 @@ VARIANTS: dict[str, dict | None] = {
                             # ... the real step before each run leaving DeepSpeed's CPU Adam step to a
                             # host thread behind the run, the GPU taking the same step (cpu_step_behind)
                             ("behind", {"cpu_step_behind": True}))},
+    # ... with the run's moments in bf16 (what auto takes beside a GPU with bf16 weights; on the CPU
+    # accelerator auto takes fp32), or in about a byte or half a byte a parameter with no gradient held
+    # (memory.gradient_state_dtype: int8-factored, int4-factored: ds_hybrid/compact_moments.py).
+    **{f"grad-device-{name}": _gradient_run(memory={"gradient_state_dtype": dtype})
+       for name, dtype in (("bf16", "bf16"), ("int8f", "int8-factored"), ("int4f", "int4-factored"))},
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

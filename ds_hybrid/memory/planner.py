@@ -161,10 +161,20 @@ class PresetSpec:
         return accelerator != "cpu" and not (self.stage == 3 and self.offload_param != "none")
 
     def gradient_state_bytes(self, accelerator: str) -> float:
-        """Bytes per value of each of the run's moment copies on the device path (the engine's rule)."""
+        """Bytes per value of each of the run's moment copies on the device path (the engine's rule;
+        ``int8-factored`` / ``int4-factored``: the first moment's value and its block's scale, the
+        second moment's row and column means left out: under 0.1% of a value at 4096 x 4096)."""
+        if self.compact_gradient_state:
+            return (1.0 if self.gradient_state_dtype == "int8-factored" else 0.5) + 4.0 / 256
         if self.gradient_state_dtype == "auto":
             return 2.0 if self.lp_bytes == 2 and self.shards_on_gpu(accelerator) else 4.0
         return 2.0 if self.gradient_state_dtype == "bf16" else 4.0
+
+    @property
+    def compact_gradient_state(self) -> bool:
+        """``memory.gradient_state_dtype: int8-factored`` or ``int4-factored``: no gradient held, a byte or
+        half a byte a parameter of state."""
+        return self.gradient and self.gradient_state_dtype in ("int8-factored", "int4-factored")
 
     def snapshot_kept(self, accelerator: str) -> bool:
         """Whether the engine keeps an fp32 copy of the masters: not on the device path with the
@@ -239,8 +249,10 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False)
 
 
-def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
-    """Every preset in ds_configs/ (or the named ones, by name or path)."""
+def load_presets(names: Iterable[str] | None = None, overrides: list[str] | None = None) -> list[PresetSpec]:
+    """Every preset in ds_configs/ (or the named ones, by name or path); ``overrides``: ``--set
+    KEY=VALUE`` items applied to each one's ``hybrid_predict`` section (its name then ends in ``+set``)."""
+    from ..config import ConfigError, apply_overrides
     paths: list[Path]
     if names:
         paths = [find_preset(n, "--presets") for n in names]
@@ -252,7 +264,12 @@ def load_presets(names: Iterable[str] | None = None) -> list[PresetSpec]:
             cfg = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise PlanError(f"preset {p}: {err}") from None
-        out.append(preset_spec(cfg, p.stem, str(p)))
+        if overrides:
+            try:
+                apply_overrides(cfg, overrides)
+            except ConfigError as err:
+                raise PlanError(f"preset {p.stem}: {err}") from None
+        out.append(preset_spec(cfg, p.stem + ("+set" if overrides else ""), str(p)))
     return out
 
 
@@ -469,6 +486,8 @@ def staging_pinned_blocks(preset: PresetSpec, accelerator: str, W: int = 1) -> l
         kinds = [1.0, 4.0] if v not in (2.0, 4.0) else [v]   # (int8: the values, then the fp32 scales)
         return [STAGE_CHUNK * b for b in kinds for _ in range(STAGER_BUFFERS)]
     state, lp = preset.gradient_state_bytes(accelerator), float(preset.lp_bytes)
+    if preset.compact_gradient_state:   # (its moments cross unstaged; a kept run's catch-up is staged)
+        return [STAGE_CHUNK * lp] * STAGER_BUFFERS
     if preset.shards_on_gpu(accelerator):
         return [STAGE_CHUNK * b for b in sorted({state, lp}) for _ in range(STAGER_BUFFERS)]
     return [STAGE_CHUNK * (lp if W == 1 else state)] * QUEUE_BUFFERS
@@ -646,7 +665,16 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             m_where = "cpu" if (accelerator == "cpu" or masters_on_cpu) else "gpu"
             state_where = ("gpu" if preset.shards_on_gpu(accelerator) else "cpu") if device_path else m_where
             per_node = gpus if state_where == "cpu" and accelerator != "cpu" else 1
-            if preset.stage == 3:
+            if preset.compact_gradient_state and device_path:
+                # The gradient folded into the first moment a parameter at a time (its fp32
+                # all-reduce copy with several ranks); both moments in about a byte a parameter.
+                items.append(Item(dev, "gradient Predict step's own gradient, a parameter at a time "
+                                       "(memory.gradient_state_dtype: int8/int4-factored)",
+                                  shape.largest_module_params * (lp + (4.0 if W > 1 else 0))))
+                items.append(Item(state_where, "gradient Predict run's compact first moment and factored second "
+                                               "(memory.gradient_state_dtype)",
+                                  state * P / W * per_node))
+            elif preset.stage == 3:
                 # No whole gradient: each parameter's as the backward produces it (and its all-reduce
                 # copy with several ranks), this rank's share summed beside the run's first moment.
                 items.append(Item(dev, "gradient Predict step's own gradient, a parameter at a time "
@@ -657,13 +685,13 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
             else:
                 items.append(Item(dev, "gradient Predict step's own gradient (predictor.direction: gradient)",
                                   lp * P + (state * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
-            if device_path:
+            if device_path and not preset.compact_gradient_state:   # (the compact state's counted above)
                 # (the second moment is read where it lies when that is beside the shards in the state dtype)
                 v_in_place = state == 4.0 and m_where == state_where
                 items.append(Item(state_where, "gradient Predict run's Adam moments beside the 16-bit shards "
                                                "(memory.gradient_state_dtype)",
                                   (1 if v_in_place else 2) * state * P / W * per_node))
-            else:
+            elif not device_path:
                 items.append(Item(m_where, "gradient Predict run's first moment (fp32, beside the masters)",
                                   part * per_node))
         staging = staging_pinned_blocks(preset, accelerator, W)
@@ -878,6 +906,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="micro batch per GPU (default: each preset's)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: the model's)")
     p.add_argument("--presets", nargs="+", default=None, help="presets to consider (default: all in ds_configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a hybrid_predict key in every preset planned, as ds-hybrid train --set does "
+                        "(e.g. --set predictor.direction=gradient --set memory.gradient_state_dtype=int4-factored)")
     p.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
                    help="plan ZeRO-3 presets with the model built under deepspeed.zero.Init, as ds-hybrid train "
                         "builds it there (its --zero-init); --no-zero-init: the full fp32 model built in every "
@@ -932,7 +963,7 @@ def main(argv: list[str] | None = None) -> Plan | list[dict]:
         gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
         cpu_mem = parse_size(args.cpu_mem, "--cpu-mem")
         nvme = parse_size(args.nvme, "--nvme")
-        presets = load_presets(args.presets)
+        presets = load_presets(args.presets, args.overrides)
         shape = model_shape(args.model, args.vocab_size, args.layer_groups)
         round_mb = pinned_round_setting(args.pinned_round_mb)
         if args.seq_len and args.seq_len > shape.max_positions:
