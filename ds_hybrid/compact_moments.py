@@ -96,10 +96,11 @@ class CompactMoments:
 
     # ------------------------------------------------------------------ building
     @torch.no_grad()
-    def build(self, parts: list, key: int, all_reduce) -> None:
+    def build(self, parts: list, key: int, all_reduce, first: bool = True) -> None:
         """The first moment from each partition's ``exp_avg`` (int8, rounded stochastically with
         ``key``'s draws), the second from its ``exp_avg_sq`` (factored where it lies, the means
-        copied here). ``all_reduce`` sums the per-parameter ``sum v`` over the ranks (collective)."""
+        copied here). ``all_reduce`` sums the per-parameter ``sum v`` over the ranks (collective).
+        ``first`` False: the first moment is left as allocated (a resume loads it: ``load_state_dict``)."""
         self.parts, self.by_param = [], {}
         for i, part in enumerate(parts):
             if "exp_avg" not in part.state or part.master.numel() == 0:
@@ -110,7 +111,8 @@ class CompactMoments:
             for k, (p, ps, ms, n) in enumerate(self._slices[i]):
                 cols, head, rows = _layout(p, ps, n)
                 s = SliceMoments(p, ps, ms, n, CompactBuffer(n, self.dtype, self.device), cols, head, rows)
-                self._store_m(s, m_src[ms:ms + n], _mix(key, i, k))
+                if first:
+                    self._store_m(s, m_src[ms:ms + n], _mix(key, i, k))
                 v = v_src[ms:ms + n]
                 body = v[head:head + rows * cols].view(rows, cols) if rows else None
                 dense = torch.cat([v[:head], v[head + rows * cols:]]) if rows else v

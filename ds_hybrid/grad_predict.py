@@ -298,13 +298,15 @@ class GradientPredict(WorkerOwner):
         self.last_samples = samples * self._world if one and samples else None
         return True
 
-    def _begin_compact(self, key: int) -> None:
-        """The run's compact moments, built from the optimizer's (collective: the shares' sums)."""
+    def _begin_compact(self, key: int, first: bool = True) -> None:
+        """The run's compact moments, built from the optimizer's (collective: the shares' sums);
+        ``first`` False: the first moment left for a resume to load."""
         self.wait()
         parts = list(self.access.partitions())
         device = self._shard(0).device
         self.moments = CompactMoments(self._slices, self.params, device, self.compact)
-        self.moments.build(parts, key, self._all_reduce)
+        self.moments.build(parts, key, self._all_reduce, first=first)
+        # (read at each run: a momentum schedule such as DeepSpeed's OneCycle moves a group's betas)
         self._beta1 = {}
         for i, part in enumerate(parts):
             for p, _, _, _ in self._slices[i]:
@@ -694,8 +696,7 @@ class GradientPredict(WorkerOwner):
             return
         self._hand_over(parts, run, shards)
         if self.on_device and resync:
-            self.access.lp_current = False
-            self.access.propagate()
+            self._repropagate()
 
     def _commit_compact(self, resync: bool) -> None:
         """``commit`` of the compact state: each partition's first moment into the optimizer's and
@@ -708,8 +709,7 @@ class GradientPredict(WorkerOwner):
             moments.write_m(i, part.state["exp_avg"])
             _catch_up(_flat(part.master), self._shard(i), self._stager, None, self.host_kernel)
         if resync:
-            self.access.lp_current = False
-            self.access.propagate()
+            self._repropagate()
 
     def _hand_over(self, parts: list, run: list, shards: list, after=None) -> None:
         """The run's first moment into the optimizer's, and (``shards``: the device path) the
@@ -757,8 +757,7 @@ class GradientPredict(WorkerOwner):
         self.m, self.v, self.moments = None, [], None
         self.covered = False
         if self.on_device:
-            self.access.lp_current = False
-            self.access.propagate()
+            self._repropagate()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -809,8 +808,7 @@ class GradientPredict(WorkerOwner):
             if self.on_device:
                 self._hand_over(parts, saved, [])
                 return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
-            self.access.lp_current = False
-            self.access.propagate()
+            self._repropagate()
             return "saved on the device path: the run is dropped (the masters hold its last good point)"
         self._begin()   # (allocates m and v where they belong; v read again from the optimizer)
         for m, t in zip(self.m, saved):
@@ -847,7 +845,8 @@ class GradientPredict(WorkerOwner):
             self._repropagate()
             return ("saved with another memory.gradient_state_dtype (int8-factored or int4-factored): the run is "
                     "dropped (the masters hold its last good point)")
-        self._begin_compact(0)   # (the second moment and the shares read again from the optimizer)
+        # (the second moment read again from the optimizer; the first is the saved one, not built)
+        self._begin_compact(0, first=False)
         if not self.moments.load_state_dict(saved) or len(sd["shards"]) != len(parts):
             self.moments = None
             self._repropagate()
@@ -858,8 +857,8 @@ class GradientPredict(WorkerOwner):
         return None
 
     def _repropagate(self) -> None:
-        """The 16-bit weights written from the masters (a collective on ZeRO 1/2): a saved device-path
-        run dropped at a load, its last good point being the masters."""
+        """The 16-bit weights written again from the masters (a collective on ZeRO 1/2): after a
+        commit that lets the run go on, a rollback, or a saved device-path run dropped at a load."""
         self.access.lp_current = False
         self.access.propagate()
 
