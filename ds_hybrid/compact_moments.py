@@ -70,10 +70,12 @@ class SliceMoments:
 
 def _layout(p: torch.nn.Parameter, ps: int, n: int) -> tuple[int, int, int]:
     """(cols, head, rows) for a slice: the whole rows it covers of the parameter seen as
-    ``(numel / shape[-1], shape[-1])``; a 1-D parameter, or a slice shorter than a row, is all dense."""
-    if p.dim() < 2 or n < p.shape[-1]:
+    ``(numel / shape[-1], shape[-1])``; a 1-D parameter, or a slice shorter than a row, is all dense.
+    (ZeRO 3's partitioned parameter is empty between its gathers: its shape is ``ds_shape``.)"""
+    shape = getattr(p, "ds_shape", None) or p.shape
+    if len(shape) < 2 or n < shape[-1]:
         return 0, n, 0
-    cols = int(p.shape[-1])
+    cols = int(shape[-1])
     head = (-ps) % cols
     if head >= n:
         return 0, n, 0

@@ -303,7 +303,7 @@ class MemoryConfig(_Section):
     back to the optimizer when the run is kept), and of the step's gradient summed over
     micro-batches and ranks (with gradient accumulation or several ranks: 4 or 2 bytes a
     parameter). ``auto``: bf16 where the parameters are bf16 on a GPU, else fp32. (Measured with bf16 state and stochastically rounded bf16 weights:
-    0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.) ``int8-factored`` (ZeRO 1/2,
+    0.97-1.00 of a real step, ``benchmarks/grad_step_study.py``.) ``int8-factored`` (ZeRO 1-3,
     for 7B under 24 GB): about a byte a parameter in all and no gradient held: the first moment in
     int8 blocks, the second a matrix's row and column means, each parameter's gradient clipped by
     its own norm to its share of ``gradient_clipping`` and folded into the first moment as the
@@ -311,7 +311,8 @@ class MemoryConfig(_Section):
     1 : 7 on the study's model, against 0.95-0.96 with the whole gradient's clip).
     ``int4-factored``: the first moment in 4 bits (1.00 and 1.06 there): what fits 7B under 24 GB
     (docs/memory.md). Neither with ``cpu_step_behind``; their moments are made at the run's first
-    step (no prefetch)."""
+    step (no prefetch); with ZeRO 3's ``offload_param: cpu`` they are in host memory, beside the
+    16-bit partitions, and each gradient slice crosses to them in its hook."""
 
     gradient_prefetch: bool = True
     """``predictor.direction: gradient`` on the device path (``offload_predict``) beside a GPU:

@@ -135,7 +135,7 @@ class GradientPredict(WorkerOwner):
                  on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
                  seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0, compact: str | None = None):
         self.access = access
-        # memory.gradient_state_dtype: int8-factored or int4-factored (the device path, ZeRO 1/2):
+        # memory.gradient_state_dtype: int8-factored or int4-factored (the device path, ZeRO 1-3):
         # "int8" / "int4", the run's moments in about a byte or half a byte a parameter and the gradient
         # folded into them as the backward produces it (compact_moments.py); the run's state is then
         # ``moments``, and ``m`` stays None
@@ -290,6 +290,7 @@ class GradientPredict(WorkerOwner):
             self.last_sq = self.last_samples = None
             self.nonfinite += 1
             self.moments.reset_m(list(self.access.partitions()), key)
+            self.access.release_gathered()   # (ZeRO 3: no apply follows to do it)
             return False
         self.moments.take_shares(sq)
         # (the whole gradient's norm: from one micro-batch's per-parameter norms; with several, none)

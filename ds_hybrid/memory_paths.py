@@ -124,8 +124,6 @@ class MemoryPaths:
             why = None
             if not on_device:
                 why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
-            elif self._masters.kind != "zero1-2":
-                why = f"the optimizer is {self._masters.kind}, not ZeRO 1 or 2 (zero_optimization.stage)"
             elif mem.cpu_step_behind:
                 why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
             elif mem.commit_overlap is True:

@@ -2,7 +2,8 @@
 blocks, its second from a matrix's row and column means, each parameter's gradient clipped to its
 share of the threshold and folded into the first moment as the backward produces it (no gradient
 held), the weights moved from the stored moments after the backward; kept, rolled back, saved in
-the middle of a run and resumed on ZeRO 1 and 2 under ``offload_optimizer: cpu``."""
+the middle of a run and resumed on ZeRO 1, 2 and 3 under ``offload_optimizer: cpu`` (ZeRO 3 also
+with ``offload_param: cpu``)."""
 import math
 from types import SimpleNamespace
 
@@ -20,9 +21,12 @@ from engine_utils import EAGER, Batches, ds_config, full_params, make_engine, ma
 GRAD = dict(EAGER, check="next_step", correction_steps=0, predictor={"direction": "gradient"})
 
 
-def _compact(stage: int = 2, bf16: bool = False, dtype: str = "int8-factored", seed: int = 0, **memory):
+def _compact(stage: int | str = 2, bf16: bool = False, dtype: str = "int8-factored", seed: int = 0, **memory):
+    """``stage`` 3p: ZeRO 3 with ``offload_param: cpu`` too (the 16-bit partitions in host memory)."""
     hybrid = dict(GRAD, memory={"offload_predict": "device", "gradient_state_dtype": dtype, **memory})
-    return make_engine(ds_config(stage=stage, offload_opt="cpu", bf16=bf16, hybrid=hybrid), seed=seed)
+    param = "cpu" if stage == "3p" else None
+    return make_engine(ds_config(stage=3 if stage == "3p" else stage, offload_opt="cpu", offload_param=param,
+                                 bf16=bf16, hybrid=hybrid), seed=seed)
 
 
 def _until(engine, batches, phase: Phase, limit: int = 40) -> None:
@@ -154,7 +158,8 @@ def test_int4_blocks_hold_two_values_a_byte_unbiased_within_one_step():
 
 
 # ------------------------------------------------------------------ in the engine
-@pytest.mark.parametrize("stage, dtype", [(1, "int8-factored"), (2, "int8-factored"), (2, "int4-factored")])
+@pytest.mark.parametrize("stage, dtype", [(1, "int8-factored"), (2, "int8-factored"), (2, "int4-factored"),
+                                          (3, "int8-factored"), ("3p", "int4-factored")])
 def test_runs_train_as_the_full_size_state_does_and_a_kept_run_hands_over_its_first_moment(stage, dtype):
     """The same phases as the fp32 device path's, losses within the compact state's reach of them,
     runs kept; at a kept run's end the optimizer's first moment is the run's, dequantized."""
@@ -183,7 +188,7 @@ def test_runs_train_as_the_full_size_state_does_and_a_kept_run_hands_over_its_fi
     assert not eng._gradient.pending
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3, "3p"])
 def test_a_rolled_back_compact_run_restores_weights_masters_and_moments_exactly(stage, monkeypatch):
     engine = _compact(stage)
     batches = Batches()
@@ -207,10 +212,11 @@ def test_a_rolled_back_compact_run_restores_weights_masters_and_moments_exactly(
     assert not engine._gradient.pending
 
 
-def test_a_nonfinite_gradient_moves_nothing_and_takes_the_first_moment_again():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nonfinite_gradient_moves_nothing_and_takes_the_first_moment_again(stage):
     """A NaN gradient: the step moves no weight, is counted, and the run's first moment, which took
     the NaN, is taken again from the optimizer's (within the int8 rounding of it)."""
-    engine = _compact(2)
+    engine = _compact(stage)
     batches = Batches()
     _until(engine, batches, Phase.PREDICT)
     engine.train_step(batches.step())   # (the run's first step: its moments are made)
@@ -229,7 +235,8 @@ def test_a_nonfinite_gradient_moves_nothing_and_takes_the_first_moment_again():
 
 
 @pytest.mark.parametrize("stage, bf16, dtype", [(1, False, "int8-factored"), (2, False, "int8-factored"),
-                                               (2, True, "int8-factored"), (2, True, "int4-factored")])
+                                               (2, True, "int8-factored"), (2, True, "int4-factored"),
+                                               (3, True, "int8-factored"), ("3p", True, "int4-factored")])
 def test_a_save_in_the_middle_of_a_compact_run_resumes_bit_for_bit(stage, bf16, dtype, tmp_path):
     """Saved after the run's first step (the int8 first moments and the next step's shares in the
     checkpoint, the second moment read again from the optimizer's), resumed in a fresh engine with
@@ -289,7 +296,6 @@ def test_a_full_size_run_loaded_by_a_compact_engine_is_kept_from_the_host_path_a
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(stage=3), "not ZeRO 1 or 2"),
     (dict(offload_predict="host"), "resolved to host"),
     (dict(cpu_step_behind=True), "cpu_step_behind"),
     (dict(commit_overlap=True), "commit_overlap is true"),
@@ -303,12 +309,12 @@ def test_setups_it_cannot_take_are_refused_naming_the_key(changes, match):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["int8-factored", "int4-factored"])
-def test_on_gpu_the_compact_state_lives_beside_the_bf16_weights(dtype):
+@pytest.mark.parametrize("stage, dtype", [(2, "int8-factored"), (2, "int4-factored"), (3, "int4-factored")])
+def test_on_gpu_the_compact_state_lives_beside_the_bf16_weights(stage, dtype):
     """On a GPU with offload_optimizer: cpu and bf16 weights: the run's compact moments on the GPU, the
     host masters and moments untouched during the run while the GPU weights move; the kept run's
     masters are the GPU weights plus their residual below bf16, the optimizer's first moment the run's."""
-    eng = _compact(2, bf16=True, dtype=dtype)
+    eng = _compact(stage, bf16=True, dtype=dtype)
     assert eng.statistics()["offload_predict"] == "device"
     b = Batches(seed=3, device=eng.device)
     _until(eng, b, Phase.PREDICT)

@@ -213,9 +213,9 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_compact_gradient_state_keeps_the_ranks_together(stage, tmp_path):
-    """memory.gradient_state_dtype: int8-factored, ZeRO 1 and 2 under offload, 2 ranks, with the faults:
+    """memory.gradient_state_dtype: int8-factored, ZeRO 1-3 under offload, 2 ranks, with the faults:
     each parameter's gradient all-reduced in its hook (its clip share from norms every rank shares),
     each rank folding its own slices (a parameter cut between the ranks: a partial first or last row
     held dense); the same steps, checks and rollbacks on both ranks, the same weights at the end."""
