@@ -45,7 +45,9 @@
 #            and a kept run's commit inside DeepSpeed's CPU Adam step, one pass (memory.fold_in_step, auto
 #            since this stage measured it the cheaper real step on 2026-11-27): step time
 #            per phase, bookkeeping and DeepSpeed's timers (the bar: a Predict step at most 0.1x a plain
-#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-behind: the real step's CPU Adam step
+#            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-int4f, grad-device-int4f-behind: the
+#            compact state, its kept run's commit inline or behind the next real step's backward on a side stream;
+#            grad-device-behind: the real step's CPU Adam step
 #            behind the run, the GPU covering it; grad-device-noprefetch and grad-device-inline: no
 #            host thread beside the real step's backward; grad-device-quarter, grad-device-eighth: each Predict
 #            step's gradient from that share of the batch, 2 or 1 of 8 micro-batches with GRAD1B_ACCUM=8, whose loss

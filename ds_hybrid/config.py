@@ -311,7 +311,7 @@ class MemoryConfig(_Section):
     1 : 7 on the study's model, against 0.95-0.96 with the whole gradient's clip).
     ``int4-factored``: the first moment in 4 bits (1.00 and 1.06 there): what fits 7B under 24 GB
     (docs/memory.md). Neither with ``cpu_step_behind``; their moments are made at the run's first
-    step (no prefetch); with ZeRO 3's ``offload_param: cpu`` they are in host memory, beside the
+    step (no prefetch), and a kept run's commit is inline unless ``commit_overlap`` is true; with ZeRO 3's ``offload_param: cpu`` they are in host memory, beside the
     16-bit partitions, and each gradient slice crosses to them in its hook."""
 
     gradient_prefetch: bool = True
@@ -359,7 +359,9 @@ class MemoryConfig(_Section):
     bit for bit as ``false``, which adds them inline before the backward. ``statistics()``:
     ``commit_background_seconds`` (the thread's time) and ``bookkeeping_seconds.commit_wait``
     (the real steps' wait for it). ``auto``: on where the masters are in host memory beside a
-    GPU (on DeepSpeed's CPU accelerator the thread would take the forward's own cores)."""
+    GPU (on DeepSpeed's CPU accelerator the thread would take the forward's own cores), except
+    with a compact ``gradient_state_dtype``, whose state would then stay on the GPU through the
+    next step's backward: ``true`` there dequantizes its first moment on a side stream beside it."""
 
     fold_overlap: bool | Literal["auto"] = "auto"
     """With ``fold_source: optimizer_state``: a real step's fold of its update into the drift

@@ -302,9 +302,11 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         # step that launches one (kernels.prebuild: seconds of NVRTC on a machine's first run)
         self._kernels_prebuilt = self._masters_on_cuda and kernels.prebuild(self.hybrid_config.kernels, self.device)
         overlap = mem.commit_overlap
-        compact = self._gradient is not None and bool(self._gradient.compact)   # (its commit runs inline)
-        self._commit_overlap = self._device_path() and self._fusion is None and not compact and (
-            overlap is True or (overlap == "auto" and self._host_masters_beside_an_accelerator()))
+        # (auto leaves a compact run's commit inline: behind the next step its state would stay on the
+        # GPU through that step's backward, which the planner's 7B fit does not count)
+        compact = self._gradient is not None and bool(self._gradient.compact)
+        self._commit_overlap = self._device_path() and self._fusion is None and (
+            overlap is True or (overlap == "auto" and not compact and self._host_masters_beside_an_accelerator()))
         if self.global_rank == 0 and self._host_masters_beside_an_accelerator() and not self._device_path():
             # Measured (README, "GPU memory per phase"): with the masters in host memory every
             # Predict step and every real step's bookkeeping runs on the host copies.

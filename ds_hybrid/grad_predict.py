@@ -46,7 +46,7 @@ from . import host_kernels, kernels
 from .compact_moments import CompactMoments
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
-from .staging import QueuedDownloads, Stager
+from .staging import QueuedDownloads, Stager, side_stream
 from .zero_access import MasterAccess, _flat
 
 Timer = Callable[[str], ContextManager]
@@ -142,6 +142,7 @@ class GradientPredict(WorkerOwner):
         self.compact = compact
         self.moments: CompactMoments | None = None
         self._beta1: dict = {}   # each parameter's Adam beta1 (its group's), for the compact fold
+        self._commit_streams: dict = {}   # a compact run's commit behind the next step: its side stream per GPU
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -682,7 +683,7 @@ class GradientPredict(WorkerOwner):
         ``wait`` first (the engine: before the optimizer step, a checkpoint; ``take`` itself)."""
         self.wait()
         if self.moments is not None:
-            self._commit_compact(resync)
+            self._commit_compact(resync, background)
             return
         if self.m is None:
             return
@@ -699,18 +700,38 @@ class GradientPredict(WorkerOwner):
         if self.on_device and resync:
             self._repropagate()
 
-    def _commit_compact(self, resync: bool) -> None:
+    def _commit_compact(self, resync: bool, background: bool = False) -> None:
         """``commit`` of the compact state: each partition's first moment into the optimizer's and
-        the masters caught up with the 16-bit weights, inline (``memory.commit_overlap`` does not
-        apply: the moments' dequantization runs where they lie)."""
+        the masters caught up with the 16-bit weights; ``background`` (``memory.commit_overlap:
+        true``) on the host thread, as ``_hand_over`` is."""
         moments, self.moments = self.moments, None
-        for i, part in enumerate(self.access.partitions()):
-            if not moments.parts[i]:
-                continue
-            moments.write_m(i, part.state["exp_avg"])
-            _catch_up(_flat(part.master), self._shard(i), self._stager, None, self.host_kernel)
+        parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
+        shards = [self._shard(i) for i in range(len(parts))]
+        if background and not resync:
+            # (the thread's work waits for the run's last update, not for what this step queues after it)
+            ready = Stager.mark(shards[0].device) if shards else None
+            self._worker.start(lambda: self._hand_over_compact(moments, parts, shards, ready))
+            return
+        self._hand_over_compact(moments, parts, shards)
         if resync:
             self._repropagate()
+
+    def _hand_over_compact(self, moments: CompactMoments, parts: list, shards: list, after=None) -> None:
+        """``_hand_over`` of the compact state. ``after``: the event the run's last update was
+        queued before (``Stager.mark``); the first moment's dequantization and copy then run on a
+        side stream that waits for it alone, so on a GPU they go on beside the next step's forward
+        and backward (the moments are freed once the thread is joined, after the stream's work)."""
+        stream = side_stream(self._commit_streams, moments.device) if after is not None else None
+        if stream is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for i, part in enumerate(parts):
+                if not moments.parts[i]:
+                    continue
+                moments.write_m(i, part.state["exp_avg"])   # (into host memory: waits for this stream only)
+                _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+            if stream is not None:
+                stream.synchronize()
 
     def _hand_over(self, parts: list, run: list, shards: list, after=None) -> None:
         """The run's first moment into the optimizer's, and (``shards``: the device path) the

@@ -126,8 +126,6 @@ class MemoryPaths:
                 why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
             elif mem.cpu_step_behind:
                 why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
-            elif mem.commit_overlap is True:
-                why = "memory.commit_overlap is true (a compact run's commit runs inline; leave it auto)"
             if why is not None:
                 raise ConfigError(f"hybrid_predict.memory.gradient_state_dtype: {mem.gradient_state_dtype}, but {why}")
         elif on_device:

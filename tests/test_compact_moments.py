@@ -170,9 +170,9 @@ def test_runs_train_as_the_full_size_state_does_and_a_kept_run_hands_over_its_fi
     handed = []
     commit = eng._gradient._commit_compact
 
-    def recorded(resync):
+    def recorded(resync, background=False):
         want = _run_m(eng)
-        commit(resync)
+        commit(resync, background)
         handed.append((want, _moments(eng, "exp_avg")))
     eng._gradient._commit_compact = recorded
     for _ in range(16):
@@ -295,10 +295,29 @@ def test_a_full_size_run_loaded_by_a_compact_engine_is_kept_from_the_host_path_a
             assert engine.train_step(b.step()).loss is not None
 
 
+@pytest.mark.parametrize("stage", [2, "3p"])
+def test_the_commit_behind_the_next_steps_backward_matches_the_inline_commit_bit_for_bit(stage):
+    """memory.commit_overlap: true (auto keeps a compact run's commit inline): a kept run's first moment
+    dequantized into the optimizer's and the masters caught up on a host thread while the next real step's
+    forward and backward go on, joined before its optimizer step; the weights, masters and moments are the
+    inline commit's, step for step."""
+    inline, behind = _compact(stage, bf16=True), _compact(stage, bf16=True, commit_overlap=True)
+    assert inline.statistics()["commit_overlap"] is False and behind.statistics()["commit_overlap"] is True
+    a, b = Batches(seed=4), Batches(seed=4)
+    for _ in range(14):
+        ra, rb = inline.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.loss, ra.checked) == (rb.phase, rb.loss, rb.checked)
+        assert not behind._gradient._worker.running   # (joined within the step)
+        for got, want in ((full_params(behind), full_params(inline)), (master_copies(behind), master_copies(inline)),
+                          (_moments(behind, "exp_avg"), _moments(inline, "exp_avg"))):
+            assert _equal(got, want)
+    st = behind.statistics()
+    assert st["commit_background_seconds"] > 0 and st["predict_accepted"] >= 4
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(offload_predict="host"), "resolved to host"),
     (dict(cpu_step_behind=True), "cpu_step_behind"),
-    (dict(commit_overlap=True), "commit_overlap is true"),
 ])
 def test_setups_it_cannot_take_are_refused_naming_the_key(changes, match):
     stage = changes.pop("stage", 2)
@@ -332,3 +351,21 @@ def test_on_gpu_the_compact_state_lives_beside_the_bf16_weights(stage, dtype):
         assert torch.equal(got.view(-1), w + (good.view(-1) - good.view(-1).to(torch.bfloat16).float()))
     for got, want in zip(_moments(eng, "exp_avg"), run_m):
         assert torch.equal(got.view(-1), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_the_commit_behind_the_next_step_on_its_side_stream_matches_the_inline_commit():
+    """memory.commit_overlap: true on a GPU: the first moment's dequantization and copy to host memory on a
+    side stream that waits only for the run's last update, beside the next step's forward and backward;
+    the weights, masters and moments equal the inline commit's bit for bit."""
+    inline, behind = _compact(2, bf16=True, dtype="int4-factored"), _compact(2, bf16=True, dtype="int4-factored",
+                                                                            commit_overlap=True)
+    a, b = Batches(seed=4, device=inline.device), Batches(seed=4, device=behind.device)
+    for _ in range(14):
+        ra, rb = inline.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.loss, ra.checked) == (rb.phase, rb.loss, rb.checked)
+        for got, want in ((full_params(behind), full_params(inline)), (master_copies(behind), master_copies(inline)),
+                          (_moments(behind, "exp_avg"), _moments(inline, "exp_avg"))):
+            assert _equal(got, want)
+    assert behind.statistics()["commit_background_seconds"] > 0 and behind.statistics()["predict_accepted"] >= 4

@@ -169,6 +169,10 @@ VARIANTS: dict[str, dict | None] = {
     # (memory.gradient_state_dtype: int8-factored, int4-factored: ds_hybrid/compact_moments.py).
     **{f"grad-device-{name}": _gradient_run(memory={"gradient_state_dtype": dtype})
        for name, dtype in (("bf16", "bf16"), ("int8f", "int8-factored"), ("int4f", "int4-factored"))},
+    # ... int4-factored with a kept run's commit behind the next real step's forward and backward on a side
+    # stream (memory.commit_overlap: true; auto keeps a compact run's commit inline): what that takes off the
+    # real step, and what its state held through the backward adds to the peak.
+    "grad-device-int4f-behind": _gradient_run(memory={"gradient_state_dtype": "int4-factored", "commit_overlap": True}),
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},
