@@ -360,8 +360,8 @@ class MemoryConfig(_Section):
     ``commit_background_seconds`` (the thread's time) and ``bookkeeping_seconds.commit_wait``
     (the real steps' wait for it). ``auto``: on where the masters are in host memory beside a
     GPU (on DeepSpeed's CPU accelerator the thread would take the forward's own cores), except
-    with a compact ``gradient_state_dtype``, whose state would then stay on the GPU through the
-    next step's backward: ``true`` there dequantizes its first moment on a side stream beside it."""
+    with a compact ``gradient_state_dtype``, whose commit behind the step is measured on the CPU
+    only: ``true`` there dequantizes its first moment on a side stream beside the next backward."""
 
     fold_overlap: bool | Literal["auto"] = "auto"
     """With ``fold_source: optimizer_state``: a real step's fold of its update into the drift

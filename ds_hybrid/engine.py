@@ -302,8 +302,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         # step that launches one (kernels.prebuild: seconds of NVRTC on a machine's first run)
         self._kernels_prebuilt = self._masters_on_cuda and kernels.prebuild(self.hybrid_config.kernels, self.device)
         overlap = mem.commit_overlap
-        # (auto leaves a compact run's commit inline: behind the next step its state would stay on the
-        # GPU through that step's backward, which the planner's 7B fit does not count)
+        # (auto leaves a compact run's commit inline: its side stream behind the next step is tested on
+        # the CPU only, its GPU time owed; the planner counts its state beside a real step's backward either way)
         compact = self._gradient is not None and bool(self._gradient.compact)
         self._commit_overlap = self._device_path() and self._fusion is None and (
             overlap is True or (overlap == "auto" and not compact and self._host_masters_beside_an_accelerator()))
