@@ -188,6 +188,30 @@ def test_runs_train_as_the_full_size_state_does_and_a_kept_run_hands_over_its_fi
     assert not eng._gradient.pending
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_accumulation_the_run_takes_the_mean_of_the_micro_batches_gradients(stage):
+    """Two micro-batches a step and no clipping: after a run's first step the compact first moment is
+    ``beta1 m + (1 - beta1) mean(g)`` over the micro-batches (the first decays it, the second only adds),
+    as the full-size state's is, within its int8 rounding (stored at the build and at each fold)."""
+    def make(dtype):
+        hybrid = dict(GRAD, memory={"offload_predict": "device", "gradient_state_dtype": dtype})
+        return make_engine(ds_config(stage=stage, offload_opt="cpu", gas=2, hybrid=hybrid, gradient_clipping=0.0))
+    ref, eng = make("fp32"), make("int8-factored")
+    a, b = Batches(seed=5), Batches(seed=5)
+    for _ in range(40):
+        ra, rb = ref.train_step(a.step(2)), eng.train_step(b.step(2))
+        assert ra.phase == rb.phase and ra.loss == rb.loss
+        if rb.phase == "predict":
+            break
+    else:
+        raise AssertionError("no Predict step within 40 steps")
+    pairs = [(got, want.view(-1)) for got, want in zip(_run_m(eng), ref._gradient.m) if want is not None]
+    assert pairs
+    for got, want in pairs:
+        assert not torch.equal(want, torch.zeros_like(want))
+        torch.testing.assert_close(got, want, rtol=0, atol=2 * float(want.abs().max()) / 127)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3, "3p"])
 def test_a_rolled_back_compact_run_restores_weights_masters_and_moments_exactly(stage, monkeypatch):
     engine = _compact(stage)
