@@ -246,6 +246,21 @@ def offload_predict_on_device(setting: str, host_masters_beside_accelerator: boo
     return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
 
 
+def compact_state_refusal(gradient_state_dtype: str, cpu_step_behind: bool, device_path: bool) -> str | None:
+    """Why ``predictor.direction: gradient`` cannot take ``memory.gradient_state_dtype``
+    ``int8-factored`` / ``int4-factored`` in this setup (None: it can, or the dtype is not one of
+    them). The engine refuses the run with it; the planner marks the preset as not fitting."""
+    if gradient_state_dtype not in ("int8-factored", "int4-factored"):
+        return None
+    if not device_path:
+        why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
+    elif cpu_step_behind:
+        why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
+    else:
+        return None
+    return f"hybrid_predict.memory.gradient_state_dtype: {gradient_state_dtype}, but {why}"
+
+
 def fold_from_optimizer_state(setting: str, device_path: bool) -> bool:
     """``memory.fold_source``: whether real steps read their update back from the Adam state
     (``auto``: with the device-side Predict path). The engine also refuses it under amsgrad."""

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from . import step_fusion
-from .config import fold_from_optimizer_state, offload_predict_on_device
+from .config import compact_state_refusal, fold_from_optimizer_state, offload_predict_on_device
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
@@ -120,15 +120,10 @@ class MemoryPaths:
             on_device = False
         dtype = torch.float32
         compact = {"int8-factored": "int8", "int4-factored": "int4"}.get(mem.gradient_state_dtype)
-        if compact:
-            why = None
-            if not on_device:
-                why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
-            elif mem.cpu_step_behind:
-                why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
-            if why is not None:
-                raise ConfigError(f"hybrid_predict.memory.gradient_state_dtype: {mem.gradient_state_dtype}, but {why}")
-        elif on_device:
+        refused = compact_state_refusal(mem.gradient_state_dtype, bool(mem.cpu_step_behind), on_device)
+        if refused:
+            raise ConfigError(refused)
+        if not compact and on_device:
             shard = self._masters.device_shard(0)
             if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
                                                       and shard.dtype == torch.bfloat16):
