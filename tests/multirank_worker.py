@@ -70,6 +70,8 @@ parser.add_argument("--no-room-rank", type=int, default=None,
                     help="with --checkpointing auto: this rank finds no room for the blocks' activations")
 parser.add_argument("--gradient-state-dtype", default="auto",
                     help="with --direction gradient --offload-predict device: memory.gradient_state_dtype")
+parser.add_argument("--offload-param", action="store_true",
+                    help="with --stage 3 --offload-predict: offload_param: cpu too (the 16-bit partitions in host memory)")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -104,7 +106,7 @@ if args.offload_predict:
                          "fold_in_step": {"auto": "auto", "true": True, "false": False}[args.fold_in_step],
                          "gradient_state_dtype": args.gradient_state_dtype,
                          **({"cpu_step_behind": True} if args.cpu_step_behind else {})}}
-    offload = {"offload_opt": "cpu"}
+    offload = {"offload_opt": "cpu", **({"offload_param": "cpu"} if args.offload_param else {})}
 cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
 if args.stage == 3 and args.direction == "gradient":
     # every parameter released after its forward and gathered again for its backward (the test
