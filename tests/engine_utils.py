@@ -183,3 +183,15 @@ def steps_alike(ref, resumed, batches, seed: int, state, steps: int = 6) -> None
 
 def first_moments(engine) -> list[torch.Tensor]:
     return [p.state["exp_avg"].detach().clone() for p in engine._masters.partitions()]
+
+
+def commit_and_check(engine, masters: list[torch.Tensor], run_m: list[torch.Tensor]) -> None:
+    """Commits a device-side gradient run over bf16 weights and checks what it wrote: each master is
+    its 16-bit weight plus the residual below bf16 of ``masters`` (copies from before the run), and
+    the optimizer's first moment is ``run_m`` (the run's, flat, on the host)."""
+    shards = [engine._gradient._shard(i).float().cpu() for i in range(len(masters))]
+    engine._gradient.commit()
+    for got, good, w in zip(master_copies(engine), masters, shards):
+        assert torch.equal(got.view(-1), w + (good.view(-1) - good.view(-1).to(torch.bfloat16).float()))
+    for got, want in zip(first_moments(engine), run_m):
+        assert torch.equal(got.view(-1), want)

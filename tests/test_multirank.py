@@ -213,15 +213,15 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3, "3p"])
-def test_a_compact_gradient_state_keeps_the_ranks_together(stage, tmp_path):
-    """memory.gradient_state_dtype: int8-factored, ZeRO 1-3 under offload (3p: with offload_param: cpu,
-    the state in host memory beside the 16-bit partitions), 2 ranks, with the faults:
+@pytest.mark.parametrize("stage, offload_param", [(1, False), (2, False), (3, False), (3, True)])
+def test_a_compact_gradient_state_keeps_the_ranks_together(stage, offload_param, tmp_path):
+    """memory.gradient_state_dtype: int8-factored, ZeRO 1-3 under offload (ZeRO 3 also with offload_param:
+    cpu, the state in host memory beside the 16-bit partitions), 2 ranks, with the faults:
     each parameter's gradient all-reduced in its hook (its clip share from norms every rank shares),
     each rank folding its own slices (a parameter cut between the ranks: a partial first or last row
     held dense); the same steps, checks and rollbacks on both ranks, the same weights at the end."""
-    param = ["--offload-param"] if stage == "3p" else []
-    ranks = run_ranks("multirank_worker.py", ["--stage", str(stage)[0], "--steps", "16", "--faults",
+    param = ["--offload-param"] if offload_param else []
+    ranks = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
                                               "--offload-predict", "device", "--direction", "gradient",
                                               "--gradient-state-dtype", "int8-factored", *param], 2, tmp_path)
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
