@@ -164,6 +164,15 @@ class CompactMoments:
                 self._store_m(s, part.state["exp_avg"].view(-1)[s.ms:s.ms + s.n], _mix(key, i, k))
 
     # ------------------------------------------------------------------ a step
+    def fold_scale(self, p: torch.nn.Parameter, norm: torch.Tensor, clip: float, beta1: float,
+                   weight: float) -> torch.Tensor:
+        """``fold``'s factor of ``p``'s gradient, ``(1 - beta1) * weight / coef``: a 0-d fp32 tensor on
+        ``norm``'s device (no host read)."""
+        alpha = torch.full((), (1.0 - beta1) * weight, dtype=torch.float32, device=norm.device)
+        if clip > 0.0:
+            alpha = alpha / ((norm + 1e-6) / (clip * self.shares.get(p, 1.0) + 1e-12)).clamp_min(1.0)
+        return alpha
+
     @torch.no_grad()
     def fold(self, p: torch.nn.Parameter, g: torch.Tensor, norm: torch.Tensor, clip: float, beta1: float,
              weight: float, first: bool, key: int) -> None:
@@ -171,18 +180,25 @@ class CompactMoments:
         the step's first micro-batch decays ``m``; later ones only add), ``g`` the parameter's whole
         flat gradient (mean over the ranks), ``coef`` its clip: ``norm`` (a 0-d fp32 tensor on ``g``'s
         device, so that no hook waits for a GPU) against ``clip`` times its share."""
-        alpha = torch.full((), (1.0 - beta1) * weight, dtype=torch.float32, device=norm.device)
-        if clip > 0.0:
-            alpha = alpha / ((norm + 1e-6) / (clip * self.shares.get(p, 1.0) + 1e-12)).clamp_min(1.0)
-        for s in self.by_param.get(p, ()):
-            step = alpha.to(self.device)
+        slices = self.by_param.get(p, ())
+        if not slices:   # (none on this rank: nothing to wait for)
+            return
+        step = self.fold_scale(p, norm, clip, beta1, weight).to(self.device)
+        for s in slices:
             for a in range(0, s.n, CHUNK):
-                b = min(a + CHUNK, s.n)
-                vals = s.m.load(a, b, out=scratch(self.device, 0, b - a))
-                if first:
-                    vals.mul_(beta1)
-                vals.addcmul_(g[s.ps + a:s.ps + b].to(vals.device), step)
-                _store(s.m, vals, a, _mix(key, s.ms, a))
+                self.fold_chunk(s, g[s.ps + a:s.ps + min(a + CHUNK, s.n)], a, step, beta1, first, key)
+
+    @torch.no_grad()
+    def fold_chunk(self, s: SliceMoments, g: torch.Tensor, a: int, step: torch.Tensor, beta1: float,
+                   first: bool, key: int) -> None:
+        """``fold`` of values ``[a, a + len(g))`` of slice ``s`` (``a`` a multiple of ``CHUNK``): ``g``
+        those values of the gradient (any device), ``step`` the ``fold_scale`` in ``m``'s memory."""
+        b = a + g.numel()
+        vals = s.m.load(a, b, out=scratch(self.device, 0, b - a))
+        if first:
+            vals.mul_(beta1)
+        vals.addcmul_(g.to(vals.device), step)
+        _store(s.m, vals, a, _mix(key, s.ms, a))
 
     @torch.no_grad()
     def step(self, i: int, shard: torch.Tensor, adam: Callable[..., None], key: int) -> None:

@@ -46,6 +46,7 @@ from . import host_kernels, kernels
 from .compact_moments import CompactMoments
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
+from .quant import CHUNK, worker_scratch
 from .staging import QueuedDownloads, Stager, side_stream
 from .zero_access import MasterAccess, _flat
 
@@ -318,7 +319,8 @@ class GradientPredict(WorkerOwner):
         """The step's gradient folded into the compact first moment as the backward produces it:
         a tensor hook per parameter all-reduces the parameter's gradient (several ranks), clips
         it to its share of the threshold (``CompactMoments.fold``) and hands autograd a
-        zero-stride zero, so no gradient is held past its own hook. Sets ``last_loss``. Returns
+        zero-stride zero, so no gradient is held past its own hook (or, the moments in host memory
+        and the gradient on a GPU, past its queued copies: ``_fold_behind``). Sets ``last_loss``. Returns
         each parameter's squared gradient norm summed over the micro-batches (the same on every
         rank), or None where one was not finite (its NaN/Inf is then in the first moment, which the
         caller takes again from the optimizer's). The norms are read once, after the backward:
@@ -336,7 +338,11 @@ class GradientPredict(WorkerOwner):
                 # (read after the backward, once: a NaN folds NaN into the moment, which is then taken again)
                 norm = torch.linalg.vector_norm(flat, dtype=torch.float32) / world
                 norms.append((p, norm))
-                moments.fold(p, flat, norm, self.clip, self._beta1.get(p, 0.9), 1.0 / (n * world), first[0], key)
+                beta1, weight = self._beta1.get(p, 0.9), 1.0 / (n * world)
+                if flat.device == moments.device and not self.stage_shares:
+                    moments.fold(p, flat, norm, self.clip, beta1, weight, first[0], key)
+                else:   # (a GPU's gradient into moments in host memory: queued, folded behind the backward)
+                    self._fold_behind(p, flat, norm, beta1, weight, first[0], key)
                 return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
             return take
 
@@ -354,6 +360,7 @@ class GradientPredict(WorkerOwner):
         finally:
             for h in handles:
                 h.remove()
+            self._shares.drain()   # the queued folds done (also after an error: nothing folds them later)
         loss_sum = torch.cat(losses).sum().reshape(1)
         self._all_reduce(loss_sum)
         self.last_loss = float(loss_sum) / (n * world)
@@ -364,6 +371,27 @@ class GradientPredict(WorkerOwner):
         for (p, _), x in zip(norms, values):
             sq[p] = sq.get(p, 0.0) + x * x
         return sq
+
+    def _fold_behind(self, p: torch.nn.Parameter, flat: torch.Tensor, norm: torch.Tensor, beta1: float,
+                     weight: float, first: bool, key: int) -> None:
+        """``CompactMoments.fold`` of a gradient on a GPU into moments in host memory (ZeRO 3 with
+        ``offload_param: cpu``), without the hook waiting for the GPU: each of ``p``'s slices crosses
+        through the pinned buffers of ``QueuedDownloads`` and its host thread folds it chunk by chunk
+        (``CompactMoments.fold_chunk``, cut at the queue's chunks, a multiple of ``quant.CHUNK``), in
+        the hooks' order. The same values, roundings and draws as the fold in the hook."""
+        moments = self.moments
+        slices = moments.by_param.get(p, ())
+        if not slices:
+            return
+        # the fold's scale: copied on the backward's stream before the queue's copies, which wait for it
+        scale = torch.empty(1, dtype=torch.float32, pin_memory=flat.is_cuda)
+        scale.copy_(moments.fold_scale(p, norm, self.clip, beta1, weight).reshape(1), non_blocking=True)
+        for s in slices:
+            def take(staged: torch.Tensor, a: int, b: int, s=s) -> None:
+                with worker_scratch("compact-fold"):   # (beside the main thread's scratch buffers)
+                    for c in range(a, b, CHUNK):
+                        moments.fold_chunk(s, staged[c - a:min(c + CHUNK, b) - a], c, scale[0], beta1, first, key)
+            self._shares.put(flat[s.ps:s.ps + s.n], take)
 
     @staticmethod
     def _device(grads: list) -> torch.device:

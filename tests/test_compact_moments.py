@@ -22,12 +22,13 @@ from engine_utils import (EAGER, Batches, commit_and_check, ds_config, full_para
 GRAD = dict(EAGER, check="next_step", correction_steps=0, predictor={"direction": "gradient"})
 
 
-def _compact(stage: int | str = 2, bf16: bool = False, dtype: str = "int8-factored", seed: int = 0, **memory):
+def _compact(stage: int | str = 2, bf16: bool = False, dtype: str = "int8-factored", seed: int = 0, gas: int = 1,
+             **memory):
     """``stage`` 3p: ZeRO 3 with ``offload_param: cpu`` too (the 16-bit partitions in host memory)."""
     hybrid = dict(GRAD, memory={"offload_predict": "device", "gradient_state_dtype": dtype, **memory})
     param = "cpu" if stage == "3p" else None
     return make_engine(ds_config(stage=3 if stage == "3p" else stage, offload_opt="cpu", offload_param=param,
-                                 bf16=bf16, hybrid=hybrid), seed=seed)
+                                 bf16=bf16, gas=gas, hybrid=hybrid), seed=seed)
 
 
 def _until(engine, batches, phase: Phase, limit: int = 40) -> None:
@@ -340,6 +341,40 @@ def test_the_commit_behind_the_next_steps_backward_matches_the_inline_commit_bit
     assert st["commit_background_seconds"] > 0 and st["predict_accepted"] >= 4
 
 
+@pytest.mark.parametrize("stage, gas", [("3p", 1), ("3p", 2), (2, 1)])
+def test_a_fold_queued_through_pinned_buffers_is_the_fold_in_the_hook_bit_for_bit(stage, gas, monkeypatch):
+    """ZeRO 3 with offload_param: cpu on a GPU: the gradient on the GPU, the compact moments in host memory;
+    each hook queues the fold's scale and the parameter's slices (QueuedDownloads) and a host thread folds
+    them. Forced here (stage_shares), with small chunks (quant's 1024 values, the queue's 2048 in 2
+    buffers: several chunks a slice, cut again on the host thread, and hooks waiting for a buffer): every
+    step the same phase, loss and check, and the same weights, masters, moments and compact first moment
+    bit for bit as the fold in the hook, with one and two micro-batches a step."""
+    import threading
+    from ds_hybrid import compact_moments, grad_predict
+    from ds_hybrid.staging import QueuedDownloads
+    for module in (compact_moments, grad_predict):
+        monkeypatch.setattr(module, "CHUNK", 1024)
+    direct, queued = _compact(stage, gas=gas), _compact(stage, gas=gas)
+    queued._gradient.stage_shares = True
+    queued._gradient._shares = queue = QueuedDownloads(chunk=2048, slots=2)
+    threads, put = set(), queue.put
+    queue.put = lambda src, take: put(src, lambda *a: (threads.add(threading.get_ident()), take(*a)))
+    bd, bq = Batches(seed=5), Batches(seed=5)
+    predicted, big = 0, 0
+    for _ in range(12):
+        rd, rq = direct.train_step(bd.step(gas)), queued.train_step(bq.step(gas))
+        assert (rd.phase, rd.loss, rd.checked) == (rq.phase, rq.loss, rq.checked)
+        predicted += rd.phase == Phase.PREDICT.value
+        for got, want in ((full_params(queued), full_params(direct)), (master_copies(queued), master_copies(direct)),
+                          (_moments(queued, "exp_avg"), _moments(direct, "exp_avg"))):
+            assert _equal(got, want)
+        if queued._gradient.moments is not None and queued.phase is Phase.PREDICT:
+            assert _equal(_run_m(queued), _run_m(direct))
+            big = max(s.n for part in queued._gradient.moments.parts if part for s in part)
+    assert predicted >= 4 and big > 2048 and queue.chunks > 0 and queue.wait_seconds["slot"] > 0
+    assert threads and threading.get_ident() not in threads   # folded off the thread that ran the backward
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(offload_predict="host"), "resolved to host"),
     (dict(cpu_step_behind=True), "cpu_step_behind"),
@@ -376,15 +411,19 @@ def test_a_kept_run_over_bf16_weights_commits_each_master_as_its_weight_plus_its
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stage, dtype", [(2, "int8-factored"), (2, "int4-factored"), (3, "int4-factored")])
+@pytest.mark.parametrize("stage, dtype", [(2, "int8-factored"), (2, "int4-factored"), (3, "int4-factored"),
+                                          ("3p", "int4-factored")])
 def test_on_gpu_the_compact_state_lives_beside_the_bf16_weights(stage, dtype):
-    """On a GPU with offload_optimizer: cpu and bf16 weights: the run's compact moments on the GPU, the
-    host masters and moments untouched during the run while the GPU weights move; the kept run's
-    masters are the GPU weights plus their residual below bf16, the optimizer's first moment the run's."""
+    """On a GPU with offload_optimizer: cpu and bf16 weights: the run's compact moments beside the 16-bit
+    weights (on the GPU; with offload_param: cpu in host memory, each gradient's fold queued behind the
+    backward), the host masters and moments untouched during the run while the weights move; the kept
+    run's masters are the weights plus their residual below bf16, the optimizer's first moment the run's."""
     eng, masters = _kept_run_over_bf16(stage, dtype)
     assert eng.statistics()["offload_predict"] == "device"
     sl = [s for part in eng._gradient.moments.parts if part for s in part]
-    assert sl and all(s.m.data.is_cuda and s.m.dtype == dtype[:4] for s in sl)
+    on_gpu = stage != "3p"
+    assert sl and all(s.m.data.is_cuda == on_gpu and s.m.dtype == dtype[:4] for s in sl)
+    assert (eng._gradient._shares.chunks > 0) != on_gpu
     commit_and_check(eng, masters, [t.cpu() for t in _run_m(eng)])
 
 
