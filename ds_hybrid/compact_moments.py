@@ -185,8 +185,16 @@ class CompactMoments:
             return
         step = self.fold_scale(p, norm, clip, beta1, weight).to(self.device)
         for s in slices:
-            for a in range(0, s.n, CHUNK):
-                self.fold_chunk(s, g[s.ps + a:s.ps + min(a + CHUNK, s.n)], a, step, beta1, first, key)
+            self.fold_range(s, g[s.ps:s.ps + s.n], 0, s.n, step, beta1, first, key)
+
+    @torch.no_grad()
+    def fold_range(self, s: SliceMoments, g: torch.Tensor, a: int, b: int, step: torch.Tensor, beta1: float,
+                   first: bool, key: int) -> None:
+        """``fold`` of values ``[a, b)`` of slice ``s`` (``a`` a multiple of ``CHUNK``), ``g[0]`` the
+        gradient's value ``a``: cut at ``CHUNK``, so that the roundings and their draws do not depend
+        on who calls (the hook, or ``GradientPredict._fold_behind``'s host thread)."""
+        for c in range(a, b, CHUNK):
+            self.fold_chunk(s, g[c - a:min(c + CHUNK, b) - a], c, step, beta1, first, key)
 
     @torch.no_grad()
     def fold_chunk(self, s: SliceMoments, g: torch.Tensor, a: int, step: torch.Tensor, beta1: float,

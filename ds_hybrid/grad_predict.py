@@ -46,7 +46,7 @@ from . import host_kernels, kernels
 from .compact_moments import CompactMoments
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
-from .quant import CHUNK, worker_scratch
+from .quant import worker_scratch
 from .staging import QueuedDownloads, Stager, side_stream
 from .zero_access import MasterAccess, _flat
 
@@ -377,7 +377,7 @@ class GradientPredict(WorkerOwner):
         """``CompactMoments.fold`` of a gradient on a GPU into moments in host memory (ZeRO 3 with
         ``offload_param: cpu``), without the hook waiting for the GPU: each of ``p``'s slices crosses
         through the pinned buffers of ``QueuedDownloads`` and its host thread folds it chunk by chunk
-        (``CompactMoments.fold_chunk``, cut at the queue's chunks, a multiple of ``quant.CHUNK``), in
+        (``CompactMoments.fold_range`` of the queue's chunks, each a multiple of ``quant.CHUNK``), in
         the hooks' order. The same values, roundings and draws as the fold in the hook."""
         moments = self.moments
         slices = moments.by_param.get(p, ())
@@ -389,8 +389,7 @@ class GradientPredict(WorkerOwner):
         for s in slices:
             def take(staged: torch.Tensor, a: int, b: int, s=s) -> None:
                 with worker_scratch("compact-fold"):   # (beside the main thread's scratch buffers)
-                    for c in range(a, b, CHUNK):
-                        moments.fold_chunk(s, staged[c - a:min(c + CHUNK, b) - a], c, scale[0], beta1, first, key)
+                    moments.fold_range(s, staged, a, b, scale[0], beta1, first, key)
             self._shares.put(flat[s.ps:s.ps + s.n], take)
 
     @staticmethod
