@@ -8,6 +8,7 @@
     ds-hybrid attn-bench [--models gpt2-tiny] [--seq-lens 64,...,1024] [--json PATH]
     ds-hybrid plan --model NAME --gpu-mem 24GB --cpu-mem 128GB [--nvme 500GB] [--json PATH]
     ds-hybrid memory-bench [--models gpt2-tiny gpt2-124m] [--out DIR] [--json PATH]
+    ds-hybrid build-ops [--config JSON | --ops OP... | --all] [--jobs N]
     ds-hybrid --version
 
 Results go under ``runs/`` in the current directory unless a flag names another place;
@@ -32,6 +33,7 @@ COMMANDS = {
     "memory-bench": "memory per phase (host; GPU allocator and NVML on a GPU): plain DeepSpeed (Full) against Predict",
     "dynamics-eval": "loss-forecast error of the RSSM against naive predictors on recorded trajectories; "
                      "--runs: the engine's predictors side by side",
+    "build-ops": "build DeepSpeed's JIT-compiled ops (and the host fold) ahead of a run, several at a time",
 }
 
 
@@ -88,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     if command in ("plan", "memory-bench"):
         from .memory import bench as memory_bench, planner
         (planner if command == "plan" else memory_bench).main(rest)
+        return
+    if command == "build-ops":
+        from . import op_build
+        op_build.main(rest)
         return
     if command == "dynamics-eval":
         from .dynamics import evaluate

@@ -15,12 +15,21 @@ later run waits on it forever without a word (torch's ``FileBaton``).
 ops that are not built yet, an error naming a lock that nothing has touched for
 ``STALE_AFTER_S`` (and the command that deletes it), a note for a younger lock (another process
 may be building); ``watch_build_locks`` says so again while initialize still waits on one.
+
+``ds-hybrid build-ops`` (``main``) builds them ahead of a run, several at a time, each in a process
+of its own: before a multi-rank job, so that its ranks do not wait in turn on one another's
+builds, and in the test suite's background (``tests/conftest.py``), on a core the suite leaves idle.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -170,3 +179,127 @@ def watch_build_locks(locks: list[BuildLock], say: Callable[[str], None] = print
         done.set()
         if locks:
             thread.join()
+
+
+# ---------------------------------------------------------------------------- building ahead
+# Every op a ds_hybrid run can load, in the order a run (and the test suite) first needs them, with
+# the DeepSpeed accelerator's builder class that builds it (``create_op_builder``); ``None``:
+# ds_hybrid's own (``host_kernels``: the host-memory fold, built from kernels/host_fold.cpp).
+BUILDERS = {
+    "deepspeed_shm_comm": "ShareMemCommBuilder",   # the CPU accelerator's collectives
+    "fused_adam": "FusedAdamBuilder",
+    "cpu_adam": "CPUAdamBuilder",
+    "ds_hybrid_host_fold": None,
+    "pin_memory": "PinMemoryBuilder",               # the CPU accelerator's pinned buffers (NVMe swap)
+    "async_io": "AsyncIOBuilder",                   # NVMe (libaio)
+}
+
+
+def buildable_ops(accelerator: str) -> list[str]:
+    """The ops of ``BUILDERS`` that this accelerator has a builder for (``deepspeed_shm_comm`` and
+    ``pin_memory`` are the CPU accelerator's) and whose needs this machine meets (libaio for
+    ``async_io``: DeepSpeed's ``is_compatible``)."""
+    from deepspeed.accelerator import get_accelerator
+    names = []
+    for name, cls in BUILDERS.items():
+        if name == "deepspeed_shm_comm" and not (accelerator == "cpu" and sys.platform == "linux"):
+            continue
+        if cls is not None:
+            builder = get_accelerator().create_op_builder(cls)
+            if builder is None or not builder.is_compatible(verbose=False):
+                continue
+        names.append(name)
+    return names
+
+
+def _build_one(name: str) -> None:
+    """Build (or load, when built) one op in this process; a SIGTERM ends the build with torch's
+    lock released (its ``finally``), so that no later run waits on a lock left behind."""
+    def stop(signum, frame):
+        # ninja, signalled with its process group, stops its compilers (each in a group of its own)
+        # when it gets the signal; torch kills ninja outright once this raises, so give it a moment
+        time.sleep(1.0)
+        raise KeyboardInterrupt(f"op build of {name} stopped by signal {signum}")
+    signal.signal(signal.SIGTERM, stop)
+    if BUILDERS[name] is None:
+        from . import host_kernels
+        host_kernels.load()
+    else:
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().create_op_builder(BUILDERS[name]).load(verbose=False)
+
+
+def build_ops(names: list[str], jobs: int = 2, say: Callable[[str], None] = print,
+              env: dict | None = None) -> dict[str, float]:
+    """Build ``names`` (the ones not built yet; built ones only load), at most ``jobs`` at a time,
+    each in a process of its own (``python -m ds_hybrid.op_build --one NAME``). Returns each op's
+    seconds; raises ``SystemExit`` naming the ops whose build failed, with the end of their output."""
+    unknown = [n for n in names if n not in BUILDERS]
+    if unknown:
+        raise SystemExit(f"build-ops: unknown op {', '.join(unknown)} (ops: {', '.join(BUILDERS)})")
+    if jobs < 1:
+        raise SystemExit(f"build-ops: --jobs must be at least 1, got {jobs}")
+    pending, running, took, failed = list(names), {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="ds-hybrid-build-ops-") as logs:
+        while pending or running:
+            while pending and len(running) < jobs:
+                name = pending.pop(0)
+                log = open(os.path.join(logs, name), "w+")   # (a file, not a pipe: no build blocks on its output)
+                proc = subprocess.Popen([sys.executable, "-m", "ds_hybrid.op_build", "--one", name],
+                                        stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[name] = (proc, time.time(), log)
+            for name, (proc, start, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                took[name] = time.time() - start
+                say(f"{name}: {'failed' if proc.returncode else 'ready'} in {took[name]:.0f} s")
+                if proc.returncode:
+                    log.seek(0)
+                    tail = [line for line in log.read().splitlines() if line.strip()][-8:]
+                    say("\n".join(f"  {line}" for line in tail))
+                    failed[name] = tail[-1].strip() if tail else f"exit status {proc.returncode}"
+                log.close()
+            time.sleep(0.2)
+    if failed:
+        raise SystemExit("build-ops: the build of " + "; ".join(f"{n} failed ({why})" for n, why in failed.items()))
+    return took
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="ds-hybrid build-ops",
+        description="Build DeepSpeed's JIT-compiled ops (and ds_hybrid's host fold) ahead of a run, several at a "
+                    f"time, into TORCH_EXTENSIONS_DIR (here: {extensions_root()}). Ops already built only load.")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--config", help="a ds_config JSON: build the ops a run with it loads (default: --all)")
+    what.add_argument("--ops", nargs="+", metavar="OP", help=f"these ops ({', '.join(BUILDERS)})")
+    what.add_argument("--all", action="store_true", help="every op this accelerator and machine can build")
+    what.add_argument("--one", help=argparse.SUPPRESS)   # (one op in this process: build_ops' workers)
+    ap.add_argument("--jobs", type=int, default=max(1, min(len(os.sched_getaffinity(0)), len(BUILDERS))),
+                    help="ops built at once (default: the cores this process may use)")
+    args = ap.parse_args(argv)
+    if args.one:
+        try:
+            _build_one(args.one)
+        except Exception as e:   # (one line for build_ops to quote: the error, not its traceback)
+            raise SystemExit(f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator().device_name()
+    if args.config:
+        try:
+            ds_config = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"build-ops: --config {args.config}: {e}")
+        names = [n for n in ops_for_config(ds_config, accelerator) if n not in prebuilt_ops()]
+    else:
+        names = args.ops or [n for n in buildable_ops(accelerator) if n not in prebuilt_ops()]
+    stale = [lock for lock in build_locks(names) if lock.stale]
+    if stale:
+        raise SystemExit(stale_message(stale))
+    build_ops(names, args.jobs)
+
+
+if __name__ == "__main__":
+    main()

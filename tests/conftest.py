@@ -1,6 +1,11 @@
-"""Shared set-up: one single-rank gloo process group for the in-process engine tests."""
+"""Shared set-up: one single-rank gloo process group for the in-process engine tests, and
+DeepSpeed's ops built in the background while the suite runs."""
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -26,3 +31,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# DeepSpeed JIT-builds six ops the first time a process loads each, on a fresh virtual environment
+# too (its sources are newer than the last build): about 22 CPU-minutes on two cores, which the
+# tests that load them first used to pay on the suite's own core. The suite keeps one core busy,
+# so the ops are built on another meanwhile (ds-hybrid build-ops, one at a time, one compiler job,
+# niced); a test that needs one first waits on its build lock (torch's FileBaton) or builds it
+# itself. DS_HYBRID_TEST_PREBUILD=0 turns this off.
+_prebuild = None
+
+
+def pytest_sessionstart(session):
+    global _prebuild
+    if os.environ.get("DS_HYBRID_TEST_PREBUILD", "1") == "0" or len(os.sched_getaffinity(0)) < 2:
+        return
+    import torch
+    if torch.cuda.is_available():   # (the suite builds CPU ops; a GPU's would be CUDA builds of their own)
+        return
+    log = open(os.path.join(tempfile.gettempdir(), f"ds-hybrid-test-build-ops-{os.getpid()}.log"), "w")
+    _prebuild = subprocess.Popen(
+        ["nice", "-n", "10", sys.executable, "-m", "ds_hybrid.op_build", "--all", "--jobs", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "MAX_JOBS": "1"})
+    log.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A build still running is stopped (every process of its group: each op's build releases its
+    lock as it stops), so that nothing outlives the session or leaves a lock behind."""
+    if _prebuild is None or _prebuild.poll() is not None:
+        return
+    os.killpg(_prebuild.pid, signal.SIGTERM)
+    try:
+        _prebuild.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(_prebuild.pid, signal.SIGKILL)

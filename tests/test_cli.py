@@ -365,6 +365,62 @@ def test_a_live_build_lock_is_noted_and_watched(tmp_path):
     assert said == []
 
 
+def test_build_ops_names_a_bad_op_or_jobs():
+    message = exit_message(lambda: op_build.build_ops(["fused_adam", "nope"]))
+    assert "unknown op nope" in message and all(name in message for name in op_build.BUILDERS)
+    assert "--jobs must be at least 1, got 0" in exit_message(lambda: op_build.build_ops(["fused_adam"], jobs=0))
+    assert "--config missing.json" in exit_message(lambda: op_build.main(["--config", "missing.json"]))
+
+
+def test_build_ops_builds_each_op_in_a_process_of_its_own():
+    """The host fold, built (or, built already, loaded) by its own process into this machine's
+    extensions folder; the line it says."""
+    said = []
+    took = op_build.build_ops(["ds_hybrid_host_fold"], jobs=2, say=said.append)
+    root = op_build.extensions_root()
+    assert list(took) == ["ds_hybrid_host_fold"] and op_build.is_built(root / "ds_hybrid_host_fold",
+                                                                          "ds_hybrid_host_fold")
+    assert said == [f"ds_hybrid_host_fold: ready in {took['ds_hybrid_host_fold']:.0f} s"]
+
+
+def test_a_failed_op_build_is_named_with_the_end_of_its_output(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")   # (the extensions folder is a file: the build cannot write there)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(blocker)}
+    said = []
+    message = exit_message(lambda: op_build.build_ops(["ds_hybrid_host_fold"], say=said.append, env=env))
+    assert message.startswith("build-ops: the build of ds_hybrid_host_fold failed (HostKernelUnavailable: ") \
+        and str(blocker) in message
+    assert said[0].startswith("ds_hybrid_host_fold: failed in ") and "HostKernelUnavailable" in said[1]
+
+
+def test_an_op_build_stopped_by_sigterm_leaves_no_lock(tmp_path):
+    """A build stopped mid-way (the test suite's background build at the session's end) releases
+    torch's build lock, so no later run waits on it forever."""
+    import signal
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    lock = tmp_path / "ds_hybrid_host_fold" / "lock"
+    proc = subprocess.Popen([sys.executable, "-m", "ds_hybrid.op_build", "--one", "ds_hybrid_host_fold"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not lock.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert lock.exists(), "the build never took its lock"
+    os.killpg(proc.pid, signal.SIGTERM)   # (as conftest stops the suite's background build)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "op build of ds_hybrid_host_fold stopped by signal" in err
+    assert not lock.exists() and not op_build.is_built(lock.parent, "ds_hybrid_host_fold")
+    # and no compiler of it goes on (ninja runs each in a process group of its own, in the op's folder)
+    time.sleep(0.5)
+    left = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            left += [cwd.parent.name] if Path(os.readlink(cwd)).is_relative_to(tmp_path) else []
+        except OSError:   # (a process that ended, or one not ours to read)
+            pass
+    assert left == []
+
+
 def _stale_fused_adam_lock(tmp_path, monkeypatch):
     """An extensions folder (TORCH_EXTENSIONS_DIR) whose fused_adam build left a lock long ago."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
