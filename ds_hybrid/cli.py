@@ -8,7 +8,7 @@
     ds-hybrid attn-bench [--models gpt2-tiny] [--seq-lens 64,...,1024] [--json PATH]
     ds-hybrid plan --model NAME --gpu-mem 24GB --cpu-mem 128GB [--nvme 500GB] [--json PATH]
     ds-hybrid memory-bench [--models gpt2-tiny gpt2-124m] [--out DIR] [--json PATH]
-    ds-hybrid build-ops [--config JSON | --ops OP... | --all] [--jobs N]
+    ds-hybrid build-ops [--config PRESET_OR_JSON | --ops OP... | --all] [--jobs N]
     ds-hybrid --version
 
 Results go under ``runs/`` in the current directory unless a flag names another place;

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -272,9 +271,11 @@ def main(argv: list[str] | None = None) -> None:
         description="Build DeepSpeed's JIT-compiled ops (and ds_hybrid's host fold) ahead of a run, several at a "
                     f"time, into TORCH_EXTENSIONS_DIR (here: {extensions_root()}). Ops already built only load.")
     what = ap.add_mutually_exclusive_group()
-    what.add_argument("--config", help="a ds_config JSON: build the ops a run with it loads (default: --all)")
+    what.add_argument("--config", metavar="PRESET_OR_JSON",
+                      help="a ds_config (a file or a preset's name): build the ops a run with it loads")
     what.add_argument("--ops", nargs="+", metavar="OP", help=f"these ops ({', '.join(BUILDERS)})")
-    what.add_argument("--all", action="store_true", help="every op this accelerator and machine can build")
+    what.add_argument("--all", action="store_true",
+                      help="every op this accelerator and machine can build (the default)")
     what.add_argument("--one", help=argparse.SUPPRESS)   # (one op in this process: build_ops' workers)
     ap.add_argument("--jobs", type=int, default=max(1, min(len(os.sched_getaffinity(0)), len(BUILDERS))),
                     help="ops built at once (default: the cores this process may use)")
@@ -288,10 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator().device_name()
     if args.config:
-        try:
-            ds_config = json.loads(Path(args.config).read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"build-ops: --config {args.config}: {e}")
+        from .arguments import resolve_config
+        ds_config, _ = resolve_config(args.config)   # (as train reads it: a preset's name too)
         names = [n for n in ops_for_config(ds_config, accelerator) if n not in prebuilt_ops()]
     else:
         names = args.ops or [n for n in buildable_ops(accelerator) if n not in prebuilt_ops()]

@@ -365,11 +365,19 @@ def test_a_live_build_lock_is_noted_and_watched(tmp_path):
     assert said == []
 
 
-def test_build_ops_names_a_bad_op_or_jobs():
+def test_build_ops_names_a_bad_op_or_jobs(monkeypatch):
     message = exit_message(lambda: op_build.build_ops(["fused_adam", "nope"]))
     assert "unknown op nope" in message and all(name in message for name in op_build.BUILDERS)
     assert "--jobs must be at least 1, got 0" in exit_message(lambda: op_build.build_ops(["fused_adam"], jobs=0))
-    assert "--config missing.json" in exit_message(lambda: op_build.main(["--config", "missing.json"]))
+    assert "--config: 'missing.json' is neither a file nor a preset" in \
+        exit_message(lambda: op_build.main(["--config", "missing.json"]))
+    said = []
+    monkeypatch.setattr(op_build, "build_ops", lambda names, jobs: said.append(names))
+    op_build.main(["--config", "50b-24gb-nvme"])   # (a preset's name, as train takes it)
+    from deepspeed.accelerator import get_accelerator
+    cpu = get_accelerator().device_name() == "cpu"
+    assert said == [[n for n in ["deepspeed_shm_comm"] * cpu + ["cpu_adam", "async_io"]
+                     if n not in op_build.prebuilt_ops()]]
 
 
 def test_build_ops_builds_each_op_in_a_process_of_its_own():
