@@ -161,18 +161,10 @@ for stage in "$@"; do
       $DSH report
       stage_rc env $? "$t0" ;;
     ops)
-      # (three processes at once: nvcc on FusedAdam, g++ on CPU Adam and the host fold, each its own
-      # extension folder and lock; one after another they took 91-131 s of a 15-minute session)
-      pids=""
-      for op in "deepspeed.ops.op_builder:FusedAdamBuilder().load()" "deepspeed.ops.op_builder:CPUAdamBuilder().load()" \
-                "ds_hybrid:host_kernels.load()"; do
-        mod=${op%%:*}; call=${op#*:}
-        $PY -c "from $mod import ${call%%[.(]*}; $call; print('built: $call')" > "$OUT/ops-${call%%(*}.log" 2>&1 &
-        pids="$pids $!"
-      done
-      rc=0; for pid in $pids; do wait "$pid" || rc=1; done
-      cat "$OUT"/ops-*.log > "$OUT/ops.log"; rm -f "$OUT"/ops-*.log
-      grep "^built: " "$OUT/ops.log"; [ $rc = 0 ] || tail -20 "$OUT/ops.log"
+      # (three at once, each in its own process: nvcc on FusedAdam, g++ on CPU Adam and the host fold, each
+      # its own extension folder and lock; one after another they took 91-131 s of a 15-minute session)
+      $DSH build-ops --ops fused_adam cpu_adam ds_hybrid_host_fold --jobs 3 > "$OUT/ops.log" 2>&1
+      rc=$?; grep -v "\[WARNING\]" "$OUT/ops.log" | tail -20
       stage_rc ops $rc "$t0" ;;
     tests)
       timeout -k 20 "$(smaller "${TESTS_SECONDS:-240}" "$(left 20)")" $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels.py tests/test_drift.py tests/test_dynamics.py \

@@ -115,7 +115,7 @@ def build_locks(names: list[str], root: Path | None = None, now: float | None = 
         lock = root / name / "lock"
         try:
             newest = max(p.stat().st_mtime for p in lock.parent.iterdir())
-        except (FileNotFoundError, ValueError):   # no folder, or it emptied while read
+        except (OSError, ValueError):   # no folder, not a folder, or one that emptied while read
             continue
         if lock.exists():
             idle = max(now - newest, 0.0)

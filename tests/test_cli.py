@@ -400,6 +400,7 @@ def test_a_failed_op_build_is_named_with_the_end_of_its_output(tmp_path):
     assert message.startswith("build-ops: the build of ds_hybrid_host_fold failed (HostKernelUnavailable: ") \
         and str(blocker) in message
     assert said[0].startswith("ds_hybrid_host_fold: failed in ") and "HostKernelUnavailable" in said[1]
+    assert op_build.build_locks(["fused_adam"], root=blocker) == []   # (no lock under a file: none to name)
 
 
 def test_an_op_build_stopped_by_sigterm_leaves_no_lock(tmp_path):
