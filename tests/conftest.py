@@ -1,6 +1,7 @@
 """Shared set-up: one single-rank gloo process group for the in-process engine tests, and
 DeepSpeed's ops built in the background while the suite runs."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,11 +50,11 @@ def pytest_sessionstart(session):
     import torch
     if torch.cuda.is_available():   # (the suite builds CPU ops; a GPU's would be CUDA builds of their own)
         return
-    log = open(os.path.join(tempfile.gettempdir(), f"ds-hybrid-test-build-ops-{os.getpid()}.log"), "w")
-    _prebuild = subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, "-m", "ds_hybrid.op_build", "--all", "--jobs", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "MAX_JOBS": "1"})
-    log.close()
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    with open(os.path.join(tempfile.gettempdir(), "ds-hybrid-test-build-ops.log"), "w") as log:   # (the last session's)
+        _prebuild = subprocess.Popen(nice + [sys.executable, "-m", "ds_hybrid.op_build", "--all", "--jobs", "1"],
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "MAX_JOBS": "1"})
 
 
 def pytest_sessionfinish(session, exitstatus):
