@@ -60,6 +60,12 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
+def _uses_shm_comm(accelerator: str) -> bool:
+    """Whether DeepSpeed loads its shared-memory collectives (``deepspeed_shm_comm``): the CPU
+    accelerator's, built on Linux only."""
+    return accelerator == "cpu" and sys.platform == "linux"
+
+
 def ops_for_config(ds_config: dict, accelerator: str) -> list[str]:
     """The JIT-built ops DeepSpeed loads for this ds_config on this accelerator (``cpu``, ``cuda``):
     the optimizer's (DeepSpeed's choice in ``DeepSpeedEngine.get_optimizer_configuration``),
@@ -68,7 +74,7 @@ def ops_for_config(ds_config: dict, accelerator: str) -> list[str]:
     offload = {section: str((zero.get(section) or {}).get("device", "none")).lower()
                for section in ("offload_optimizer", "offload_param")}
     names = []
-    if accelerator == "cpu" and sys.platform == "linux":
+    if _uses_shm_comm(accelerator):
         names.append("deepspeed_shm_comm")
     optimizer = ds_config.get("optimizer") or {}
     if str(optimizer.get("type", "")).lower() in ("adam", "adamw") \
@@ -201,7 +207,7 @@ def buildable_ops(accelerator: str) -> list[str]:
     from deepspeed.accelerator import get_accelerator
     names = []
     for name, cls in BUILDERS.items():
-        if name == "deepspeed_shm_comm" and not (accelerator == "cpu" and sys.platform == "linux"):
+        if name == "deepspeed_shm_comm" and not _uses_shm_comm(accelerator):
             continue
         if cls is not None:
             builder = get_accelerator().create_op_builder(cls)
@@ -232,7 +238,8 @@ def build_ops(names: list[str], jobs: int = 2, say: Callable[[str], None] = prin
               env: dict | None = None) -> dict[str, float]:
     """Build ``names`` (the ones not built yet; built ones only load), at most ``jobs`` at a time,
     each in a process of its own (``python -m ds_hybrid.op_build --one NAME``). Returns each op's
-    seconds; raises ``SystemExit`` naming the ops whose build failed, with the end of their output."""
+    seconds; raises ``SystemExit`` naming the ops whose build failed, each with the last line of its
+    output (the last 8 lines go to ``say``)."""
     unknown = [n for n in names if n not in BUILDERS]
     if unknown:
         raise SystemExit(f"build-ops: unknown op {', '.join(unknown)} (ops: {', '.join(BUILDERS)})")
