@@ -879,6 +879,7 @@ def test_predict_sweep_scores_against_the_plain_frontier():
     assert both["plain"]["per_seed"]["1"]["frontier"]["target"]["ratio"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_the_stale_update_study_emulates_a_gradient_taken_behind_the_masters():
     """benchmarks/stale_update_study.py: a gradient taken 0 updates behind is the synchronous step,
     bit for bit; 1 behind is not; the last update, as a cover, moves the weights the gradient is
