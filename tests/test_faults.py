@@ -33,12 +33,13 @@ from ds_hybrid.checkpoint import CheckpointError
 from ds_hybrid.engine import default_loss
 from ds_hybrid.models import build_model
 from ds_hybrid.phases import Phase
-from conftest import free_port
+from conftest import FAULT_SUMMARY_PATH as SUMMARY_PATH, free_port
 from engine_utils import EAGER, SEQ, Batches, ds_config, full_params, make_engine, master_copies
 from spawn import HERE, main_job_args, rank_env, run_ranks, write_corpus, write_eager_preset
 
 ROOT = HERE.parent
-SUMMARY_PATH = ROOT / "runs" / "fault_summary.json"
+# (the README's pytest-xdist run keeps each module on one worker, --dist loadfile, so that the one
+# LEDGER sees every test)
 
 # --------------------------------------------------------------------------- the ledger
 
@@ -86,13 +87,15 @@ def fault_summary(request):
         "faults": faults,
         "bad_inputs": bad,
     }
-    SUMMARY_PATH.parent.mkdir(parents=True, exist_ok=True)
-    SUMMARY_PATH.write_text(json.dumps(summary, indent=2))
     line = (f"fault suite: {summary['faults_survived']}/{summary['faults_injected']} faults survived, "
             f"{summary['bad_inputs_rejected_with_right_message']}/{summary['bad_inputs_tried']} bad inputs rejected "
             f"with the right message, {summary['steps_lost']} steps lost, "
             f"{summary['optimizer_updates_skipped']} updates skipped, "
             f"{summary['predict_steps_rolled_back']} Predict steps rolled back -> {SUMMARY_PATH}")
+    SUMMARY_PATH.parent.mkdir(parents=True, exist_ok=True)
+    SUMMARY_PATH.write_text(json.dumps(dict(summary, line=line), indent=2))
+    if hasattr(request.config, "workerinput"):   # (a pytest-xdist worker's terminal is not shown: conftest prints it)
+        return
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is None or capture is None:

@@ -87,11 +87,12 @@ def test_cpp_fold_matches_the_torch_ops(n, dtype, from_state, wd):
     """The same velocity as the torch path: bit for bit from a snapshot (the same operations and
     the same int8 noise); from the Adam state within an fp32 rounding or two (torch's vectorised
     CPU sqrt is not correctly rounded, the C++ one is), so int8 codes all but never differ.
-    The sums agree to the torch path's own fp32 accumulation error."""
+    The sums agree to the torch path's own fp32 accumulation error (which depends on torch's thread
+    count: at 4M elements 1.4e-4 of a sum with one thread, under 1e-4 with two)."""
     moments = n == 1000
     ref_sums, ref = _fold_three_steps(n, dtype, wd, from_state, cpp=False, moments=moments)
     sums, got = _fold_three_steps(n, dtype, wd, from_state, cpp=True, moments=moments)
-    torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(sums, ref_sums, rtol=5e-4, atol=0.0)
     assert sums[:, 6].tolist() == [float(n)] * 3
     if moments:
         assert (sums[:, 3:6] > 0).all()
@@ -185,9 +186,10 @@ def test_cpp_shift_matches_the_torch_ops(n, vdtype, xdtype):
     assert torch.equal(m0, m1) and torch.equal(p0, p1)
     assert not torch.equal(s1, x0) and not torch.equal(m1, x0.float()) and not torch.equal(p1, x0.float())
     # the update's squared norm: the torch path sums each chunk in fp32, the kernel in fp32 lanes
-    # of a block, then both in fp64
+    # of a block, then both in fp64 (the torch path's error depends on torch's thread count: 1.1e-4
+    # at 4M elements with one thread)
     exact = float((vel.buffers[0].load().double() ** 2).sum()) * (0.6 * lr) ** 2
-    assert n1 == pytest.approx(exact, rel=1e-6) and n0 == pytest.approx(exact, rel=1e-4)
+    assert n1 == pytest.approx(exact, rel=1e-6) and n0 == pytest.approx(exact, rel=5e-4)
 
 
 def test_cpp_shift_refuses_what_it_cannot_take():

@@ -662,12 +662,12 @@ def test_shard_fold_dispatch_through_the_kernel(emulated_cupy, monkeypatch):
 def test_the_engines_shard_fold_takes_the_kernel(emu, monkeypatch):
     """memory.fold_source: weights16 on ZeRO 2 (offload_optimizer: cpu, bf16 weights, an fp32
     velocity), its shards taken for a GPU's: each folding real step launches the kernel once a
-    partition, and the run takes the torch fold's steps: the same phases, and at every step the
-    velocity and the masters to fp32 rounding (the kernel's fused multiply-add against torch's
-    two ops), but for the few elements where that rounding lands a bf16 weight on the other side
-    of a rounding boundary."""
+    partition, and the run takes the torch fold's steps: the same phases, and the velocity and
+    the masters to fp32 rounding (the kernel's fused multiply-add against torch's two ops), but
+    for the few elements where that rounding lands a bf16 weight on the other side of a rounding
+    boundary, up to the first step whose gradient is taken at other bf16 weights."""
     from ds_hybrid import zero_access as za
-    from engine_utils import Batches, ds_config, make_engine, master_copies
+    from engine_utils import Batches, ds_config, full_params, make_engine, master_copies
     hybrid = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
               "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
               "predictor": {"direction": "drift"},
@@ -683,20 +683,30 @@ def test_the_engines_shard_fold_takes_the_kernel(emu, monkeypatch):
             b, out = Batches(seed=3), []
             launches = kernels.LAUNCHES["shard_fold"]
             for _ in range(12):
+                weights = full_params(eng)   # (the bf16 weights this step's gradient is taken at)
                 phase = eng.train_step(b.step()).phase
-                out.append((phase, [t.load().clone() for t in eng._velocity.buffers], master_copies(eng)))
+                out.append((phase, [t.load().clone() for t in eng._velocity.buffers], master_copies(eng), weights))
             folds = eng.statistics()["shard_folds"]["folded"]
             parts = sum(1 for t in eng._velocity.buffers if t is not None)
             assert folds >= 3 and kernels.LAUNCHES["shard_fold"] - launches == (folds * parts if kernel else 0)
             return out
 
     torch_run, kernel_run = run(False), run(True)
-    assert [p for p, _, _ in kernel_run] == [p for p, _, _ in torch_run] and "predict" in [p for p, _, _ in torch_run]
+    assert [r[0] for r in kernel_run] == [r[0] for r in torch_run] and "predict" in [r[0] for r in torch_run]
     # Masters that differ by fp32 rounding can round to different bf16 weights where one sits on a
     # bf16 boundary (seen on an AMD EPYC host: one element at step 8 of 12); the fold of that weight's
     # change then differs there, and the drift step along it moves that master by a little more. So
     # all but a few elements (at most 1 in 1000) agree to fp32 rounding, and those few stay close.
-    for (_, vk, mk), (_, vt, mt) in zip(kernel_run, torch_run):
+    # A Predict step's drift along velocities that differ by fp32 rounding can land a bf16 weight
+    # on the other side too; the next real step's gradient is then taken at other weights, and
+    # Adam's step (this early, about lr for any gradient) moves many masters apart (seen with one
+    # torch thread: 173 of 34176 at step 7, where the masters had agreed bit for bit). From there
+    # the runs are two trajectories: the steps compared end there, after the kernel's first folds.
+    same = [all(torch.equal(a, b) for a, b in zip(k[3], t[3])) for k, t in zip(kernel_run, torch_run)]
+    compared = same.index(False) if False in same else len(same)
+    folded = [i for i, (phase, v, _, _) in enumerate(torch_run) if phase != "predict" and v]   # (a velocity after)
+    assert folded and folded[0] < compared, (folded, compared)
+    for (_, vk, mk, _), (_, vt, mt, _) in zip(kernel_run[:compared], torch_run[:compared]):
         for a, b in zip(vk, vt):
             _close_but_for_bf16_flips(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-30)
         for a, b in zip(mk, mt):
