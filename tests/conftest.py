@@ -34,7 +34,8 @@ if "RANK" not in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
                       MASTER_PORT=str(free_port()))
 
 
-def _xdist_worker(config) -> bool:
+def xdist_worker(config) -> bool:
+    """Whether this process is a pytest-xdist worker (not the process that started the workers)."""
     return hasattr(config, "workerinput")
 
 
@@ -44,7 +45,7 @@ def _one_thread_per_xdist_worker(request):
     with a thread per core each spend most of it waiting on each other (tests/test_engine.py and
     test_drift.py: 103 s on two workers at two threads, 39 s at one, 55-62 s in one process).
     Before every test, since some tests set their own count."""
-    if _xdist_worker(request.config):
+    if xdist_worker(request.config):
         import torch
         torch.set_num_threads(1)
     yield
@@ -72,17 +73,17 @@ def pytest_collection_modifyitems(config, items):
 # tests that load them first used to pay one at a time. So the ops are built in the background
 # meanwhile, from the session's start (ds-hybrid build-ops; under pytest-xdist by the process that
 # started the workers); a test that needs one first waits on its build lock (torch's FileBaton) or
-# builds it itself. The three that the engine tests
-# load (the CPU accelerator's collectives, fused_adam, and cpu_adam for offload) are built first,
-# side by side and at full priority: the suite's first engine tests, soon after it starts, wait
-# on them (one at a time they took 89 + 217 + 169 s, side by side 263 s in all). The rest follow
-# one at a time, one compiler job, niced. DS_HYBRID_TEST_PREBUILD=0 turns this off.
+# builds it itself. The three that the engine tests load (the CPU accelerator's collectives,
+# fused_adam, and cpu_adam for offload) are built first, side by side and at full priority: the
+# suite's first engine tests, soon after it starts, wait on them (one at a time they took
+# 89 + 217 + 169 s, side by side 263 s in all). The rest follow one at a time, one compiler job,
+# niced. DS_HYBRID_TEST_PREBUILD=0 turns this off.
 _prebuild = None
 
 
 def pytest_sessionstart(session):
     global _prebuild
-    if _xdist_worker(session.config):   # (the process that started the workers builds, once)
+    if xdist_worker(session.config):   # (the process that started the workers builds, once)
         return
     if os.environ.get("DS_HYBRID_TEST_PREBUILD", "1") == "0" or len(os.sched_getaffinity(0)) < 2:
         return
@@ -115,7 +116,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if _xdist_worker(config) or not getattr(config.option, "numprocesses", None):
+    if xdist_worker(config) or not getattr(config.option, "numprocesses", None):
         return
     if FAULT_SUMMARY_PATH.exists() and FAULT_SUMMARY_PATH.stat().st_mtime >= _session_start:
         terminalreporter.write_line(json.loads(FAULT_SUMMARY_PATH.read_text())["line"])

@@ -33,11 +33,10 @@ from ds_hybrid.checkpoint import CheckpointError
 from ds_hybrid.engine import default_loss
 from ds_hybrid.models import build_model
 from ds_hybrid.phases import Phase
-from conftest import FAULT_SUMMARY_PATH as SUMMARY_PATH, free_port
+from conftest import FAULT_SUMMARY_PATH as SUMMARY_PATH, free_port, xdist_worker
 from engine_utils import EAGER, SEQ, Batches, ds_config, full_params, make_engine, master_copies
 from spawn import HERE, main_job_args, rank_env, run_ranks, write_corpus, write_eager_preset
 
-ROOT = HERE.parent
 # (the README's pytest-xdist run keeps each module on one worker, --dist loadfile, so that the one
 # LEDGER sees every test)
 
@@ -94,7 +93,7 @@ def fault_summary(request):
             f"{summary['predict_steps_rolled_back']} Predict steps rolled back -> {SUMMARY_PATH}")
     SUMMARY_PATH.parent.mkdir(parents=True, exist_ok=True)
     SUMMARY_PATH.write_text(json.dumps(dict(summary, line=line), indent=2))
-    if hasattr(request.config, "workerinput"):   # (a pytest-xdist worker's terminal is not shown: conftest prints it)
+    if xdist_worker(request.config):   # (a worker's terminal is not shown: conftest prints the line)
         return
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
