@@ -100,8 +100,9 @@ class PredictorConfig(_Section):
     where the optimizer step is dear (ZeRO-Offload: ``memory.offload_predict`` keeps the run on
     the GPU). Real steps keep no direction statistics for it: the confidence is the share of
     checked runs kept. ZeRO 0 fp32 and ZeRO 1-3, bf16 or fp32; on ZeRO 3 no rank holds a whole
-    gradient (each parameter's share is taken as the backward produces it), and the state is
-    refused on NVMe."""
+    gradient (each parameter's share is taken as the backward produces it). NVMe offload is
+    refused by ``initialize``, before DeepSpeed builds its NVMe op (``ds-hybrid plan`` marks such
+    a preset as fitting nothing)."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -259,6 +260,31 @@ def compact_state_refusal(gradient_state_dtype: str, cpu_step_behind: bool, devi
     else:
         return None
     return f"hybrid_predict.memory.gradient_state_dtype: {gradient_state_dtype}, but {why}"
+
+
+def nvme_state_refusal(offload_optimizer_device: str, offload_param_device: str) -> str | None:
+    """Why ``predictor.direction: gradient`` cannot run with ZeRO-Infinity's NVMe offload (None:
+    neither ``zero_optimization.offload_optimizer`` nor ``offload_param`` is on ``nvme``). The
+    swap moves each sub-group in and out of memory; the run's state would have to follow. The
+    engine refuses the run with it before DeepSpeed (which would first build its async_io op);
+    the planner marks the preset as not fitting."""
+    on_nvme = [f"zero_optimization.{k}.device" for k, d in (("offload_optimizer", offload_optimizer_device),
+                                                            ("offload_param", offload_param_device)) if d == "nvme"]
+    if not on_nvme:
+        return None
+    return (f"{' and '.join(on_nvme)}: nvme; hybrid_predict.predictor.direction 'gradient' needs the masters, "
+            "the Adam state and the 16-bit partitions in memory (cpu or the GPU)")
+
+
+def offload_devices(ds_config: Mapping[str, Any]) -> tuple[str, str]:
+    """``zero_optimization.offload_optimizer.device`` and ``offload_param.device`` of a ds_config
+    dict, ``none`` where absent (DeepSpeed's default)."""
+    zo = ds_config.get("zero_optimization") or {}
+    devices = []
+    for key in ("offload_optimizer", "offload_param"):
+        section = zo.get(key) if isinstance(zo, Mapping) else None
+        devices.append(str(section.get("device", "none")) if isinstance(section, Mapping) else "none")
+    return devices[0], devices[1]
 
 
 def fold_from_optimizer_state(setting: str, device_path: bool) -> bool:

@@ -1542,6 +1542,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                               "file, or a base64 string) or args.deepspeed_config")
     cfg_dict = load_ds_config(config)
     hybrid = parse_hybrid_config(cfg_dict)  # fail fast, naming the key
+    if hybrid.enabled and hybrid.predictor.direction == "gradient":
+        # (before DeepSpeed, which would first build its async_io op: minutes on a fresh install)
+        from .config import ConfigError, nvme_state_refusal, offload_devices
+        refused = nvme_state_refusal(*offload_devices(cfg_dict))
+        if refused:
+            raise ConfigError(refused)
     if hybrid.enabled and optimizer is None and not cfg_dict.get("optimizer"):
         from .config import ConfigError
         raise ConfigError("hybrid_predict.enabled: Predict steps read and move an Adam-family optimizer's state, and "

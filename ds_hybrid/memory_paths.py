@@ -15,7 +15,7 @@ import logging
 import torch
 
 from . import step_fusion
-from .config import compact_state_refusal, fold_from_optimizer_state, offload_predict_on_device
+from .config import compact_state_refusal, fold_from_optimizer_state, offload_devices, offload_predict_on_device
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
@@ -36,9 +36,7 @@ class MemoryPaths:
 
     def _host_masters_beside_an_accelerator(self) -> bool:
         """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""
-        zo = self._config._param_dict.get("zero_optimization") or {}
-        device = (zo.get("offload_optimizer") or {}).get("device", "none")
-        return device in ("cpu", "nvme") and self.device.type != "cpu"
+        return offload_devices(self._config._param_dict)[0] in ("cpu", "nvme") and self.device.type != "cpu"
 
     def _resolve_fold_source(self) -> bool:
         """``memory.fold_source``: True where real steps read their update back from the Adam
@@ -102,12 +100,7 @@ class MemoryPaths:
             raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
                               "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
                               "L2 decay would have to go into the gradient")
-        zc = self._config.zero_config
-        on_nvme = [f"zero_optimization.{k}.device" for k in ("offload_optimizer", "offload_param")
-                   if getattr(getattr(zc, k, None), "device", None) == "nvme"]
-        if on_nvme:   # (ZeRO-Infinity swaps each sub-group in and out; the run's state would have to follow)
-            raise ConfigError(f"{' and '.join(on_nvme)}: nvme; hybrid_predict.predictor.direction 'gradient' needs "
-                              "the masters, the Adam state and the 16-bit partitions in memory (cpu or the GPU)")
+        # (ZeRO-Infinity's NVMe swap is refused by initialize, before DeepSpeed builds its async_io op)
         mem = self.hybrid_config.memory
         on_device = offload_predict_on_device(mem.offload_predict, self._host_masters_beside_an_accelerator())
         if on_device and self._masters.kind not in ("zero1-2", "zero3"):
@@ -149,7 +142,6 @@ class MemoryPaths:
                 raise ValueError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
                                  "no velocity to fold with the Adam direction)")
             return False
-        zo = self._config._param_dict.get("zero_optimization") or {}
         why = None
         if self._shards is not None:
             why = "memory.fold_source is weights16 (the fold is a few kernels on the shards' device after the step)"
@@ -159,7 +151,7 @@ class MemoryPaths:
         elif self._learns_from_every_step():
             why = ("group_predict, predictor.type: rssm and dynamics.trajectory_path read every real step's "
                    "direction statistics at that step")
-        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
+        elif offload_devices(self._config._param_dict)[0] == "nvme":
             why = ("offload_optimizer.device is nvme: reading the masters would swap them in on the fold's thread, "
                    "beside DeepSpeed's own swapper")
         if setting == "auto":
@@ -176,7 +168,6 @@ class MemoryPaths:
         if setting is False:
             return None
         base = self._masters.base
-        zo = self._config._param_dict.get("zero_optimization") or {}
         behind = [k for k in ("fold_overlap", "fold_during_run", "commit_overlap") if getattr(mem, k) is True]
         why = None
         if behind:
@@ -187,7 +178,7 @@ class MemoryPaths:
         elif type(base).__name__ != "DeepSpeedCPUAdam":
             why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
                    "(zero_optimization.offload_optimizer.device: cpu)")
-        elif (zo.get("offload_optimizer") or {}).get("device") == "nvme":
+        elif offload_devices(self._config._param_dict)[0] == "nvme":
             why = "zero_optimization.offload_optimizer.device is nvme (DeepSpeed swaps the partitions in for its step)"
         elif not self._fold_from_state and self._shards is None:
             why = "memory.fold_source is snapshot (the fold reads a copy of the masters from before the step)"

@@ -374,6 +374,29 @@ def test_a_compact_state_the_engine_refuses_fits_nothing_and_the_plan_says_why(c
                and why in r for r in est.reasons)
 
 
+def test_the_gradient_direction_over_every_preset_marks_the_nvme_one_as_refused(tmp_path, capsys):
+    """``ds-hybrid plan --set predictor.direction=gradient`` over all presets: the engine refuses the
+    gradient direction on ZeRO-Infinity's NVMe swap (config.nvme_state_refusal, its own rule), so
+    50b-24gb-nvme fits nothing whatever --nvme says and the reason names both keys; the plan goes on
+    to estimate and pick among the others."""
+    plan = pl.main(["--model", "llama-7b", "--gpu-mem", "24GB", "--cpu-mem", "1024GB", "--nvme", "2TB",
+                    "--set", "predictor.direction=gradient", "--json", str(tmp_path / "plan.json")])
+    by_name = {e.preset: e for e in plan.estimates}
+    assert set(by_name) == {f"{p.name}+set" for p in pl.load_presets()}
+    nvme = by_name["50b-24gb-nvme+set"]
+    assert not nvme.fits and nvme.nvme_bytes > 0
+    assert nvme.reasons == ["the engine refuses it: zero_optimization.offload_optimizer.device and "
+                            "zero_optimization.offload_param.device: nvme; hybrid_predict.predictor.direction "
+                            "'gradient' needs the masters, the Adam state and the 16-bit partitions in memory "
+                            "(cpu or the GPU)"]
+    assert plan.picked is not None and by_name[plan.picked].fits
+    assert "| 50b-24gb-nvme+set |" in capsys.readouterr().out
+    # (the drift direction swaps with ZeRO-Infinity as before: the same machine fits it)
+    drift = pl.make_plan(pl.model_shape("llama-7b"), pl.load_presets(["50b-24gb-nvme"]), 24 * GB, 1024 * GB,
+                         nvme=2 * 10 ** 12)
+    assert drift.picked == "50b-24gb-nvme"
+
+
 def test_gradient_predict_on_zero_3_holds_no_whole_gradient_and_keeps_its_state_beside_the_host_shards():
     """predictor.direction: gradient on 7b-24gb (ZeRO 3, optimizer and parameters offloaded to the
     host): the private gradient on the GPU is one parameter's at a time, and this rank's share of

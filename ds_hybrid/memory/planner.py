@@ -718,9 +718,10 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
 
     total = {w: sum(i.bytes for i in items if i.where == w) for w in ("gpu", "cpu", "nvme")}
     # (a setup the engine refuses at its start fits nothing, whatever its bytes)
-    from ..config import compact_state_refusal
-    refused = preset.gradient and compact_state_refusal(preset.gradient_state_dtype, preset.cpu_step_behind,
-                                                        preset.device_predict(accelerator))
+    from ..config import compact_state_refusal, nvme_state_refusal
+    refused = preset.gradient and (nvme_state_refusal(preset.offload_optimizer, preset.offload_param)
+                                   or compact_state_refusal(preset.gradient_state_dtype, preset.cpu_step_behind,
+                                                            preset.device_predict(accelerator)))
     return Estimate(preset=preset.name, description=preset.describe(), micro_batch=mb, seq_len=seq,
                     gpu_bytes=total["gpu"], cpu_bytes=total["cpu"], nvme_bytes=total["nvme"],
                     snapshot_bytes=snap, snapshot_where=snap_where, items=items,
@@ -805,7 +806,7 @@ def format_plan(plan: Plan) -> str:
              f"vocabulary {m.vocab}); {plan.gpus} GPU(s) x {plan.nodes} node(s); per GPU {fmt_bytes(plan.gpu_mem)}, "
              f"per node CPU {fmt_bytes(plan.cpu_mem)}, NVMe {fmt_bytes(plan.nvme) if plan.nvme else 'none'}",
              "",
-             f"| preset | setup | micro batch x seq | GPU / device | CPU / node | NVMe / node | snapshot | fits |",
+             "| preset | setup | micro batch x seq | GPU / device | CPU / node | NVMe / node | snapshot | fits |",
              "|---|---|---|---|---|---|---|---|"]
     for e in plan.estimates:
         snap = "-" if not e.snapshot_bytes else f"{fmt_bytes(e.snapshot_bytes)} {e.snapshot_where}"
