@@ -287,6 +287,27 @@ def offload_devices(ds_config: Mapping[str, Any]) -> tuple[str, str]:
     return devices[0], devices[1]
 
 
+def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredictConfig) -> str | None:
+    """What the engine cannot run that the ds_config alone shows, outside the ``hybrid_predict``
+    section (``parse_hybrid_config`` checks that one): ``initialize`` raises it before DeepSpeed
+    builds anything, and ``ds-hybrid train`` exits with it among its input checks. Not part of
+    ``parse_hybrid_config``: ``ds-hybrid plan --set`` parses every preset with the change and
+    marks an NVMe preset under the gradient direction as fitting nothing, instead of stopping."""
+    if not hybrid.enabled:
+        return None
+    zo = ds_config.get("zero_optimization") or {}
+    if isinstance(zo, Mapping) and zo.get("zenflow"):
+        # ZenFlow replaces the optimizer step (a selective update on the device every micro-step,
+        # the rest on the CPU every update_interval): the masters and Adam state the Predict
+        # steps read are not where the hybrid's accessors look.
+        return ("zero_optimization.zenflow: ZenFlow runs its own selective and asynchronous updates and cannot be "
+                f"combined with {SECTION}; set {SECTION}.enabled to false to train with ZenFlow "
+                "(ds-hybrid train --baseline), or drop the zenflow section")
+    if hybrid.predictor.direction == "gradient":   # (DeepSpeed would first build its async_io op: minutes)
+        return nvme_state_refusal(*offload_devices(ds_config))
+    return None
+
+
 def fold_from_optimizer_state(setting: str, device_path: bool) -> bool:
     """``memory.fold_source``: whether real steps read their update back from the Adam state
     (``auto``: with the device-side Predict path). The engine also refuses it under amsgrad."""

@@ -42,7 +42,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import host_kernels, kernels
 from . import cpu_step_behind, step_fusion
 from . import zero_access as za
-from .config import HybridPredictConfig, parse_hybrid_config
+from .config import ConfigError, HybridPredictConfig, parse_hybrid_config, refused_before_deepspeed
 from .device_predict import DevicePredict
 from .dist_env import ensure_distributed_env, release_cpu_allreduce_segment
 from .ds_config import load_ds_config
@@ -349,7 +349,6 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                 "predictor": self.hybrid_config.predictor.type, "world_size": int(self.dp_world_size)})
 
     def _setup_group_predict(self) -> None:
-        from .config import ConfigError
         from .group_predict import BackwardCut, GroupLayout, GroupPlanner
         gp = self.hybrid_config.group_predict
         try:
@@ -1542,26 +1541,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                               "file, or a base64 string) or args.deepspeed_config")
     cfg_dict = load_ds_config(config)
     hybrid = parse_hybrid_config(cfg_dict)  # fail fast, naming the key
-    if hybrid.enabled and hybrid.predictor.direction == "gradient":
-        # (before DeepSpeed, which would first build its async_io op: minutes on a fresh install)
-        from .config import ConfigError, nvme_state_refusal, offload_devices
-        refused = nvme_state_refusal(*offload_devices(cfg_dict))
-        if refused:
-            raise ConfigError(refused)
     if hybrid.enabled and optimizer is None and not cfg_dict.get("optimizer"):
-        from .config import ConfigError
         raise ConfigError("hybrid_predict.enabled: Predict steps read and move an Adam-family optimizer's state, and "
                           "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
                           "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
                           "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
-    if hybrid.enabled and (cfg_dict.get("zero_optimization") or {}).get("zenflow"):
-        # ZenFlow replaces the optimizer step (a selective update on the device every micro-step,
-        # the rest on the CPU every update_interval): the masters and Adam state the Predict
-        # steps read are not where the hybrid's accessors look.
-        from .config import ConfigError
-        raise ConfigError("zero_optimization.zenflow: ZenFlow runs its own selective and asynchronous updates and "
-                          "cannot be combined with hybrid_predict; set hybrid_predict.enabled to false to train with "
-                          "ZenFlow (ds-hybrid train --baseline), or drop the zenflow section")
+    refused = refused_before_deepspeed(cfg_dict, hybrid)   # (ZenFlow; NVMe under the gradient direction)
+    if refused:
+        raise ConfigError(refused)
 
     # An interrupted op build leaves a lock that DeepSpeed's next build of that op waits on
     # forever, in silence: name it instead (ds-hybrid train also says what is about to be built).

@@ -33,7 +33,6 @@ import platform
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -396,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     flag = "--deepspeed_config" if args.config is None and args.deepspeed_config else "--config"
     args.config = config_source(args)   # one name from here on (a resumed run checks it)
     ds_config, config_path = resolve_config(args.config, flag)
-    from .config import ConfigError, apply_overrides, parse_hybrid_config
+    from .config import ConfigError, apply_overrides, parse_hybrid_config, refused_before_deepspeed
     if args.baseline:
         ds_config.setdefault("hybrid_predict", {})["enabled"] = False
     try:
@@ -422,6 +421,9 @@ def main(argv: list[str] | None = None) -> dict:
         except ConfigError as err:
             raise SystemExit(f"--predictor/--trajectory: {err}") from None
     hybrid = parse_hybrid_config(ds_config)   # (with --set and --predictor applied: what the engine will run)
+    refused = refused_before_deepspeed(ds_config, hybrid)   # (initialize's own check, here before any build)
+    if refused:
+        raise SystemExit(f"{config_path}{' with --set' if args.overrides else ''}: {refused}")
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)

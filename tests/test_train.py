@@ -1,5 +1,6 @@
 """The main job end to end on a small corpus, and its input errors."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from ds_hybrid import train
 from ds_hybrid.cli import main as cli_main
 
+ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("def add(a, b):\n    return a + b\n\n" * 400)
 
 
@@ -84,6 +86,31 @@ def test_short_corpus_and_bad_config_key(tmp_path):
                                "hybrid_predict": {"verify_evry": 2}}))
     with pytest.raises(SystemExit, match="hybrid_predict.verify_evry"):
         train.main(["--config", str(cfg), "--no-progress"])
+
+
+@pytest.mark.parametrize("preset, change, key", [
+    ("50b-24gb-nvme.json", ["--set", "predictor.direction=gradient"], "zero_optimization.offload_optimizer.device"),
+    ("zenflow", [], "zero_optimization.zenflow")])
+def test_a_config_the_engine_refuses_fails_before_deepspeed_builds_anything(preset, change, key, tmp_path,
+                                                                             monkeypatch):
+    """What initialize refuses from the ds_config alone (the gradient direction on NVMe, ZenFlow with
+    the hybrid) is one of train's input errors, naming the file and the key, before an op build
+    or a model (train says what DeepSpeed is about to build: not reached)."""
+    from ds_hybrid import op_build
+    if preset == "zenflow":
+        cfg = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+        cfg.setdefault("zero_optimization", {}).update(stage=2, offload_optimizer={"device": "cpu"},
+                                                       zenflow={"topk_ratio": 0.1})
+        path = tmp_path / "zenflow.json"
+        path.write_text(json.dumps(cfg))
+    else:
+        path = ROOT / "ds_configs" / preset
+
+    def reached(*_):
+        raise AssertionError("train went on to the op builds")
+    monkeypatch.setattr(op_build, "check_op_builds", reached)
+    with pytest.raises(SystemExit, match=f"{path.name}{' with --set' if change else ''}: {key}"):
+        train.main(["--config", str(path), *change, "--no-progress"])
 
 
 def test_cli_lists_commands_and_rejects_unknown(capsys):
