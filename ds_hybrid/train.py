@@ -241,7 +241,11 @@ def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, g
     except Exception as err:   # (any model or layout it cannot count: the run itself decides)
         say(f"memory plan: none for this run ({type(err).__name__}: {err})")
         return None
-    if not est.fits:
+    refused = [r for r in est.reasons if r.startswith(planner.ENGINE_REFUSES)]
+    if refused:   # (the engine's own rule, not an estimate: it will stop at its start)
+        say(f"WARNING: the memory planner expects the engine to refuse this run: "
+            f"{refused[0][len(planner.ENGINE_REFUSES):]}")
+    elif not est.fits:
         say(f"WARNING: the memory planner puts this run over the machine's memory: {'; '.join(est.reasons)} "
             f"(an estimate; `ds-hybrid plan --model {args.model}` lists what fits)")
         rounding = sum(i.bytes for i in est.items if i.what.startswith("pinned-memory rounding"))
@@ -479,7 +483,10 @@ def main(argv: list[str] | None = None) -> dict:
         enable_checkpointing(model)
     params = layer_groups(model, args.layer_groups) if args.layer_groups > 1 else model.parameters()
     with watch_build_locks(locks, say):
-        engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
+        try:
+            engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
+        except ConfigError as err:   # (what only the built optimizer shows: the same on every rank)
+            raise SystemExit(f"{config_path}{' with --set' if args.overrides else ''}: {err}") from None
     rank, world = engine.global_rank, engine.world_size
     is_main = rank == 0
     gas = engine.batches_per_step()   # gradient_accumulation_steps; 1 under ZenFlow (a step per micro-batch)

@@ -107,6 +107,26 @@ def test_train_warns_first_when_the_planner_puts_the_run_over_the_machines_memor
     assert summary["plan"]["cpu_mem_bytes"] == 2 ** 20 and summary["plan"]["reasons"][0].startswith("CPU ")
 
 
+def test_a_setup_only_the_built_engine_refuses_ends_the_run_naming_the_key_without_a_traceback(corpus, tmp_path,
+                                                                                                capsys):
+    """The compact gradient state on the host path (on the CPU accelerator the gradient direction's
+    auto is the host path): the planner says first that the engine will refuse it (its own rule, not
+    an over-memory estimate), and the engine's ConfigError ends train as an input error naming the
+    file, the --set and the key, before any step."""
+    with pytest.raises(SystemExit) as err:
+        train.main(["--data", str(corpus), "--model", "gpt2-test", "--steps", "2", "--seq-len", "16",
+                    "--set", "predictor.direction=gradient", "--set", "memory.gradient_state_dtype=int4-factored",
+                    "--out", str(tmp_path / "run"), "--no-progress", "--no-plot", "--no-memory-profile"])
+    assert str(err.value).startswith(str(ROOT / "ds_configs" / "tiny-cpu.json") + " with --set: hybrid_predict."
+                                     "memory.gradient_state_dtype: int4-factored, but memory.offload_predict "
+                                     "resolved to host")
+    out = capsys.readouterr().out
+    assert ("WARNING: the memory planner expects the engine to refuse this run: hybrid_predict.memory."
+            "gradient_state_dtype: int4-factored, but ") in out
+    assert "puts this run over the machine's memory" not in out
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 # ------------------------------------------------------------ --help and --version
 def test_train_help_lists_presets_and_models():
     from ds_hybrid.models import known_models

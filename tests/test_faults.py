@@ -440,6 +440,11 @@ def test_bad_main_job_inputs_fail_before_training(tmp_path, no_model_built):
     not_json.write_text("{ no")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    zenflow = tmp_path / "zenflow.json"
+    zenflow.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                         "zenflow": {"topk_ratio": 0.1}},
+                                   "hybrid_predict": {"enabled": True}}))
     cases = [
         ("missing data path", ["--data", str(tmp_path / "nope")], ["--data", str(tmp_path / "nope")]),
         ("empty corpus file", ["--data", str(empty_file)], ["--data", "corpus is empty", str(empty_file)]),
@@ -453,6 +458,9 @@ def test_bad_main_job_inputs_fail_before_training(tmp_path, no_model_built):
         ("--resume without --save-dir", ["--resume"], ["--resume", "--save-dir"]),
         ("negative --save-every", ["--save-dir", str(tmp_path), "--save-every", "-1"], ["--save-every", "-1"]),
         ("--save-dir that is a file", ["--save-dir", str(a_file)], ["--save-dir", str(a_file)]),
+        ("gradient direction on NVMe offload", ["--config", "50b-24gb-nvme", "--set", "predictor.direction=gradient"],
+         ["50b-24gb-nvme.json with --set", "zero_optimization.offload_param.device: nvme", "predictor.direction"]),
+        ("ZenFlow with hybrid_predict", ["--config", str(zenflow)], [str(zenflow), "zero_optimization.zenflow"]),
     ]
     for name, args, expected in cases:
         observe_rejection(name, _main(args), expected)

@@ -48,6 +48,8 @@ from ..dist_env import child_env
 from ..pinned import QUEUE_BUFFERS, STAGE_CHUNK, STAGER_BUFFERS, pinned_block_bytes
 from .counts import ModelShape, activation_bytes, host_memory_bytes, layer_activation_elements, shape_of
 
+ENGINE_REFUSES = "the engine refuses it: "   # (a reason that is the engine's rule, not an estimate)
+
 # ---- assumptions (GPU runs; not measured here, no GPU was available) ----------------------
 CUDA_CONTEXT_BYTES = 1 * GiB          # CUDA context + cuBLAS / cuDNN workspaces + NCCL buffers per process
 GPU_FRAGMENTATION = 0.10              # the caching allocator's reserved-but-unused share on top of live bytes
@@ -725,7 +727,7 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
     return Estimate(preset=preset.name, description=preset.describe(), micro_batch=mb, seq_len=seq,
                     gpu_bytes=total["gpu"], cpu_bytes=total["cpu"], nvme_bytes=total["nvme"],
                     snapshot_bytes=snap, snapshot_where=snap_where, items=items,
-                    reasons=[f"the engine refuses it: {refused}"] if refused else [])
+                    reasons=[f"{ENGINE_REFUSES}{refused}"] if refused else [])
 
 
 # ============================================================== the plan
