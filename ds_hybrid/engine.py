@@ -252,9 +252,9 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             return
         if not za.is_adam_family(self):
             base = getattr(self.optimizer, "optimizer", self.optimizer)   # inside DeepSpeed's ZeRO/bf16 wrapper
-            raise ValueError(f"hybrid_predict: optimizer {type(base).__name__} keeps no Adam moments; Predict steps "
-                             "need Adam or AdamW (the ds_config's optimizer.type, or optimizer= to initialize), or "
-                             "set hybrid_predict.enabled to false")
+            raise ConfigError(f"hybrid_predict: optimizer {type(base).__name__} keeps no Adam moments; Predict steps "
+                              "need Adam or AdamW (the ds_config's optimizer.type, or optimizer= to initialize), or "
+                              "set hybrid_predict.enabled to false")
         self._masters = za.master_access(self)
         self._snapshot = za.PartitionBuffers(self.hybrid_config.snapshot_device)
         self._masters_on_cuda = any(p.master.is_cuda for p in self._masters.partitions())

@@ -15,7 +15,8 @@ import logging
 import torch
 
 from . import step_fusion
-from .config import compact_state_refusal, fold_from_optimizer_state, offload_devices, offload_predict_on_device
+from .config import (ConfigError, compact_state_refusal, fold_from_optimizer_state, offload_devices,
+                     offload_predict_on_device)
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
@@ -46,14 +47,13 @@ class MemoryPaths:
             return False
         amsgrad = any(g.get("amsgrad") for g in self._masters.base.param_groups)
         if amsgrad and setting == "optimizer_state":
-            raise ValueError("hybrid_predict.memory.fold_source: optimizer_state reads the update back from Adam's "
-                             "moments, which amsgrad's max does not allow; set it to snapshot")
+            raise ConfigError("hybrid_predict.memory.fold_source: optimizer_state reads the update back from Adam's "
+                              "moments, which amsgrad's max does not allow; set it to snapshot")
         return not amsgrad
 
     def _resolve_shard_fold(self) -> ShardFold | None:
         """``memory.fold_source: weights16``: the fold from the 16-bit shards, or a config error
         naming what this setup lacks."""
-        from .config import ConfigError
         cfg = self.hybrid_config
         if cfg.memory.fold_source != "weights16":
             return None
@@ -86,7 +86,7 @@ class MemoryPaths:
         if why is None:
             return DevicePredict(self._masters, backend=self.hybrid_config.kernels)
         if setting == "device":
-            raise ValueError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
+            raise ConfigError(f"hybrid_predict.memory.offload_predict: device: {why}; set it to host or auto")
         if self.global_rank == 0:
             logger.warning(f"hybrid_predict.memory.offload_predict: auto takes the host path: {why}")
         return None
@@ -95,7 +95,6 @@ class MemoryPaths:
         """``predictor.direction: gradient``: where each master partition lies in the model's
         parameters and where the run's state lives (``memory.offload_predict``), or a config
         error naming what this layout lacks."""
-        from .config import ConfigError
         if not self._masters.decoupled_decay and any(g.get("weight_decay") for g in self._masters.base.param_groups):
             raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
                               "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
@@ -139,8 +138,8 @@ class MemoryPaths:
             return False   # (memory.fold_in_step: the fold runs inside the optimizer step; true refused there)
         if setting is False or self._velocity is None:
             if setting is True:
-                raise ValueError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
-                                 "no velocity to fold with the Adam direction)")
+                raise ConfigError("hybrid_predict.memory.fold_overlap: true needs predictor.direction: drift (there is "
+                                  "no velocity to fold with the Adam direction)")
             return False
         why = None
         if self._shards is not None:
@@ -157,7 +156,7 @@ class MemoryPaths:
         if setting == "auto":
             return why is None and self._host_masters_beside_an_accelerator()
         if why is not None:
-            raise ValueError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
+            raise ConfigError(f"hybrid_predict.memory.fold_overlap: true, but {why}")
         return True
 
     def _resolve_fold_in_step(self) -> "step_fusion.FusedCpuAdam | None":
@@ -188,7 +187,7 @@ class MemoryPaths:
             why = "DeepSpeed's CPU Adam keeps its moments in 16 bits here (the fold reads fp32 moments)"
         if why is not None:
             if setting is True:
-                raise ValueError(f"hybrid_predict.memory.fold_in_step: true, but {why}")
+                raise ConfigError(f"hybrid_predict.memory.fold_in_step: true, but {why}")
             return None
         # auto takes it beside a GPU too: there it made the real steps cheaper than the fold behind
         # the step (H200, llama-1b, 2026-11-27: 1044 against 1172 ms; gpu_run.sh grad1b).
@@ -210,7 +209,7 @@ class MemoryPaths:
         if why is None and self.hybrid_config.memory.free_velocity_copy:
             why = "memory.free_velocity_copy is on (the commit would read the run's held copy after it is freed)"
         if setting is True and why is not None:
-            raise ValueError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
+            raise ConfigError(f"hybrid_predict.memory.fold_during_run: true, but {why}")
         if setting == "auto":
             # Off: measured on an H100 (llama-1b, 2026-11-26) the fold during the run made the real
             # steps slower than the fold behind the step (803 against 746 ms; Predict steps 20.4
@@ -225,7 +224,6 @@ class MemoryPaths:
         if not self.hybrid_config.memory.free_velocity_copy or self._device_predict is None:
             return False
         if self._shards is not None:
-            from .config import ConfigError
             raise ConfigError("hybrid_predict.memory.free_velocity_copy: true, but memory.fold_source is weights16: "
                               "the velocity itself lives beside the shards (there is no copy to free); set one of the "
                               "two otherwise")
@@ -236,7 +234,6 @@ class MemoryPaths:
         """``memory.cpu_step_behind``: on, or a config error naming what this setup lacks."""
         if not self.hybrid_config.memory.cpu_step_behind:
             return False
-        from .config import ConfigError
         base = self._masters.base
         why = None
         if self._gradient is None:

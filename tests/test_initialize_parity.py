@@ -403,7 +403,7 @@ def test_documented_differences():
         _init(ds_hybrid.initialize, cfg)
     del cfg["optimizer"], cfg["scheduler"]
     cfg["zero_allow_untested_optimizer"] = True
-    with pytest.raises(ValueError, match="hybrid_predict: optimizer SGD keeps no Adam moments"):
+    with pytest.raises(ds_hybrid.ConfigError, match="hybrid_predict: optimizer SGD keeps no Adam moments"):
         _init(ds_hybrid.initialize, cfg, optimizer=lambda params: torch.optim.SGD(params, lr=1e-2))
     with pytest.raises(ValueError, match="hybrid_engine section cannot be combined"):
         _init(ds_hybrid.initialize, ds_config(stage=1, hybrid_engine={"enabled": True}))

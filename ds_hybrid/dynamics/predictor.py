@@ -34,7 +34,7 @@ from collections import deque
 import torch
 
 from .. import kernels
-from ..config import DivergenceConfig, HybridPredictConfig
+from ..config import ConfigError, DivergenceConfig, HybridPredictConfig
 from .bandit import LinUCBHorizon, horizon_arms, run_reward
 from .calibration import ConfidenceCalibrator
 from .corrector import LOSS_INPUTS, ResidualCorrector
@@ -121,8 +121,8 @@ def predictor_device(setting: str) -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("hybrid_predict.dynamics.device is 'cuda' but torch sees no CUDA device here "
-                         "(set it to 'cpu' or 'auto')")
+        raise ConfigError("hybrid_predict.dynamics.device is 'cuda' but torch sees no CUDA device here "
+                          "(set it to 'cpu' or 'auto')")
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -627,8 +627,8 @@ class RSSMPredictor:
         try:
             self.model.load_state_dict(sd["model"])
         except RuntimeError as err:
-            raise ValueError(f"hybrid_predict.dynamics.init_from: {p} does not fit this RSSM shape "
-                             f"(ensemble_size/deter/stoch/horizon): {err}") from None
+            raise ConfigError(f"hybrid_predict.dynamics.init_from: {p} does not fit this RSSM shape "
+                              f"(ensemble_size/deter/stoch/horizon): {err}") from None
         if "corrector" in sd:
             self.corrector.load_state_dict(sd["corrector"])
         self.trained_rounds = max(self.trained_rounds, 1)
