@@ -242,7 +242,7 @@ def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, g
         say(f"memory plan: none for this run ({type(err).__name__}: {err})")
         return None
     refused = [r for r in est.reasons if r.startswith(planner.ENGINE_REFUSES)]
-    if refused:   # (the engine's own rule, not an estimate: it will stop at its start)
+    if refused:   # (the engine's own rule, read from the planner's view of the setup: not an estimate)
         say(f"WARNING: the memory planner expects the engine to refuse this run: "
             f"{refused[0][len(planner.ENGINE_REFUSES):]}")
     elif not est.fits:
@@ -425,9 +425,10 @@ def main(argv: list[str] | None = None) -> dict:
         except ConfigError as err:
             raise SystemExit(f"--predictor/--trajectory: {err}") from None
     hybrid = parse_hybrid_config(ds_config)   # (with --set and --predictor applied: what the engine will run)
+    config_named = f"{config_path}{' with --set' if args.overrides else ''}"   # (what a config error names)
     refused = refused_before_deepspeed(ds_config, hybrid)   # (initialize's own check, here before any build)
     if refused:
-        raise SystemExit(f"{config_path}{' with --set' if args.overrides else ''}: {refused}")
+        raise SystemExit(f"{config_named}: {refused}")
     if args.layer_groups < 1:
         raise SystemExit(f"--layer-groups: must be at least 1 (got {args.layer_groups})")
     gpu_cap = parse_gpu_cap(args.gpu_mem_cap)
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             engine, _, _, _ = ds_hybrid.initialize(model=model, model_parameters=params, config=ds_config)
         except ConfigError as err:   # (what only the built optimizer shows: the same on every rank)
-            raise SystemExit(f"{config_path}{' with --set' if args.overrides else ''}: {err}") from None
+            raise SystemExit(f"{config_named}: {err}") from None
     rank, world = engine.global_rank, engine.world_size
     is_main = rank == 0
     gas = engine.batches_per_step()   # gradient_accumulation_steps; 1 under ZenFlow (a step per micro-batch)
