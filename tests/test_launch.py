@@ -111,6 +111,23 @@ def test_multi_node_command(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_cpu_ranks_end_together_on_a_setup_only_the_built_engine_refuses(tmp_path):
+    """A ConfigError raised inside the engine's construction (the compact gradient state on the host
+    path) ends both ranks as one input error naming the key: each rank refuses at the same point,
+    so neither waits in a collective for the other (a hang would run into the timeout)."""
+    args = main_job_args(write_corpus(tmp_path), write_eager_preset(tmp_path), 4) + \
+        ["--out", str(tmp_path / "run"), "--set", "predictor.direction=gradient",
+         "--set", "memory.gradient_state_dtype=int4-factored"]
+    done = run("cpu_ranks.sh", "--master-port", str(free_port()), "2", *args, env=_clean_env(), timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    refusal = ("eager.json with --set: hybrid_predict.memory.gradient_state_dtype: int4-factored, but "
+               "memory.offload_predict resolved to host")
+    assert output.count(refusal) >= 2, output[-4000:]   # (each rank's own line)
+    assert "Traceback" not in output and not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["cpu_ranks.sh", "torchrun.sh"])
 def test_two_cpu_ranks_really_train(script, tmp_path):
     """Two CPU ranks over gloo through the real launcher; rank 0 writes the outputs."""
