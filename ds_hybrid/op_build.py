@@ -70,9 +70,8 @@ def ops_for_config(ds_config: dict, accelerator: str) -> list[str]:
     """The JIT-built ops DeepSpeed loads for this ds_config on this accelerator (``cpu``, ``cuda``):
     the optimizer's (DeepSpeed's choice in ``DeepSpeedEngine.get_optimizer_configuration``),
     NVMe's, and the CPU accelerator's shared-memory collectives."""
-    zero = ds_config.get("zero_optimization") or {}
-    offload = {section: str((zero.get(section) or {}).get("device", "none")).lower()
-               for section in ("offload_optimizer", "offload_param")}
+    from .config import offload_devices
+    offload = dict(zip(("offload_optimizer", "offload_param"), offload_devices(ds_config)))
     names = []
     if _uses_shm_comm(accelerator):
         names.append("deepspeed_shm_comm")
