@@ -12,7 +12,9 @@
   ``predict-gradient`` arm (3 gradient Predict steps after every real step from step 50), the real
   step before each run covered by the device's own Adam step (its moments in bf16 beside the bf16
   weights, the weights rounded stochastically) while DeepSpeed's CPU step runs behind the run
-  (``tests/test_cpu_step_behind.py``).
+  (``tests/test_cpu_step_behind.py``). ``gradient-int4f-behind`` against ``gradient-int4f``: the same in
+  the compact state (``memory.gradient_state_dtype: int4-factored``), whose cover is not exact: its step
+  takes the factored second moment and the 4-bit first.
 * ``weights16`` against ``inline`` with ``--bf16`` (``memory.fold_source: weights16``): the
   velocity folded from the 16-bit shards' difference on their device, each real step's update
   then rounded to bf16 twice, and the real step that commits a kept run left out of the average
@@ -32,6 +34,8 @@ accelerator ``auto`` would keep the fold inline, so the settings are forced.
         --json docs/results/shard-fold-cpu.json
     .venv/bin/python benchmarks/fold_overlap_ab.py --arms gradient gradient-behind --bf16 --seeds 1 2 3 4 5 6 \
         --json docs/results/cpu-step-behind-cpu.json
+    .venv/bin/python benchmarks/fold_overlap_ab.py --arms gradient-int4f gradient-int4f-behind --bf16 \
+        --seeds 1 2 3 4 5 6 --json docs/results/cpu-step-behind-int4f-cpu.json
 
 Runs go to ``--out`` (default ``/tmp/fold-overlap-ab``), two at a time with one thread each
 (the runs are deterministic: their losses do not depend on timing). The times they report are
@@ -66,7 +70,12 @@ SETTINGS = {"inline": {"fold_overlap": False, "fold_during_run": False},
         # the bench's predict-gradient arm on the device path, the real step before each run taking its
         # CPU Adam step at once or behind the run with the GPU's cover (memory.cpu_step_behind)
         "gradient": {"_arm": "predict-gradient"},
-        "gradient-behind": {"_arm": "predict-gradient", "cpu_step_behind": True}}
+        "gradient-behind": {"_arm": "predict-gradient", "cpu_step_behind": True},
+        # ... in the compact state (memory.gradient_state_dtype: int4-factored, the 7B route): the cover builds
+        # that state and folds the real step's gradient into it, its step from the factored second moment
+        "gradient-int4f": {"_arm": "predict-gradient", "gradient_state_dtype": "int4-factored"},
+        "gradient-int4f-behind": {"_arm": "predict-gradient", "gradient_state_dtype": "int4-factored",
+                                  "cpu_step_behind": True}}
 
 
 def config(arm: str, bf16: bool = False) -> dict:

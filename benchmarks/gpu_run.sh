@@ -47,6 +47,8 @@
 #            per phase, bookkeeping and DeepSpeed's timers (the issue's bar: a Predict step at most 0.1x a plain
 #            step, real steps at most 1.05x). GRAD1B_VARIANTS picks others (grad-device-int4f, grad-device-int4f-behind: the
 #            compact state, its kept run's commit inline or behind the next real step's backward on a side stream;
+#            grad-device-int4f-cpubehind: the compact state with the real step's CPU Adam step behind the run, its
+#            cover building the state and folding the step's gradient in;
 #            grad-device-behind: the real step's CPU Adam step
 #            behind the run, the GPU covering it; grad-device-noprefetch and grad-device-inline: no
 #            host thread beside the real step's backward; grad-device-quarter, grad-device-eighth: each Predict
@@ -105,7 +107,8 @@
 #            (7b-24gb, ZeRO 3 with the parameters offloaded too, needs 125.5 GiB of host memory for
 #            DeepSpeed's buffers alone: more than this machine has; docs/results/offload-host-layout.json)
 #            TRAIN7B_GRADIENT=int4-factored: the hybrid arm's Predict steps take their own gradient in the
-#            compact state (memory.gradient_state_dtype; ds_hybrid/compact_moments.py), not the drift step.
+#            compact state (memory.gradient_state_dtype; ds_hybrid/compact_moments.py), not the drift step;
+#            with TRAIN7B_CPU_BEHIND=1 also memory.cpu_step_behind (the real step's CPU Adam step behind each run).
 #            TRAIN7B_ARMS (default "hybrid plain") runs one arm a call where both do not fit one (the
 #            build of 6.5B weights on the CPU, DeepSpeed's CPU Adam build and pageable copies of 13-26 GB a
 #            step: a few minutes an arm), TRAIN7B_STEPS (12) the steps of each
@@ -275,7 +278,8 @@ c['hybrid_predict'].update(warmup_steps=4, full_steps=2, min_predict_steps=2, ma
 state = os.environ.get('TRAIN7B_GRADIENT')
 if state:   # (a gradient Predict step in the compact state: memory.gradient_state_dtype)
     c['hybrid_predict']['predictor'] = {'direction': 'gradient'}
-    c['hybrid_predict']['memory'] = {'offload_predict': 'device', 'gradient_state_dtype': state}
+    c['hybrid_predict']['memory'] = {'offload_predict': 'device', 'gradient_state_dtype': state,
+                                     'cpu_step_behind': os.environ.get('TRAIN7B_CPU_BEHIND') == '1'}
 json.dump(c, open('/tmp/7b-short.json', 'w'))
 print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_optimizer']['pin_memory'],
       'predictor', c['hybrid_predict']['predictor'])"

@@ -48,6 +48,16 @@ the weights those ``N`` steps see by the update before (per unit LR, at the last
 the missing one. ``--window 0`` holds the moments from before the real step with no stale weights: what the
 moments alone cost. On a GPU the window hides the CPU step (441 ms of 847 on the H200's llama-1b) under the run.
 
+``--real-cover compact`` prices the CPU window covered in the compact state (``memory.cpu_step_behind`` with
+``memory.gradient_state_dtype`` ``int8-factored`` / ``int4-factored``): the real step before each run is taken by the
+GPU while the optimizer's exact step runs behind. As the engine's cover does, it takes the optimizer's moments from
+before the step into the compact state and folds the step's gradient (clipped by the whole norm, as DeepSpeed's) into
+both: the first moment held in 8 or 4 bits, the second factored (its row and column means are linear in ``g^2``). The
+weights take Adam's step from those (the 16-bit weights with ``--weights bf16-sr``), and the run starts from them and
+from those moments; the optimizer's exact step is the masters' and the host moments', and the run's commit carries
+the difference between the two steps into the masters. What it costs against the uncovered compact path is that one
+real step a run taken from the held first moment and the factored second moment.
+
 ``--gradient-fraction F`` takes each gradient Predict step's gradient from the first ``round(F x batch)`` sequences
 of its batch (at least one; the engine's ``predictor.gradient_batch_fraction``, which under gradient accumulation
 takes the first micro-batches): the step still consumes its whole batch from the stream, as the engine's does. On a
@@ -151,7 +161,8 @@ def run_key(row: dict) -> tuple:
     return (row["mode"], row["seed"], row["steps"], row["F"], row["H"], row["start"], row["state_dtype"],
             row.get("weights", "fp32"), row.get("top_blocks"), row.get("lower"), row.get("cut_clip"),
             row.get("window"), row.get("window_cover"), row.get("gradient_fraction", 1.0),
-            row.get("gradient_lr_scale", 1.0), row.get("gradient_beta1"), row.get("predict_clip", "own"))
+            row.get("gradient_lr_scale", 1.0), row.get("gradient_beta1"), row.get("predict_clip", "own"),
+            row.get("real_cover", "none"))
 
 
 def job_key(args: tuple, kw: dict) -> tuple:
@@ -166,7 +177,7 @@ def job_key(args: tuple, kw: dict) -> tuple:
             kw.get("cut_clip", "own") if top is not None else None,
             window, kw.get("window_cover", "none") if window is not None else None,
             kw.get("gradient_fraction", 1.0), kw.get("gradient_lr_scale", 1.0), kw.get("gradient_beta1"),
-            kw.get("predict_clip", "own"))
+            kw.get("predict_clip", "own"), kw.get("real_cover", "none"))
 
 
 def rebased_first_moment(m_run: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, steps: int) -> torch.Tensor:
@@ -222,13 +233,13 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
           top_blocks: int | None = None, lower: str = "still", cut_clip: str = "own",
           window: int | None = None, window_cover: str = "none", gradient_fraction: float = 1.0,
           gradient_lr_scale: float = 1.0, gradient_beta1: float | None = None, eval_every: int | None = None,
-          eval_from: int = 0, predict_clip: str = "own") -> dict:
+          eval_from: int = 0, predict_clip: str = "own", real_cover: str = "none") -> dict:
     """One run; ``mode=None`` is plain AdamW for ``steps`` real steps on its own schedule. ``weights``: what a
     gradient Predict step updates: ``fp32`` the weights exactly (a GPU holding the run's displacement in fp32),
     ``bf16-sr`` the 16-bit weights the GPU holds, rounded stochastically, the masters catching up at the next
     real step by the 16-bit weights' change over the run. ``window``, ``gradient_fraction``,
-    ``gradient_lr_scale``, ``gradient_beta1``, ``eval_every``, ``eval_from``, ``predict_clip``: see the module
-    docstring."""
+    ``gradient_lr_scale``, ``gradient_beta1``, ``eval_every``, ``eval_from``, ``predict_clip``, ``real_cover``: see
+    the module docstring."""
     model, params, opt, stream, val_data = setup(seed, lr, batch, model_name, seq_len, device)
     vb = [{k: v.to(device) for k, v in b.items()} for b in val_batches(val_data, seq_len, 16, max_batches=16)]
     autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,  # noqa: E731
@@ -238,6 +249,11 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
     held = torch.bfloat16 if state_dtype == "bf16" else torch.float32
     compact = state_dtype in ("int8-factored", "int4-factored")   # m in 8- or 4-bit blocks, v factored (7B)
     rounding = torch.Generator(device=device).manual_seed(seed)
+    if state_dtype == "int8-factored":
+        m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
+        hold = lambda i, m: held_int8(m_int8[i], m, rounding)  # noqa: E731
+    else:
+        hold = lambda i, m: held_int4(m, rounding)  # noqa: E731
     cut = cut_backward(model, top_blocks) if top_blocks is not None else [False]
     embedding = model.get_input_embeddings().weight
 
@@ -311,6 +327,7 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         return float(loss.detach())
 
     prev = vel = None
+    covered = None   # --real-cover: the weights and moments the GPU's step of the real step before a run left
     # --window: the last real step's update, its LR and the optimizer state before it; the update before, per unit LR
     last_update = last_lr = pre_state = unit_before = None
     t = real = predicted = since = 0
@@ -321,6 +338,8 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             behind = window is not None and pre_state is not None
             if behind:   # the state as the GPU copied it during the last real step's forward and backward
                 k, m_src, v_src = pre_state
+            elif covered is not None:   # --real-cover: the moments the GPU's own real step left (m already held)
+                k, m_src, v_src = covered["k"], covered["m"], covered["v"]
             else:
                 k = int(opt.state[params[0]]["step"])
                 m_src = [opt.state[p]["exp_avg"] for p in params]
@@ -334,21 +353,22 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             # clone: the optimizer's own m is touched only where adam-carry hands the run's m back
             m_loc = ([m.to(held).float().clone() for m in m_src]
                      if mode in ("adam-local", "adam-carry") else None)
-            if compact and m_loc is not None:   # the run's m as the GPU's compact copy of the optimizer's holds it
-                if state_dtype == "int8-factored":
-                    m_int8 = [CompactBuffer(p.numel(), "int8", p.device) for p in params]
-                    hold = lambda i, m: held_int8(m_int8[i], m, rounding)  # noqa: E731
-                else:
-                    hold = lambda i, m: held_int4(m, rounding)  # noqa: E731
+            if compact and m_loc is not None and covered is None:   # the GPU's compact copy of the optimizer's m
                 m_loc = [hold(i, m) for i, m in enumerate(m_loc)]
             taken = 0
             sixteen = weights == "bf16-sr" and mode in GRADIENT_MODES
             if sixteen:   # the GPU's 16-bit weights, which the Predict steps' forwards see
                 start_masters = [p.detach().clone() for p in params]
-                w16 = [p.detach().to(torch.bfloat16) for p in params]
+                w16 = ([stochastic_bf16(w, rounding) for w in covered["weights"]] if covered is not None
+                       else [p.detach().to(torch.bfloat16) for p in params])
                 with torch.no_grad():
                     for p, w in zip(params, w16):
                         p.copy_(w.float())
+            elif covered is not None:   # the weights the GPU's step left (the commit carries the difference)
+                with torch.no_grad():
+                    for p, w in zip(params, covered["weights"]):
+                        p.copy_(w)
+            covered = None
             for j in range(H):
                 if t + j >= steps:
                     break
@@ -413,6 +433,11 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             continue
         for g in opt.param_groups:
             g["lr"] = lr_at(t)
+        # --real-cover: a run follows this step (its optimizer state exists: not the first step)
+        cover = real_cover != "none" and mode is not None and t + 1 >= start and since + 1 >= F and t > 0
+        if cover:
+            cover_before = [p.detach().clone() for p in params]
+            cover_m = [opt.state[p]["exp_avg"].clone() for p in params]
         gradient()
         if taken_norm[0] is not None:
             noise.observe(taken_norm[0] ** 2, taken_norm[1], True, t)
@@ -429,6 +454,9 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
         opt.step()
         if window is not None:
             last_update, last_lr = [p.detach() - b for p, b in zip(params, before)], lr_at(t)
+        if cover:
+            covered = cover_step(params, cover_before, cover_m, [opt.state[p]["exp_avg_sq"] for p in params],
+                                 int(opt.state[params[0]]["step"]), lr_at(t), hold)
         if mode == "drift":
             w = flat()
             vel, prev = fold_velocity(vel, w, prev, lr_at(t), drift_beta), w
@@ -448,9 +476,28 @@ def train(seed: int, lr: float, steps: int, mode: str | None, F: int = 1, H: int
             "gradient_lr_scale": gradient_lr_scale if mode in GRADIENT_MODES else 1.0,
             "gradient_beta1": gradient_beta1 if mode in ("adam-local", "adam-carry") else None,
             "predict_clip": predict_clip if mode in GRADIENT_MODES else "own",
+            "real_cover": real_cover if mode is not None else "none",
             "val_loss": val,
             "noise_scale": noise.summary() if mode in GRADIENT_MODES and gradient_fraction < 1.0 else None,
             "curve": curve if eval_every else None, "train_seconds": seconds}
+
+
+@torch.no_grad()
+def cover_step(params: list, before: list, m_pre: list, v_post: list, k: int, lr: float, hold) -> dict:
+    """``--real-cover compact``: the real step as the engine's cover takes it in the compact state (the module
+    docstring). ``params``' ``.grad`` is the step's gradient, clipped by the whole norm; ``m_pre`` the optimizer's
+    first moment before the step, ``v_post`` its second after it (``beta2 v + (1 - beta2) g^2``: the cover's update
+    of the factored means is that one's); ``k`` the step count after it. Returns the weights it moves ``before`` to
+    and the run's moments (``m`` held as the state holds it).
+    """
+    weights, ms, vs = [], [], []
+    for i, p in enumerate(params):
+        m = hold(i, m_pre[i] * BETAS[0] + (1 - BETAS[0]) * p.grad.float())
+        v = v_post[i].clone()
+        denom = factored_rms(v / (1 - BETAS[1] ** k)) + EPS
+        weights.append(before[i] * (1 - lr * WEIGHT_DECAY) - lr * (m / (1 - BETAS[0] ** k)) / denom)
+        ms.append(m), vs.append(v)
+    return {"k": k, "m": ms, "v": vs, "weights": weights}
 
 
 def held_int8(buf: CompactBuffer, m: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -642,7 +689,7 @@ def report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], s
                       "window": args.window, "window_cover": args.window_cover,
                       "gradient_fraction": args.gradient_fraction,
                       "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
-                      "predict_clip": args.predict_clip, "device": args.device,
+                      "predict_clip": args.predict_clip, "real_cover": args.real_cover, "device": args.device,
                       "bf16": args.bf16, "jobs": args.jobs, "threads": args.threads,
                       "eval_every": args.eval_every, "eval_from": args.eval_from, "target_steps": args.target_steps,
                       "real_cost": args.real_cost, "predict_cost": args.predict_cost},
@@ -700,6 +747,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "(0: the moments alone)")
     p.add_argument("--window-cover", default="none", choices=["none", "last"],
                    help="with --window, the weights those N steps see moved by the update before, as a guess")
+    p.add_argument("--real-cover", default="none", choices=["none", "compact"],
+                   help="compact: the real step between two runs taken by the GPU in the run's compact state "
+                        "while the optimizer's exact step runs behind (the module docstring)")
     p.add_argument("--gradient-fraction", type=float, default=1.0, metavar="F",
                    help="gradient Predict steps take their gradient from the first round(F x --batch) sequences of "
                         "their batch (0 < F <= 1)")
@@ -772,6 +822,13 @@ def main(argv: list[str] | None = None) -> dict:
         if not set(args.modes) <= set(GRADIENT_MODES):
             p.error(f"--window: the Predict steps must take a gradient, --modes among {', '.join(GRADIENT_MODES)} "
                     f"(got {' '.join(args.modes)})")
+    if args.real_cover != "none":
+        if not set(args.modes) <= {"adam-local", "adam-carry"} or args.state_dtype not in ("int8-factored",
+                                                                                         "int4-factored"):
+            p.error("--real-cover compact: --modes among adam-local, adam-carry with --state-dtype int8-factored or "
+                    "int4-factored (the cover builds the run's compact state)")
+        if args.window is not None or args.top_blocks is not None:
+            p.error("--real-cover with --window or --top-blocks: one at a time")
     if args.top_blocks is not None:
         try:   # (here, not in a worker process: the model's block count from a copy of it)
             cut_backward(build_model(args.model, vocab_size=256, seq_len=args.seq_len), args.top_blocks)
@@ -814,7 +871,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "window": args.window, "window_cover": args.window_cover,
                      "gradient_fraction": args.gradient_fraction,
                      "gradient_lr_scale": args.gradient_lr_scale, "gradient_beta1": args.gradient_beta1,
-                     "predict_clip": args.predict_clip})
+                     "predict_clip": args.predict_clip, "real_cover": args.real_cover})
                    for F, H in args.schedules for mode in args.modes]
         for job in wanted:
             key = job_key(*job)

@@ -163,6 +163,53 @@ class CompactMoments:
             for k, s in enumerate(self.parts[i] or ()):
                 self._store_m(s, part.state["exp_avg"].view(-1)[s.ms:s.ms + s.n], _mix(key, i, k))
 
+    @torch.no_grad()
+    def fold_real_step(self, s: SliceMoments, g: torch.Tensor, beta1: float, beta2: float, key: int) -> None:
+        """A real step's clipped gradient into slice ``s``'s moments (``g`` its values, any device):
+        ``m = beta1 m + (1 - beta1) g`` as ``fold_chunk`` folds a Predict step's, and
+        ``v = beta2 v + (1 - beta2) g^2`` on the dense head and tail as they are and on the whole
+        rows' row and column means by the same update (a mean is linear: they are then the means
+        of the stepped ``v``); ``r_mean`` and ``v_sum`` follow. Each ``CHUNK`` of ``g`` crosses to the
+        state's device once, for both. ``memory.cpu_step_behind``'s cover of a real step in this
+        state (``GradientPredict._cover_compact``): no host moment crosses, the gradient does."""
+        alpha = torch.full((), 1.0 - beta1, dtype=torch.float32, device=self.device)
+        lo_body, hi_body, tail0 = s.head, s.head + s.rows * s.cols, s.n - s.tail
+        if s.rows:
+            rows = torch.zeros(s.rows, dtype=torch.float32, device=self.device)   # each row's sum of g^2
+            cols = torch.zeros(s.cols, dtype=torch.float32, device=self.device)   # each column's
+        s.dense_v.mul_(beta2)
+        for a in range(0, s.n, CHUNK):
+            b = min(a + CHUNK, s.n)
+            gc = g[a:b].to(self.device, torch.float32)
+            self.fold_chunk(s, gc, a, alpha, beta1, True, key)
+            sq = gc.square()   # (not in place: off a GPU, gc may be the caller's own gradient)
+            if a < s.head:
+                e = min(b, s.head)
+                s.dense_v[a:e].add_(sq[:e - a], alpha=1.0 - beta2)
+            if s.tail and b > tail0:
+                t = max(a, tail0)
+                s.dense_v[s.head + t - tail0:s.head + b - tail0].add_(sq[t - a:b - a], alpha=1.0 - beta2)
+            lo, hi = max(a, lo_body), min(b, hi_body)
+            if lo < hi:   # (whole rows of it, the chunk's partial first and last rows padded with zeros)
+                off, r0 = (lo - lo_body) % s.cols, (lo - lo_body) // s.cols
+                n_rows = (off + hi - lo + s.cols - 1) // s.cols
+                block = sq.new_zeros(n_rows * s.cols)
+                block[off:off + hi - lo] = sq[lo - a:hi - a]
+                block = block.view(n_rows, s.cols)
+                rows[r0:r0 + n_rows] += block.sum(dim=1)
+                cols += block.sum(dim=0)
+        v_sum = float(s.dense_v.sum(dtype=torch.float64))
+        if s.rows:
+            s.r.mul_(beta2).add_(rows, alpha=(1.0 - beta2) / s.cols)
+            s.c.mul_(beta2).add_(cols, alpha=(1.0 - beta2) / s.rows)
+            s.r_mean = float(s.r.mean(dtype=torch.float64))
+            v_sum += float(s.r.sum(dtype=torch.float64)) * s.cols
+        s.v_sum = v_sum
+
+    def refresh_shares(self, all_reduce) -> None:
+        """The next step's shares from the second moment as it stands (``fold_real_step`` changed it). Collective."""
+        self.shares = self._v_shares(all_reduce)
+
     # ------------------------------------------------------------------ a step
     def fold_scale(self, p: torch.nn.Parameter, norm: torch.Tensor, clip: float, beta1: float,
                    weight: float) -> torch.Tensor:
@@ -247,11 +294,17 @@ class CompactMoments:
     def nbytes(self) -> int:
         return sum(s.nbytes() for sl in self.parts if sl for s in sl)
 
-    def state_dict(self) -> dict:
-        """The first moments and the next step's shares (the second moment is the optimizer's, read
-        again at a resume)."""
-        return {"m": [None if sl is None else [s.m.state_dict() for s in sl] for sl in self.parts],
-                "shares": [self.shares.get(p, 0.0) for p in self.params]}
+    def state_dict(self, v: bool = False) -> dict:
+        """The first moments and the next step's shares; the second moment is the optimizer's, read
+        again at a resume, unless ``v`` (a covered run's, ``fold_real_step``'s: saved with it)."""
+        sd = {"m": [None if sl is None else [s.m.state_dict() for s in sl] for sl in self.parts],
+              "shares": [self.shares.get(p, 0.0) for p in self.params]}
+        if v:
+            cpu = lambda t: None if t is None else t.detach().to("cpu", copy=True)  # noqa: E731
+            sd["v"] = [None if sl is None else [{"r": cpu(s.r), "c": cpu(s.c), "dense": cpu(s.dense_v),
+                                                 "r_mean": s.r_mean, "v_sum": s.v_sum} for s in sl]
+                       for sl in self.parts]
+        return sd
 
     def load_state_dict(self, sd: dict) -> bool:
         """``state_dict()``'s; False (nothing loaded) where the slices differ."""
@@ -264,6 +317,12 @@ class CompactMoments:
         for sl, sv in zip(self.parts, saved):
             for s, d in zip(sl or (), sv or ()):
                 s.m.load_state_dict(d)
+        for sl, sv in zip(self.parts, sd.get("v") or ()):   # (a covered run's own second moment)
+            for s, d in zip(sl or (), sv or ()):
+                for name, t in (("r", s.r), ("c", s.c), ("dense", s.dense_v)):
+                    if t is not None:
+                        t.copy_(d[name])
+                s.r_mean, s.v_sum = d["r_mean"], d["v_sum"]
         self.shares = dict(zip(self.params, sd["shares"]))
         return True
 

@@ -247,19 +247,16 @@ def offload_predict_on_device(setting: str, host_masters_beside_accelerator: boo
     return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
 
 
-def compact_state_refusal(gradient_state_dtype: str, cpu_step_behind: bool, device_path: bool) -> str | None:
+def compact_state_refusal(gradient_state_dtype: str, device_path: bool) -> str | None:
     """Why ``predictor.direction: gradient`` cannot take ``memory.gradient_state_dtype``
     ``int8-factored`` / ``int4-factored`` in this setup (None: it can, or the dtype is not one of
     them). The engine refuses the run with it; the planner marks the preset as not fitting."""
     if gradient_state_dtype not in ("int8-factored", "int4-factored"):
         return None
-    if not device_path:
-        why = "memory.offload_predict resolved to host (the compact state lives beside the 16-bit weights)"
-    elif cpu_step_behind:
-        why = "memory.cpu_step_behind is on (its covered step leaves the run full-size moments)"
-    else:
+    if device_path:
         return None
-    return f"hybrid_predict.memory.gradient_state_dtype: {gradient_state_dtype}, but {why}"
+    return (f"hybrid_predict.memory.gradient_state_dtype: {gradient_state_dtype}, but memory.offload_predict "
+            "resolved to host (the compact state lives beside the 16-bit weights)")
 
 
 def nvme_state_refusal(offload_optimizer_device: str, offload_param_device: str) -> str | None:
@@ -372,7 +369,11 @@ class MemoryConfig(_Section):
     backward produces it (``ds_hybrid/compact_moments.py``; 0.94-0.95 of a real step at 1 : 3 and
     1 : 7 on the study's model, against 0.95-0.96 with the whole gradient's clip).
     ``int4-factored``: the first moment in 4 bits (1.00 and 1.06 there): what fits 7B under 24 GB
-    (docs/memory.md). Neither with ``cpu_step_behind``; their moments are made at the run's first
+    (docs/memory.md). With ``cpu_step_behind`` the real step's cover builds the run's compact
+    moments from the optimizer's before the step and folds the step's gradient into both, the
+    second moment's row and column means by the same update, so only the gradient crosses
+    besides what a run's start copies (the factored second moment in the real step's update too:
+    a step from the last run's kind of state, its loss priced in docs/memory.md). Otherwise their moments are made at the run's first
     step (no prefetch), and a kept run's commit is inline unless ``commit_overlap`` is true; with ZeRO 3's ``offload_param: cpu`` they are in host memory, beside the
     16-bit partitions, and each gradient slice crosses to them in its hook."""
 
@@ -410,7 +411,14 @@ class MemoryConfig(_Section):
     there the cover takes on the host the step it moves off the real step. Why (docs/memory.md, "The CPU window"): a step left behind cost 25-67% in
     loss on the CPU preset, a guessed cover more; this cover is exact. What it saves is a GPU
     number, owed: up to the CPU Adam step, 441 of the gradient arm's 869 ms real step for
-    llama-1b beside an H200, less the copies of the gradient and moments to the GPU."""
+    llama-1b beside an H200, less the copies of the gradient and moments to the GPU. With
+    ``gradient_state_dtype`` ``int8-factored`` / ``int4-factored`` (the 7B route) the cover
+    builds the run's compact moments from the optimizer's before the step, as a run's start
+    does, and folds the step's gradient into both (the second moment's row and column means by
+    the same update): the gradient is the one extra copy, and the full-size moments are never
+    on the GPU. Its step then takes the factored second moment, as the run's steps do (not
+    exact: the run's commit carries its difference from DeepSpeed's step into the masters;
+    priced in loss by ``benchmarks/grad_step_study.py --real-cover compact``, docs/memory.md)."""
 
     commit_overlap: bool | Literal["auto"] = "auto"
     """With the device-side Predict path (``offload_predict``): the masters take a kept run's

@@ -43,7 +43,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from . import host_kernels, kernels
-from .compact_moments import CompactMoments
+from .compact_moments import CompactMoments, _mix
 from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .quant import worker_scratch
@@ -560,9 +560,13 @@ class GradientPredict(WorkerOwner):
         from the deferred calls' clipped gradient and moments from before the step (copied there in
         ``state_dtype``; the moments' arithmetic in fp32), into the weights with ``held_adam_step``
         (a bf16 weight rounded stochastically); the stepped moments become the run's state. The
-        calls' own step of the masters runs later (``step_behind``). Collective (the all-gather)."""
-        parts = list(self.access.partitions())
+        calls' own step of the masters runs later (``step_behind``). Collective (the all-gather).
+        In the compact state, ``_cover_compact``."""
         by_ptr = {call.params.data_ptr(): call for call in calls}
+        if self.compact:
+            self._cover_compact(calls, by_ptr, step)
+            return
+        parts = list(self.access.partitions())
         from .quant import CHUNK, scratch
         ms: list = []
         vs: list = []
@@ -593,6 +597,41 @@ class GradientPredict(WorkerOwner):
                                "and report it")
         self.access.gather_device_shards()
         self.m, self.v, self._next = ms, vs, None
+        self.covered = True
+
+    def _cover_compact(self, calls: list, by_ptr: dict, step: int) -> None:
+        """``cover`` in the compact state (``memory.gradient_state_dtype``): the run's moments built
+        from the optimizer's as they stand before the step (its calls have not run), the calls'
+        gradient (DeepSpeed's clip already in it) folded into both (the first moment as a Predict
+        step folds its own; the second moment's row and column means by the same update as the
+        whole, ``CompactMoments.fold_real_step``, one copy of each chunk), then Adam's step of the 16-bit weights from them,
+        the factored second moment in it as in the run's steps. What crosses to the GPU is what a
+        run's start copies (the first moment; the second's means are taken in host memory) and
+        the gradient; the full-size stepped moments never exist there. Collective (the shares'
+        sums, the all-gather)."""
+        parts = list(self.access.partitions())
+        key = _round_key(self.seed, step, 0, salt=0x2545F491)
+        self._begin_compact(key)   # (the moments before the step; joins a commit still writing them)
+        moments, stepped = self.moments, 0
+        for i, part in enumerate(parts):
+            slices = moments.parts[i]
+            call = by_ptr.get(part.master.data_ptr()) if slices else None
+            if call is None or call.params.numel() != part.master.numel():
+                continue
+            g = call.grads.view(-1)
+            for k, s in enumerate(slices):
+                moments.fold_real_step(s, g[s.ms:s.ms + s.n], call.beta1, call.beta2, _mix(key, i, k))
+            kw = dict(lr=float(call.lr), beta1=call.beta1, beta2=call.beta2, eps=call.eps, step=call.step,
+                      weight_decay=float(call.weight_decay), bias_correction=bool(call.bias_correction))
+            moments.step(i, self._shard(i), lambda x, m, v, key, kw=kw: self._held_adam(x, m, v, key=key, **kw),
+                         key=_round_key(self.seed, step, i, salt=0x5BD1E995))
+            stepped += 1
+        if stepped != len(calls):
+            raise RuntimeError("ds_hybrid: hybrid_predict.memory.cpu_step_behind: DeepSpeed's CPU Adam stepped tensors "
+                               "that are not the hybrid's master partitions; set memory.cpu_step_behind to false "
+                               "and report it")
+        moments.refresh_shares(self._all_reduce)   # (the run's first shares: of the stepped v's norm)
+        self.access.gather_device_shards()
         self.covered = True
 
     def step_behind(self, calls: list) -> None:
@@ -732,6 +771,7 @@ class GradientPredict(WorkerOwner):
         the masters caught up with the 16-bit weights; ``background`` (``memory.commit_overlap:
         true``) on the host thread, as ``_hand_over`` is."""
         moments, self.moments = self.moments, None
+        self.covered = False
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))]
         if background and not resync:
@@ -814,8 +854,9 @@ class GradientPredict(WorkerOwner):
         16-bit partitions, which hold the run while the masters hold the last good point."""
         self.wait()
         sd: dict = {"nonfinite": self.nonfinite, "on_device": self.on_device, "m": None, "shards": None}
-        if self.moments is not None:   # (the compact state's first moments; its second is read again)
-            sd["compact"] = self.moments.state_dict()
+        if self.moments is not None:   # (the compact state's first moments; its second is read again, but a
+            # covered run's, which is its own)
+            sd["compact"] = self.moments.state_dict(v=self.covered)
             sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.moments.parts))]
             return sd
         if self.m is not None:
@@ -903,6 +944,7 @@ class GradientPredict(WorkerOwner):
         for i, t in enumerate(sd["shards"]):
             self._shard(i).copy_(t.view(-1))
         self.access.gather_device_shards()
+        self.covered = saved.get("v") is not None
         return None
 
     def _repropagate(self) -> None:

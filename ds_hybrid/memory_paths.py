@@ -112,7 +112,7 @@ class MemoryPaths:
             on_device = False
         dtype = torch.float32
         compact = {"int8-factored": "int8", "int4-factored": "int4"}.get(mem.gradient_state_dtype)
-        refused = compact_state_refusal(mem.gradient_state_dtype, bool(mem.cpu_step_behind), on_device)
+        refused = compact_state_refusal(mem.gradient_state_dtype, on_device)
         if refused:
             raise ConfigError(refused)
         if not compact and on_device:

@@ -122,6 +122,45 @@ def test_a_fold_is_the_clipped_moment_within_the_int8_rounding_and_the_step_is_a
     torch.testing.assert_close(shard, expect, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 256])
+def test_a_real_steps_gradient_folds_into_both_moments_as_the_whole_steps_would(chunk, monkeypatch):
+    """``fold_real_step`` (``memory.cpu_step_behind``'s cover): the first moment is ``0.9 m + 0.1 g`` within
+    its int8 rounding, and the second's dense head and tail, row means and column means are those of
+    ``0.999 v + 0.001 g^2``, whether a chunk holds the slice or cuts its rows (256 values across rows of
+    24: each chunk's partial rows summed into the right ones); the shares follow the stepped second
+    moment, and the caller's gradient is left as it was."""
+    from ds_hybrid import compact_moments
+    monkeypatch.setattr(compact_moments, "CHUNK", chunk)
+    w, b = torch.nn.Parameter(torch.zeros(40, 24)), torch.nn.Parameter(torch.zeros(6))
+    slices = [[(w, 5, 0, 900), (b, 0, 900, 6)]]   # (w's values 5 .. 904: a head of 19, 36 rows, a tail of 17)
+    gen = torch.Generator().manual_seed(5)
+    m0, v0 = torch.randn(906, generator=gen) * 1e-2, torch.rand(906, generator=gen) * 1e-4 + 1e-6
+    cm = CompactMoments(slices, [w, b], torch.device("cpu"))
+    cm.build([_fake_partition(v0, m0)], key=2, all_reduce=lambda t: None)
+    s_w, s_b = cm.parts[0]
+    assert (s_w.head, s_w.rows, s_w.tail) == (19, 36, 17)
+    start = torch.cat([s.m.load() for s in cm.parts[0]])
+    g = torch.randn(906, generator=gen) * 1e-2
+    g_before = g.clone()
+    for k, s in enumerate(cm.parts[0]):
+        cm.fold_real_step(s, g[s.ms:s.ms + s.n], 0.9, 0.999, key=7 + k)
+    cm.refresh_shares(lambda t: None)
+    assert torch.equal(g, g_before)
+    want_m = 0.9 * start + 0.1 * g
+    got_m = torch.cat([s.m.load() for s in cm.parts[0]])
+    torch.testing.assert_close(got_m, want_m, rtol=0, atol=2 * float(want_m.abs().max()) / 127)
+    v = 0.999 * v0 + 0.001 * g * g
+    body = v[19:19 + 36 * 24].view(36, 24)
+    torch.testing.assert_close(s_w.r, body.mean(dim=1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(s_w.c, body.mean(dim=0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(s_w.dense_v, torch.cat([v[:19], v[883:900]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(s_b.dense_v, v[900:], rtol=1e-6, atol=0)
+    assert s_w.r_mean == pytest.approx(float(body.mean(dim=1).double().mean()), rel=1e-5)
+    assert s_w.v_sum == pytest.approx(float(v[:900].double().sum()), rel=1e-5)
+    total = math.sqrt(float(v.double().sum()))
+    assert cm.shares[b] == pytest.approx(math.sqrt(float(v[900:].double().sum())) / total, rel=1e-5)
+
+
 def test_each_slices_first_moment_is_whole_int8_blocks_of_its_own():
     w, b, slices = _layout()
     cm = CompactMoments(slices, [w, b], torch.device("cpu"))
@@ -376,9 +415,9 @@ def test_a_fold_queued_through_pinned_buffers_is_the_fold_in_the_hook_bit_for_bi
 
 @pytest.mark.parametrize("changes, match", [
     (dict(offload_predict="host"), "resolved to host"),
-    (dict(cpu_step_behind=True), "cpu_step_behind"),
 ])
 def test_setups_it_cannot_take_are_refused_naming_the_key(changes, match):
+    """(``cpu_step_behind`` is taken since 2026-12-01: tests/test_cpu_step_behind.py.)"""
     stage = changes.pop("stage", 2)
     memory = {"offload_predict": "device", "gradient_state_dtype": "int8-factored", **changes}
     with pytest.raises(ConfigError, match=f"gradient_state_dtype: int8-factored, but .*{match}"):

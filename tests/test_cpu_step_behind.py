@@ -95,6 +95,99 @@ def test_the_gpus_step_is_adams_step_of_the_clipped_gradient():
     assert _equal(master_copies(eng), master_copies(ref)) and _equal(_moments(eng, "exp_avg"), _moments(ref, "exp_avg"))
 
 
+COMPACT = dict(gradient_state_dtype="int4-factored")
+
+
+def _covered_steps(now, behind, a, b, steps: int, rel: float):
+    """Both engines step side by side (the same phases and checks, losses within ``rel``); yields the
+    count of real steps ``behind`` covered so far at each, its CPU step still running."""
+    covered = 0
+    for _ in range(steps):
+        ra, rb = now.train_step(a.step()), behind.train_step(b.step())
+        assert (ra.phase, ra.checked) == (rb.phase, rb.checked)
+        assert rb.loss == pytest.approx(ra.loss, rel=rel)
+        if behind._gradient.behind.running:
+            covered += 1
+            yield covered
+
+
+@pytest.mark.parametrize("stage, param", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_a_real_step_covered_in_the_compact_state_keeps_deepspeeds_step_and_trains_near_the_step_at_once(stage, param):
+    """``memory.gradient_state_dtype: int4-factored`` with the CPU step behind the run (ZeRO 1-3,
+    and ZeRO 3's 16-bit partitions in host memory): the phases and checks of the compact engine that
+    steps at once, losses within 0.5% (the cover steps from the factored second moment, as the
+    run's steps do, where DeepSpeed's step has the whole one); the masters and both host moments
+    are DeepSpeed's own step once the thread has run, equal to the other engine's until a run's
+    commit carries the cover's difference into the masters (after that the two runs' values part:
+    on this 16-step toy a factored second moment moves a few values by hundreds of LRs in either
+    engine, so only the losses are compared)."""
+    now = _engine(stage, behind=False, offload_param=param, **COMPACT)
+    behind = _engine(stage, offload_param=param, **COMPACT)
+    covered = 0
+    for covered in _covered_steps(now, behind, Batches(seed=3), Batches(seed=3), 16, rel=5e-3):
+        assert behind.phase is Phase.PREDICT and behind._gradient.covered
+        assert behind._gradient.moments is not None and behind._gradient.m is None   # (no full-size moments)
+        behind._gradient.behind.wait()
+        if covered == 1:
+            assert _equal(master_copies(behind), master_copies(now))
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert _equal(_moments(behind, key), _moments(now, key))
+    st = behind.statistics()
+    assert covered >= 3 and st["cpu_steps_behind"] == covered and st["bookkeeping_seconds"]["cpu_step_cover"] > 0
+
+
+def test_the_compact_cover_folds_the_clipped_gradient_into_both_moments_and_steps_from_them():
+    """Right after a covered real step in the int8-factored state, before the thread runs: the run's
+    first moment is ``beta1 m + (1 - beta1) g`` within its int8 rounding, the second moment's row and
+    column means (and its dense values) are those of ``beta2 v + (1 - beta2) g^2``, ``g`` the deferred
+    call's gradient (DeepSpeed's clip in it), and the weights are Adam's step from those stored
+    moments; the masters and host moments are untouched until the calls run, then DeepSpeed's step."""
+    eng, ref = _engine(2, gradient_state_dtype="int8-factored"), _engine(2, behind=False,
+                                                                        gradient_state_dtype="int8-factored")
+    b, r = Batches(seed=4), Batches(seed=4)
+    eng.train_step(b.step()), ref.train_step(r.step())
+    held: list = []
+    eng._gradient.step_behind = held.append
+    while not held:
+        before = master_copies(eng)
+        m0, v0 = _moments(eng, "exp_avg"), _moments(eng, "exp_avg_sq")
+        eng.train_step(b.step()), ref.train_step(r.step())
+    calls, moments = held[0], eng._gradient.moments
+    assert _equal(master_copies(eng), before) and _equal(_moments(eng, "exp_avg"), m0)
+    checked = 0
+    for i, part in enumerate(eng._masters.partitions()):
+        call = next(c for c in calls if c.params.data_ptr() == part.master.data_ptr())
+        g = call.grads.view(-1)
+        m = call.beta1 * m0[i].view(-1) + (1 - call.beta1) * g
+        v = call.beta2 * v0[i].view(-1) + (1 - call.beta2) * g * g
+        bc1, bc2 = 1 - call.beta1 ** call.step, 1 - call.beta2 ** call.step
+        shard, w = eng._gradient._shard(i).view(-1), before[i].view(-1)
+        for s in moments.parts[i]:
+            sl = slice(s.ms, s.ms + s.n)
+            got_m = s.m.load(0, s.n)
+            # (two int8 roundings, each within a quantum of its block: the optimizer's m, then the step's)
+            bound = (m0[i].view(-1)[sl].abs().max() + m[sl].abs().max()) / 127
+            assert (got_m - m[sl]).abs().max() <= bound * 1.001 + 1e-12
+            dense = torch.cat([v[sl][:s.head], v[sl][s.n - s.tail:]])
+            assert torch.allclose(s.dense_v, dense, rtol=1e-5, atol=1e-14)
+            if s.rows:
+                body = v[sl][s.head:s.head + s.rows * s.cols].view(s.rows, s.cols)
+                assert torch.allclose(s.r, body.mean(dim=1), rtol=1e-5, atol=1e-14)
+                assert torch.allclose(s.c, body.mean(dim=0), rtol=1e-5, atol=1e-14)
+            for a, z, vv in moments._v_ranges(s):   # the step from the stored moments
+                x = w[s.ms + a:s.ms + z]
+                want = x - call.lr * (s.m.load(a, z) / bc1) / ((vv / bc2).sqrt() + call.eps) \
+                    - call.lr * call.weight_decay * x
+                assert torch.allclose(shard[s.ms + a:s.ms + z], want, rtol=1e-5, atol=1e-7)
+                checked += 1
+    assert checked > 0
+    from ds_hybrid.cpu_step_behind import run_all
+    run_all(calls)
+    assert _equal(master_copies(eng), master_copies(ref))
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _equal(_moments(eng, key), _moments(ref, key))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(stage, monkeypatch):
     """In a deferred step DeepSpeed's copies of the masters into its pinned 16-bit buffer and this
@@ -136,11 +229,12 @@ def test_deepspeeds_copy_of_masters_not_yet_stepped_is_dropped(stage, monkeypatc
     assert eng.statistics()["cpu_step_copies_skipped"] == sum(dropped)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(stage, monkeypatch):
+@pytest.mark.parametrize("stage, memory", [(2, {}), (3, {}), (2, COMPACT)])
+def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(stage, memory, monkeypatch):
     """A run the next real step's check rejects: the thread is joined, and the weights, masters and
-    moments are those of DeepSpeed's step (the engine that took it at once, rejected alike)."""
-    now, behind = _engine(stage, behind=False), _engine(stage)
+    moments are those of DeepSpeed's step (the engine that took it at once, rejected alike; in the
+    compact state too, whose cover's step differs from DeepSpeed's)."""
+    now, behind = _engine(stage, behind=False, **memory), _engine(stage, **memory)
     a, b = Batches(seed=5), Batches(seed=5)
     for eng, bat in ((now, a), (behind, b)):
         while eng.phase is not Phase.PREDICT:
@@ -164,12 +258,14 @@ def test_a_rolled_back_run_returns_to_deepspeeds_step_exactly(stage, monkeypatch
         assert _equal(x, y)
 
 
-@pytest.mark.parametrize("stage, bf16", [(2, False), (2, True), (3, False), (3, True)])
-def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(stage, bf16, tmp_path):
+@pytest.mark.parametrize("stage, bf16, memory", [(2, False, {}), (2, True, {}), (3, False, {}), (3, True, {}),
+                                                (2, False, COMPACT), (3, True, COMPACT)])
+def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(stage, bf16, memory, tmp_path):
     """Saved after the run's first step: the thread is joined (the masters saved are DeepSpeed's
-    step), the run's own second moment goes into the checkpoint with its first; a fresh engine with
-    other initial weights resumes it, and every later step equals the uninterrupted run's."""
-    ref = _engine(stage, bf16=bf16)
+    step), the run's own second moment goes into the checkpoint with its first (in the compact
+    state its row and column means); a fresh engine with other initial weights resumes it, and
+    every later step equals the uninterrupted run's."""
+    ref = _engine(stage, bf16=bf16, **memory)
     b = Batches(seed=6)
     while ref.phase is not Phase.PREDICT:
         ref.train_step(b.step())
@@ -178,7 +274,7 @@ def test_a_save_in_the_middle_of_a_covered_run_resumes_bit_for_bit(stage, bf16, 
     ref.save_checkpoint(str(tmp_path), tag="mid")
     assert not ref._gradient.behind.running
     state = b.gen.get_state()
-    resumed = _engine(stage, bf16=bf16, seed=1)
+    resumed = _engine(stage, bf16=bf16, seed=1, **memory)
     resumed.load_checkpoint(str(tmp_path), tag="mid")
     assert resumed._gradient.pending and resumed._gradient.covered
     b2 = Batches(seed=6)
@@ -241,4 +337,21 @@ def test_on_a_gpu_the_cover_runs_beside_the_bf16_weights_and_the_step_behind_it(
                 err = (w - master).abs() - (atol + 2 ** -6 * master.abs())
                 assert err.max() <= 0, (f"partition {i}: |w - master| over the bound at {int(err.argmax())}: "
                                         f"w {w[err.argmax()].item():.6g}, master {master[err.argmax()].item():.6g}")
+    assert covered >= 2 and behind.statistics()["cpu_steps_behind"] == covered
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_compact_cover_builds_its_state_there_and_trains_near_the_step_at_once():
+    """bf16 weights on a GPU, int4-factored, offload_optimizer: cpu: a covered step leaves the run's
+    compact moments on the GPU (no full-size ones), the phases and checks are those of the compact
+    engine that steps at once, and the losses within 1%."""
+    now, behind = _engine(2, behind=False, bf16=True, **COMPACT), _engine(2, bf16=True, **COMPACT)
+    covered = 0
+    for covered in _covered_steps(now, behind, Batches(seed=3, device=now.device),
+                                  Batches(seed=3, device=behind.device), 12, rel=1e-2):
+        moments = behind._gradient.moments
+        assert behind._gradient.m is None and moments.device.type == "cuda"
+        assert all(s.r is None or s.r.is_cuda for sl in moments.parts if sl for s in sl)
+        behind._gradient.behind.wait()
     assert covered >= 2 and behind.statistics()["cpu_steps_behind"] == covered

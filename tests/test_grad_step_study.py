@@ -407,7 +407,55 @@ def test_an_int8_factored_state_and_a_streamed_clip_each_move_a_run_their_own_wa
             != study.train(1, 2e-3, 36, "adam-carry", 1, 3, predict_clip="last-real", **share)["val_loss"])
 
 
+def test_the_compact_cover_of_a_real_step_is_adamws_step_where_nothing_is_held(study):
+    """``--real-cover compact``'s step: with a first moment held as it is and a vector (whose factored second
+    moment is exact), the weights and moments it leaves are AdamW's own step's; a matrix's step takes the
+    factored second moment of the optimizer's stepped one."""
+    torch.manual_seed(0)
+    p, w = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(20, 30))
+    opt = torch.optim.AdamW([p, w], lr=2e-3, betas=study.BETAS, eps=study.EPS, weight_decay=study.WEIGHT_DECAY)
+    for last in (False, True):   # (the second step is the one covered)
+        p.grad, w.grad = torch.randn(300) * 0.03, torch.randn(20, 30) * 0.03
+        if last:
+            before = [p.detach().clone(), w.detach().clone()]
+            m_pre = [opt.state[x]["exp_avg"].clone() for x in (p, w)]
+        opt.step()
+    v_post = [opt.state[x]["exp_avg_sq"] for x in (p, w)]
+    cov = study.cover_step([p, w], before, m_pre, v_post, 2, 2e-3, lambda i, m: m)
+    assert cov["k"] == 2
+    assert torch.allclose(cov["weights"][0], p.detach(), rtol=0, atol=1e-7)
+    # (to fp32 rounding: torch's AdamW lerps the moments)
+    assert torch.allclose(cov["m"][0], opt.state[p]["exp_avg"], rtol=0, atol=1e-8)
+    assert torch.equal(cov["v"][1], v_post[1])
+    bc1, bc2 = 1 - study.BETAS[0] ** 2, 1 - study.BETAS[1] ** 2
+    want = before[1] * (1 - 2e-3 * study.WEIGHT_DECAY) - 2e-3 * (cov["m"][1] / bc1) / (
+        study.factored_rms(v_post[1] / bc2) + study.EPS)
+    assert torch.allclose(cov["weights"][1], want, rtol=0, atol=1e-7)
+    assert not torch.allclose(cov["weights"][1], w.detach(), rtol=0, atol=1e-6)   # (not AdamW's own)
+
+
+def test_a_real_step_covered_in_the_compact_state_moves_the_run_its_own_way_and_says_so(study):
+    """``--real-cover compact``: no run, no cover (plain AdamW bit for bit); with runs the cover changes the loss,
+    stays near the uncovered run, is the same on a rerun, and is told apart by its key."""
+    plain = study.train(1, 2e-3, 36, None, **SHAPE)
+    kw = dict(state_dtype="int4-factored", weights="bf16-sr", predict_clip="tensor-v", **SHAPE)
+    never = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=36, real_cover="compact", **kw)
+    assert never["val_loss"] == plain["val_loss"]
+    base = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=26, **kw)
+    cover = study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=26, real_cover="compact", **kw)
+    assert cover["val_loss"] != base["val_loss"]
+    assert cover["val_loss"] == pytest.approx(base["val_loss"], rel=0.03)   # (36 steps: nothing broke)
+    assert study.train(1, 2e-3, 36, "adam-carry", 1, 3, start=26, real_cover="compact", **kw)["val_loss"] \
+        == cover["val_loss"]
+    assert (cover["real_cover"], base["real_cover"], plain["real_cover"]) == ("compact", "none", "none")
+    assert study.run_key(cover) == study.job_key((1, 2e-3, 36, "adam-carry", 1, 3, 26), dict(real_cover="compact", **kw))
+    assert study.run_key(cover) != study.run_key(base)
+
+
 @pytest.mark.parametrize("argv, says", [
+    (["--real-cover", "compact"], "--real-cover compact: --modes among adam-local, adam-carry"),
+    (["--real-cover", "compact", "--modes", "adam-carry", "--state-dtype", "int4-factored", "--window", "1"],
+     "--real-cover with --window or --top-blocks"),
     (["--window-cover", "last"], "give --window too"),
     (["--predict-clip", "last-real", "--modes", "drift"], "--predict-clip: the Predict steps must take a gradient"),
     (["--predict-clip", "last-real", "--top-blocks", "2"], "--predict-clip with --top-blocks"),

@@ -213,14 +213,17 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, offload_param", [(1, False), (2, False), (3, False), (3, True)])
-def test_a_compact_gradient_state_keeps_the_ranks_together(stage, offload_param, tmp_path):
+@pytest.mark.parametrize("stage, offload_param, behind", [(1, False, False), (2, False, False), (3, False, False),
+                                                           (3, True, False), (2, False, True), (3, False, True)])
+def test_a_compact_gradient_state_keeps_the_ranks_together(stage, offload_param, behind, tmp_path):
     """memory.gradient_state_dtype: int8-factored, ZeRO 1-3 under offload (ZeRO 3 also with offload_param:
     cpu, the state in host memory beside the 16-bit partitions), 2 ranks, with the faults:
     each parameter's gradient all-reduced in its hook (its clip share from norms every rank shares),
     each rank folding its own slices (a parameter cut between the ranks: a partial first or last row
-    held dense); the same steps, checks and rollbacks on both ranks, the same weights at the end."""
-    param = ["--offload-param"] if offload_param else []
+    held dense); the same steps, checks and rollbacks on both ranks, the same weights at the end.
+    ``behind``: memory.cpu_step_behind too, each rank covering its real step before a run from its own
+    slices of DeepSpeed's reduced gradient (the first shares from sums every rank shares)."""
+    param = (["--offload-param"] if offload_param else []) + (["--cpu-step-behind"] if behind else [])
     ranks = run_ranks("multirank_worker.py", ["--stage", str(stage), "--steps", "16", "--faults",
                                               "--offload-predict", "device", "--direction", "gradient",
                                               "--gradient-state-dtype", "int8-factored", *param], 2, tmp_path)
@@ -232,6 +235,7 @@ def test_a_compact_gradient_state_keeps_the_ranks_together(stage, offload_param,
     for rep in ranks:
         st = rep["statistics"]
         assert st["gradient_nonfinite_steps"] == 1 and st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+        assert (st["cpu_steps_behind"] > 0) is behind
 
 
 @pytest.mark.slow

@@ -173,6 +173,11 @@ VARIANTS: dict[str, dict | None] = {
     # stream (memory.commit_overlap: true; auto keeps a compact run's commit inline): what that takes off the
     # real step, and what its state held through the backward adds to the peak.
     "grad-device-int4f-behind": _gradient_run(memory={"gradient_state_dtype": "int4-factored", "commit_overlap": True}),
+    # ... int4-factored with the real step before each run leaving DeepSpeed's CPU Adam step behind the run
+    # (memory.cpu_step_behind): the cover builds the compact state and folds the step's gradient into it, the
+    # one extra copy over a run's start (the 7B route's real step without its CPU step).
+    "grad-device-int4f-cpubehind": _gradient_run(memory={"gradient_state_dtype": "int4-factored",
+                                                         "cpu_step_behind": True}),
     # Per-phase precision: the Predict forwards under bf16 autocast (with --precision fp32).
     "drift-int8-autocast": {"predictor": {"direction": "drift"},
                             "memory": {"velocity_dtype": "int8", "predict_autocast": "bf16"}},

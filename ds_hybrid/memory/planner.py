@@ -149,7 +149,6 @@ class PresetSpec:
     fold_during_run: bool = False        # hybrid_predict.memory.fold_during_run (true: its auto is off)
     pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
     param_pin_memory: bool = False       # zero_optimization.offload_param.pin_memory (ZeRO 3)
-    cpu_step_behind: bool = False        # hybrid_predict.memory.cpu_step_behind
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
@@ -249,8 +248,7 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
         fold_during_run=hybrid.memory.fold_during_run is True,
         pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
-        param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False,
-        cpu_step_behind=bool(hybrid.memory.cpu_step_behind))
+        param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False)
 
 
 def load_presets(names: Iterable[str] | None = None, overrides: list[str] | None = None) -> list[PresetSpec]:
@@ -722,8 +720,7 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
     # (a setup the engine refuses at its start fits nothing, whatever its bytes)
     from ..config import compact_state_refusal, nvme_state_refusal
     refused = preset.gradient and (nvme_state_refusal(preset.offload_optimizer, preset.offload_param)
-                                   or compact_state_refusal(preset.gradient_state_dtype, preset.cpu_step_behind,
-                                                            preset.device_predict(accelerator)))
+                                   or compact_state_refusal(preset.gradient_state_dtype, preset.device_predict(accelerator)))
     return Estimate(preset=preset.name, description=preset.describe(), micro_batch=mb, seq_len=seq,
                     gpu_bytes=total["gpu"], cpu_bytes=total["cpu"], nvme_bytes=total["nvme"],
                     snapshot_bytes=snap, snapshot_where=snap_where, items=items,
