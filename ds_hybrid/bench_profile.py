@@ -111,11 +111,14 @@ FEATURE_BLOCK = 8   # consecutive steps of a DeepSpeed feature (ZenFlow) per rou
 FEATURE_LEAD = 4    # its untimed steps before them: the block's first boundary waits on an update 4 steps old
 
 
-def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
+def settle_feature(eng, quiet: float = 0.1, poll: float = 0.02, limit: float = 10.0) -> float:
     """Untimed, after a DeepSpeed feature's block: wait until ZenFlow's overlapped optimizer
     process (its last update still running, to be waited on at the next update boundary) has
-    been idle for ``quiet`` seconds, its CPU time unchanged, so that its update does not run beside
-    the next kind's steps. Returns the seconds waited (0.0 where there is no such process)."""
+    been idle for ``quiet`` seconds, its CPU time unchanged at every ``poll`` in between, so that
+    its update does not run beside the next kind's steps. (``quiet`` spans several of the kernel's
+    10 ms ticks and polls: on a loaded machine a busy process can go a tick or three unscheduled,
+    which a single 30 ms look took for idle.) Returns the seconds waited (0.0 where there is no
+    such process)."""
     proc = getattr(getattr(eng, "optimizer", None), "process", None)
     if proc is None or not proc.is_alive():
         return 0.0
@@ -125,14 +128,15 @@ def settle_feature(eng, quiet: float = 0.03, limit: float = 10.0) -> float:
     def cpu() -> float:
         t = worker.cpu_times()
         return t.user + t.system
-    last = cpu()
+    last, changed = cpu(), t0
     while time.perf_counter() - t0 < limit:
-        time.sleep(quiet)
+        time.sleep(poll)
         now = cpu()
-        if now == last:
+        if now != last:
+            last, changed = now, time.perf_counter()
+        elif time.perf_counter() - changed >= quiet:
             break
-        last = now
-    return time.perf_counter() - t0 - quiet
+    return max(0.0, changed - t0)
 
 
 def ratio_se(x: list[float], y: list[float]) -> float | None:
