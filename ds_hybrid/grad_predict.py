@@ -618,12 +618,15 @@ class GradientPredict(WorkerOwner):
             call = by_ptr.get(part.master.data_ptr()) if slices else None
             if call is None or call.params.numel() != part.master.numel():
                 continue
-            g = call.grads.view(-1)
+            g, shard = call.grads.view(-1), self._shard(i)
+            # Crossing to the GPU, in the 16-bit weights' dtype through the stager's pinned chunks, as
+            # the full-size cover's copies go (half the bytes of DeepSpeed's fp32 gradient, no pageable copy)
+            stage = dict(stager=self._stager, dtype=shard.dtype) if g.device != moments.device else {}
             for k, s in enumerate(slices):
-                moments.fold_real_step(s, g[s.ms:s.ms + s.n], call.beta1, call.beta2, _mix(key, i, k))
+                moments.fold_real_step(s, g[s.ms:s.ms + s.n], call.beta1, call.beta2, _mix(key, i, k), **stage)
             kw = dict(lr=float(call.lr), beta1=call.beta1, beta2=call.beta2, eps=call.eps, step=call.step,
                       weight_decay=float(call.weight_decay), bias_correction=bool(call.bias_correction))
-            moments.step(i, self._shard(i), lambda x, m, v, key, kw=kw: self._held_adam(x, m, v, key=key, **kw),
+            moments.step(i, shard, lambda x, m, v, key, kw=kw: self._held_adam(x, m, v, key=key, **kw),
                          key=_round_key(self.seed, step, i, salt=0x5BD1E995))
             stepped += 1
         if stepped != len(calls):

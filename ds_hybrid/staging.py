@@ -46,6 +46,7 @@ class Stager:
         self._bufs: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
         self._events: dict[tuple[torch.dtype, bool], list] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._turn: dict[tuple[torch.dtype, bool], int] = {}   # the buffer each dtype's next chunk takes
 
     def _buffers(self, dtype: torch.dtype, pinned: bool) -> tuple[list[torch.Tensor], list]:
         key = (dtype, pinned)
@@ -53,6 +54,15 @@ class Stager:
             self._bufs[key] = [torch.empty(self.chunk, dtype=dtype, pin_memory=pinned) for _ in range(STAGER_BUFFERS)]
             self._events[key] = [None] * STAGER_BUFFERS
         return self._bufs[key], self._events[key]
+
+    def _next(self, dtype: torch.dtype, pinned: bool) -> int:
+        """The buffer the next chunk takes: in turn across calls, so that a caller that copies a
+        chunk a call (``CompactMoments.fold_real_step``) casts the next into the other buffer while
+        the last one crosses, as one call's chunks do."""
+        key = (dtype, pinned)
+        j = self._turn.get(key, 0)
+        self._turn[key] = (j + 1) % STAGER_BUFFERS
+        return j
 
     def _stream(self, device: torch.device):
         return side_stream(self._streams, device)
@@ -112,8 +122,8 @@ class Stager:
         stream = self._stream(dst.device)
         bufs, events = self._buffers(dst.dtype, stream is not None)
         self._start(stream, dst.device, after)   # (dst may be new on the current stream)
-        for k, a in enumerate(range(0, n, self.chunk)):
-            b, j = min(a + self.chunk, n), k % STAGER_BUFFERS
+        for a in range(0, n, self.chunk):
+            b, j = min(a + self.chunk, n), self._next(dst.dtype, stream is not None)
             self._done(events, j)
             staged = bufs[j][:b - a]
             staged.copy_(src[a:b])   # the cast, on the host
@@ -141,8 +151,8 @@ class Stager:
         bufs, events = self._buffers(src.dtype, stream is not None)
         self._start(stream, src.device, after)   # src is final
         last = None   # (j, a, b) of the chunk in flight
-        for k, a in enumerate(range(0, n, self.chunk)):
-            b, j = min(a + self.chunk, n), k % STAGER_BUFFERS
+        for a in range(0, n, self.chunk):
+            b, j = min(a + self.chunk, n), self._next(src.dtype, stream is not None)
             self._done(events, j)
             with self._on(stream):
                 bufs[j][:b - a].copy_(src[a:b], non_blocking=True)

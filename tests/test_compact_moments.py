@@ -161,6 +161,55 @@ def test_a_real_steps_gradient_folds_into_both_moments_as_the_whole_steps_would(
     assert cm.shares[b] == pytest.approx(math.sqrt(float(v[900:].double().sum())) / total, rel=1e-5)
 
 
+def _folded_state(g: torch.Tensor, device: str, **stage) -> list[torch.Tensor]:
+    """The state of ``test_a_real_steps_gradient...``'s layout on ``device`` after ``fold_real_step``
+    of ``g`` (given ``stage``): each slice's first moment, row and column means, dense values and sums."""
+    w, b = torch.nn.Parameter(torch.zeros(40, 24)), torch.nn.Parameter(torch.zeros(6))
+    gen = torch.Generator().manual_seed(5)
+    m0, v0 = torch.randn(906, generator=gen) * 1e-2, torch.rand(906, generator=gen) * 1e-4 + 1e-6
+    cm = CompactMoments([[(w, 5, 0, 900), (b, 0, 900, 6)]], [w, b], torch.device(device))
+    cm.build([_fake_partition(v0.to(device), m0.to(device))], key=2, all_reduce=lambda t: None)
+    for k, s in enumerate(cm.parts[0]):
+        cm.fold_real_step(s, g[s.ms:s.ms + s.n], 0.9, 0.999, key=7 + k, **stage)
+    out = []
+    for s in cm.parts[0]:
+        out += [s.m.load().cpu(), s.dense_v.cpu(), torch.tensor([s.r_mean, s.v_sum], dtype=torch.float64)]
+        if s.rows:
+            out += [s.r.cpu(), s.c.cpu()]
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 256])
+def test_a_real_steps_gradient_crosses_through_the_stager_as_its_16_bit_values(chunk, monkeypatch):
+    """``fold_real_step`` with a stager (the compact cover's gradient on its way to a GPU, in the
+    16-bit weights' dtype): the state is bit for bit the fold of the gradient rounded to bf16 without
+    one, chunk after chunk through the stager's two buffers in turn (its chunk of 64 values cuts
+    each of the fold's), and the caller's fp32 gradient is left as it was."""
+    from ds_hybrid import compact_moments
+    from ds_hybrid.staging import Stager
+    monkeypatch.setattr(compact_moments, "CHUNK", chunk)
+    g = torch.randn(906, generator=torch.Generator().manual_seed(9)) * 1e-2
+    g_before = g.clone()
+    staged = _folded_state(g, "cpu", stager=Stager(chunk=64), dtype=torch.bfloat16)
+    assert torch.equal(g, g_before)
+    direct = _folded_state(g.to(torch.bfloat16).float(), "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(staged, direct))
+    unrounded = _folded_state(g, "cpu")   # (the rounding is there: not the fp32 gradient's state)
+    assert not all(torch.equal(x, y) for x, y in zip(staged, unrounded))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_real_steps_gradient_crosses_through_pinned_chunks_as_the_direct_copy_of_its_bf16(monkeypatch):
+    from ds_hybrid import compact_moments
+    from ds_hybrid.staging import Stager
+    monkeypatch.setattr(compact_moments, "CHUNK", 256)   # (several chunks through the two pinned buffers)
+    g = torch.randn(906, generator=torch.Generator().manual_seed(9)) * 1e-2
+    staged = _folded_state(g, "cuda", stager=Stager(chunk=64), dtype=torch.bfloat16)
+    direct = _folded_state(g.to(torch.bfloat16).float().cuda(), "cuda")
+    assert all(torch.equal(x, y) for x, y in zip(staged, direct))
+
+
 def test_each_slices_first_moment_is_whole_int8_blocks_of_its_own():
     w, b, slices = _layout()
     cm = CompactMoments(slices, [w, b], torch.device("cpu"))

@@ -30,6 +30,20 @@ def test_download_hands_every_chunk_once_in_order_and_casts_by_default(n):
     assert torch.equal(torch.cat([s for _, _, s in seen]), src)
 
 
+def test_uploads_of_a_chunk_a_call_take_the_two_buffers_in_turn():
+    """A caller that uploads one chunk a call (``CompactMoments.fold_real_step``) gets the other
+    buffer each time, so its next cast need not wait for the last chunk's copy; the values are the
+    direct copy's."""
+    stager = Stager(chunk=8)
+    srcs = [torch.full((8,), float(k + 1)) for k in range(3)]
+    dsts = [torch.empty(8, dtype=torch.bfloat16) for _ in srcs]
+    for dst, src in zip(dsts, srcs):
+        stager.upload(dst, src)
+    assert all(torch.equal(dst, src.to(torch.bfloat16)) for dst, src in zip(dsts, srcs))
+    first, second = stager._bufs[(torch.bfloat16, False)]
+    assert torch.equal(first, srcs[2].to(torch.bfloat16)) and torch.equal(second, srcs[1].to(torch.bfloat16))
+
+
 def test_the_stager_refuses_tensors_of_other_sizes():
     with pytest.raises(ValueError, match="5 values into 4"):
         Stager(chunk=8).upload(torch.zeros(4), torch.zeros(5))
@@ -90,6 +104,10 @@ def test_on_a_gpu_the_copies_go_through_pinned_buffers_on_a_side_stream_and_matc
     back = torch.empty(n)
     stager.download(back, gpu, after=Stager.mark(gpu.device))
     assert torch.equal(back, (host.to(torch.bfloat16) * 2).float())
+    chunks = [torch.empty(1 << 16, dtype=torch.bfloat16, device="cuda") for _ in range(16)]
+    for k, chunk in enumerate(chunks):   # (a chunk a call: a buffer's next cast waits for its last copy)
+        stager.upload(chunk, host[k << 16:(k + 1) << 16])
+    assert torch.equal(torch.cat(chunks), host[:16 << 16].to(torch.bfloat16).cuda())
     side = torch.cuda.Stream()   # a thread on a stream of its own orders its work after the copies by join()
     with torch.cuda.stream(side):
         stager.upload(gpu, host * 3)
