@@ -127,6 +127,14 @@ def _add_into(total: torch.Tensor, start: int) -> Callable[[torch.Tensor, int, i
     return take
 
 
+def _all_covered(covered: int, calls: list) -> None:
+    """The cover stepped a partition for each deferred call, or a call steps tensors it cannot cover."""
+    if covered != len(calls):
+        raise RuntimeError("ds_hybrid: hybrid_predict.memory.cpu_step_behind: DeepSpeed's CPU Adam stepped tensors "
+                           "that are not the hybrid's master partitions; set memory.cpu_step_behind to false "
+                           "and report it")
+
+
 class GradientPredict(WorkerOwner):
     """One engine's gradient Predict steps: the gradient's layout on this rank's partitions and
     the run's state: its first moment ``m`` (one tensor per master partition; None outside a
@@ -591,10 +599,7 @@ class GradientPredict(WorkerOwner):
                             bias_correction=bool(call.bias_correction),
                             key=_round_key(self.seed, step, i, salt=0x5BD1E995))
             ms.append(m), vs.append(v)
-        if sum(m is not None for m in ms) != len(calls):
-            raise RuntimeError("ds_hybrid: hybrid_predict.memory.cpu_step_behind: DeepSpeed's CPU Adam stepped tensors "
-                               "that are not the hybrid's master partitions; set memory.cpu_step_behind to false "
-                               "and report it")
+        _all_covered(sum(m is not None for m in ms), calls)
         self.access.gather_device_shards()
         self.m, self.v, self._next = ms, vs, None
         self.covered = True
@@ -629,10 +634,7 @@ class GradientPredict(WorkerOwner):
             moments.step(i, shard, lambda x, m, v, key, kw=kw: self._held_adam(x, m, v, key=key, **kw),
                          key=_round_key(self.seed, step, i, salt=0x5BD1E995))
             stepped += 1
-        if stepped != len(calls):
-            raise RuntimeError("ds_hybrid: hybrid_predict.memory.cpu_step_behind: DeepSpeed's CPU Adam stepped tensors "
-                               "that are not the hybrid's master partitions; set memory.cpu_step_behind to false "
-                               "and report it")
+        _all_covered(stepped, calls)
         moments.refresh_shares(self._all_reduce)   # (the run's first shares: of the stepped v's norm)
         self.access.gather_device_shards()
         self.covered = True

@@ -355,3 +355,12 @@ def test_on_a_gpu_the_compact_cover_builds_its_state_there_and_trains_near_the_s
         assert all(s.r is None or s.r.is_cuda for sl in moments.parts if sl for s in sl)
         behind._gradient.behind.wait()
     assert covered >= 2 and behind.statistics()["cpu_steps_behind"] == covered
+
+
+def test_a_deferred_call_the_cover_cannot_step_is_refused_with_the_key_to_turn_off():
+    """Every deferred CPU Adam call must be a master partition the cover stepped (full-size and
+    compact alike): one more call than covered partitions names ``memory.cpu_step_behind``."""
+    from ds_hybrid.grad_predict import _all_covered
+    _all_covered(2, [object(), object()])
+    with pytest.raises(RuntimeError, match=r"memory\.cpu_step_behind to false"):
+        _all_covered(1, [object(), object()])
