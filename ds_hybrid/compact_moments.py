@@ -165,7 +165,8 @@ class CompactMoments:
 
     @torch.no_grad()
     def fold_real_step(self, s: SliceMoments, g: torch.Tensor, beta1: float, beta2: float, key: int,
-                       stager=None, dtype: torch.dtype | None = None) -> None:
+                       copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                       dtype: torch.dtype = torch.bfloat16) -> None:
         """A real step's clipped gradient into slice ``s``'s moments (``g`` its values, any device):
         ``m = beta1 m + (1 - beta1) g`` as ``fold_chunk`` folds a Predict step's, and
         ``v = beta2 v + (1 - beta2) g^2`` on the dense head and tail as they are and on the whole
@@ -173,10 +174,10 @@ class CompactMoments:
         of the stepped ``v``); ``r_mean`` and ``v_sum`` follow. Each ``CHUNK`` of ``g`` crosses to the
         state's device once, for both. ``memory.cpu_step_behind``'s cover of a real step in this
         state (``GradientPredict._cover_compact``): no host moment crosses, the gradient does.
-        With a ``stager`` (``staging.Stager``) each chunk crosses through its pinned buffers in
-        ``dtype``, cast on the host (7B's gradient is 26 GB in fp32: as a pageable copy a chunk,
-        about 3 s at the pageable rate ``staging`` records, as long as the CPU step it covers);
-        without one, ``g``'s values in fp32 as they are."""
+        With a ``copy(dst, src)`` (``GradientPredict._copy``: through ``staging.Stager``'s pinned
+        buffers) each chunk crosses into a ``dtype`` tensor, cast on the host (7B's gradient is 26 GB
+        in fp32: as a pageable copy a chunk, about 3 s at the pageable rate ``staging`` records, as
+        long as the CPU step it covers); without one, ``g``'s values in fp32 as they are."""
         alpha = torch.full((), 1.0 - beta1, dtype=torch.float32, device=self.device)
         lo_body, hi_body, tail0 = s.head, s.head + s.rows * s.cols, s.n - s.tail
         if s.rows:
@@ -185,11 +186,11 @@ class CompactMoments:
         s.dense_v.mul_(beta2)
         for a in range(0, s.n, CHUNK):
             b = min(a + CHUNK, s.n)
-            if stager is None:
+            if copy is None:
                 gc = g[a:b].to(self.device, torch.float32)
-            else:   # (the cross dtype's values, then fp32 for the arithmetic, as without a stager)
-                crossed = torch.empty(b - a, dtype=dtype or g.dtype, device=self.device)
-                stager.upload(crossed, g[a:b])
+            else:   # (the cross dtype's values, then fp32 for the arithmetic, as without a copy)
+                crossed = torch.empty(b - a, dtype=dtype, device=self.device)
+                copy(crossed, g[a:b])
                 gc = crossed.float()
             self.fold_chunk(s, gc, a, alpha, beta1, True, key)
             sq = gc.square()   # (not in place: off a GPU, gc may be the caller's own gradient)

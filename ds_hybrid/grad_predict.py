@@ -626,7 +626,7 @@ class GradientPredict(WorkerOwner):
             g, shard = call.grads.view(-1), self._shard(i)
             # Crossing to the GPU, in the 16-bit weights' dtype through the stager's pinned chunks, as
             # the full-size cover's copies go (half the bytes of DeepSpeed's fp32 gradient, no pageable copy)
-            stage = dict(stager=self._stager, dtype=shard.dtype) if g.device != moments.device else {}
+            stage = dict(copy=self._copy, dtype=shard.dtype) if g.device != moments.device else {}
             for k, s in enumerate(slices):
                 moments.fold_real_step(s, g[s.ms:s.ms + s.n], call.beta1, call.beta2, _mix(key, i, k), **stage)
             kw = dict(lr=float(call.lr), beta1=call.beta1, beta2=call.beta2, eps=call.eps, step=call.step,

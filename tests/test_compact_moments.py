@@ -181,7 +181,7 @@ def _folded_state(g: torch.Tensor, device: str, **stage) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("chunk", [1 << 22, 256])
 def test_a_real_steps_gradient_crosses_through_the_stager_as_its_16_bit_values(chunk, monkeypatch):
-    """``fold_real_step`` with a stager (the compact cover's gradient on its way to a GPU, in the
+    """``fold_real_step`` with a stager's copy (the compact cover's gradient on its way to a GPU, in the
     16-bit weights' dtype): the state is bit for bit the fold of the gradient rounded to bf16 without
     one, chunk after chunk through the stager's two buffers in turn (its chunk of 64 values cuts
     each of the fold's), and the caller's fp32 gradient is left as it was."""
@@ -190,7 +190,7 @@ def test_a_real_steps_gradient_crosses_through_the_stager_as_its_16_bit_values(c
     monkeypatch.setattr(compact_moments, "CHUNK", chunk)
     g = torch.randn(906, generator=torch.Generator().manual_seed(9)) * 1e-2
     g_before = g.clone()
-    staged = _folded_state(g, "cpu", stager=Stager(chunk=64), dtype=torch.bfloat16)
+    staged = _folded_state(g, "cpu", copy=Stager(chunk=64).upload, dtype=torch.bfloat16)
     assert torch.equal(g, g_before)
     direct = _folded_state(g.to(torch.bfloat16).float(), "cpu")
     assert all(torch.equal(x, y) for x, y in zip(staged, direct))
@@ -205,7 +205,7 @@ def test_on_a_gpu_a_real_steps_gradient_crosses_through_pinned_chunks_as_the_dir
     from ds_hybrid.staging import Stager
     monkeypatch.setattr(compact_moments, "CHUNK", 256)   # (several chunks through the two pinned buffers)
     g = torch.randn(906, generator=torch.Generator().manual_seed(9)) * 1e-2
-    staged = _folded_state(g, "cuda", stager=Stager(chunk=64), dtype=torch.bfloat16)
+    staged = _folded_state(g, "cuda", copy=Stager(chunk=64).upload, dtype=torch.bfloat16)
     direct = _folded_state(g.to(torch.bfloat16).float().cuda(), "cuda")
     assert all(torch.equal(x, y) for x, y in zip(staged, direct))
 
