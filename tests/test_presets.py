@@ -95,7 +95,7 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     # (the planner's 50B shape: a 32000 x 8192 embedding).
     assert fifty.zero_config.offload_param.buffer_size >= 32000 * 8192
 
-    for name in ("1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
+    for name in ("1b-16gb", "1b-16gb-gradient", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
         hybrid = parse_hybrid_config(json.loads((PRESET_DIR / f"{name}.json").read_text()))
         assert hybrid.snapshot_device == "cpu", f"{name}: the snapshot of a big model belongs in host memory"
 
@@ -140,3 +140,44 @@ def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
     assert train.main(common + ["--out", str(tmp_path / "grad")])["steps_done"] == 12
     flat = json.dumps(json.loads((tmp_path / "grad" / "summary.json").read_text()))
     assert '"predict": 4' in flat and '"gradient_nonfinite_steps": 0' in flat
+
+
+def test_the_1b_gradient_preset_is_the_measured_arm_on_the_1b_layout():
+    """1b-16gb-gradient is 1b-16gb's layout (everything DeepSpeed reads but the schedule, 3x as
+    long) with the hybrid section the offload-b64 bench measured to plain ZeRO-Offload's final
+    loss: its predict-gradient-quarter-15 arm, on the device path beside a GPU."""
+    from ds_hybrid.bench_arms import ARMS
+    plain = json.loads((PRESET_DIR / "1b-16gb.json").read_text())
+    grad = json.loads((PRESET_DIR / "1b-16gb-gradient.json").read_text())
+    outside = ("hybrid_predict", "scheduler")
+    assert {k: v for k, v in grad.items() if k not in outside} == {k: v for k, v in plain.items() if k not in outside}
+    sched, plain_sched = grad["scheduler"]["params"], plain["scheduler"]["params"]
+    assert sched["total_num_steps"] == 3 * plain_sched["total_num_steps"]
+    assert {k: v for k, v in sched.items() if k != "total_num_steps"} == \
+        {k: v for k, v in plain_sched.items() if k != "total_num_steps"}
+    section, arm = dict(grad["hybrid_predict"]), dict(ARMS["predict-gradient-quarter-15"].hybrid)
+    assert section.pop("warmup_steps") == plain["hybrid_predict"]["warmup_steps"]
+    assert section.pop("snapshot_device") == "cpu" and section.pop("memory") == {"offload_predict": "auto"}
+    arm.pop("warmup_steps")
+    assert section == arm
+    parsed = parse_hybrid_config(grad)
+    assert parsed.predictor.direction == "gradient" and parsed.predictor.gradient_batch_fraction == 0.25
+
+
+def test_the_1b_gradient_preset_trains_on_the_cpu(tmp_path):
+    """The preset through ds-hybrid train with a small model (its warmup shortened): after a real
+    step, 15 Predict steps each taking its gradient from a quarter of the batch (2 of its 8
+    micro-batches), then the real step that checks them."""
+    from ds_hybrid import train
+    from spawn import write_corpus
+    summary = train.main(["--config", "1b-16gb-gradient", "--model", "llama-tiny", "--seq-len", "32",
+                          "--steps", "21", "--set", "warmup_steps=4", "--eval-every", "21", "--val-batches", "1",
+                          "--no-progress", "--no-plot", "--data", str(write_corpus(tmp_path)),
+                          "--out", str(tmp_path / "run")])
+    assert summary["steps_done"] == 21
+    stats = json.loads((tmp_path / "run" / "summary.json").read_text())["statistics"]
+    assert stats["direction"] == "gradient" and stats["gradient_nonfinite_steps"] == 0
+    assert stats["steps_per_phase"]["warmup"] == 4 and stats["steps_per_phase"]["predict"] == 15
+    noise = stats["gradient_noise_scale"]
+    assert noise["batch_samples"] == 32 and noise["share_samples"] == 8
+    assert stats["predict_accepted"] + stats["predict_rolled_back"] == 15
