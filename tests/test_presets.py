@@ -181,3 +181,32 @@ def test_the_1b_gradient_preset_trains_on_the_cpu(tmp_path):
     noise = stats["gradient_noise_scale"]
     assert noise["batch_samples"] == 32 and noise["share_samples"] == 8
     assert stats["predict_accepted"] + stats["predict_rolled_back"] == 15
+
+
+def test_the_preset1b_stage_trains_the_preset_on_the_cpu(tmp_path):
+    """benchmarks/gpu_run.sh's preset1b stage, its ds-hybrid train command as written with a small model
+    (no GPU cap on the CPU): the hybrid arm takes two runs of 15 Predict steps after its 4 warmup steps,
+    the --baseline arm none."""
+    import shlex
+
+    from ds_hybrid import train
+    from spawn import write_corpus
+    stage = (PRESET_DIR.parent / "benchmarks" / "gpu_run.sh").read_text().split("    preset1b)", 1)[1].split(";;", 1)[0]
+    command = stage.split("$DSH train ", 1)[1].split(">", 1)[0].replace("\\\n", " ")
+    command = command.replace("${PRESET1B_STEPS:-37}", "37").replace('"', "")
+    args = shlex.split(command)
+    for flag, value in (("--config", "1b-16gb-gradient"), ("--model", "llama-1b"), ("--gpu-mem-cap", "16GB")):
+        assert args[args.index(flag) + 1] == value
+    args[args.index("--model") + 1], args[args.index("--seq-len") + 1] = "llama-tiny", "32"
+    del args[args.index("--gpu-mem-cap"):args.index("--gpu-mem-cap") + 2]
+    assert args[-3:] == ["--out", "/tmp/p1b-$arm", "$flag"]
+    args = args[:-1]
+    args[args.index("--out") + 1] = str(tmp_path / "hybrid")
+    args += ["--data", str(write_corpus(tmp_path))]
+    assert train.main(args)["steps_done"] == 37
+    stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())["statistics"]
+    assert stats["steps_per_phase"]["warmup"] == 4 and stats["steps_per_phase"]["predict"] == 30
+    args[args.index("--out") + 1] = str(tmp_path / "plain")
+    assert train.main(args + ["--baseline"])["steps_done"] == 37
+    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())["statistics"]
+    assert plain["steps_per_phase"]["predict"] == 0
