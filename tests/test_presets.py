@@ -164,29 +164,10 @@ def test_the_1b_gradient_preset_is_the_measured_arm_on_the_1b_layout():
     assert parsed.predictor.direction == "gradient" and parsed.predictor.gradient_batch_fraction == 0.25
 
 
-def test_the_1b_gradient_preset_trains_on_the_cpu(tmp_path):
-    """The preset through ds-hybrid train with a small model (its warmup shortened): after a real
-    step, 15 Predict steps each taking its gradient from a quarter of the batch (2 of its 8
-    micro-batches), then the real step that checks them."""
-    from ds_hybrid import train
-    from spawn import write_corpus
-    summary = train.main(["--config", "1b-16gb-gradient", "--model", "llama-tiny", "--seq-len", "32",
-                          "--steps", "21", "--set", "warmup_steps=4", "--eval-every", "21", "--val-batches", "1",
-                          "--no-progress", "--no-plot", "--data", str(write_corpus(tmp_path)),
-                          "--out", str(tmp_path / "run")])
-    assert summary["steps_done"] == 21
-    stats = json.loads((tmp_path / "run" / "summary.json").read_text())["statistics"]
-    assert stats["direction"] == "gradient" and stats["gradient_nonfinite_steps"] == 0
-    assert stats["steps_per_phase"]["warmup"] == 4 and stats["steps_per_phase"]["predict"] == 15
-    noise = stats["gradient_noise_scale"]
-    assert noise["batch_samples"] == 32 and noise["share_samples"] == 8
-    assert stats["predict_accepted"] + stats["predict_rolled_back"] == 15
-
-
 def test_the_preset1b_stage_trains_the_preset_on_the_cpu(tmp_path):
     """benchmarks/gpu_run.sh's preset1b stage, its ds-hybrid train command as written with a small model
     (no GPU cap on the CPU): the hybrid arm takes two runs of 15 Predict steps after its 4 warmup steps,
-    the --baseline arm none."""
+    each step's gradient from a quarter of the batch (2 of its 8 micro-batches); the --baseline arm none."""
     import shlex
 
     from ds_hybrid import train
@@ -206,6 +187,9 @@ def test_the_preset1b_stage_trains_the_preset_on_the_cpu(tmp_path):
     assert train.main(args)["steps_done"] == 37
     stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())["statistics"]
     assert stats["steps_per_phase"]["warmup"] == 4 and stats["steps_per_phase"]["predict"] == 30
+    assert stats["direction"] == "gradient" and stats["gradient_nonfinite_steps"] == 0
+    assert stats["gradient_noise_scale"]["batch_samples"] == 32 and stats["gradient_noise_scale"]["share_samples"] == 8
+    assert stats["predict_accepted"] + stats["predict_rolled_back"] == 30
     args[args.index("--out") + 1] = str(tmp_path / "plain")
     assert train.main(args + ["--baseline"])["steps_done"] == 37
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())["statistics"]
