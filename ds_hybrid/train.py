@@ -711,6 +711,25 @@ HELD_BACK = {"lr_gate": "the LR gate (predict_lr_fraction)", "predictor": "the p
              "judge": "the delayed judgement"}
 
 
+def share_line(noise: dict | None) -> str | None:
+    """For gradient Predict steps from a share of the batch: what one was worth in real steps over
+    the run (``noise_scale.py``, from the gradient noise scale: a guide, not a measurement of loss)
+    and what it cost of a Full step's time, so a user sees whether the share pays on their model.
+    None where no share step was paired with a real one."""
+    if not noise or not noise.get("pairs") or noise.get("run_share_worth") is None:
+        return None
+    worth, cost = noise["run_share_worth"], noise.get("share_step_cost")
+    b_noise = noise.get("run_b_noise_samples")
+    text = (f"gradient Predict steps from {noise['share_samples']} of {noise['batch_samples']} sequences: "
+            f"each worth about {worth:.2f} of a real step over the run (gradient noise scale "
+            + (f"{b_noise:.0f} sequences" if b_noise is not None else "past estimating: the noise swamps the signal")
+            + ", a guide)")
+    if cost:
+        # (progress per second against a real step's: under 1 the share steps give less than they cost)
+        text += f", at {cost:.2f} of a Full step's time: {worth / cost:.1f}x a real step's progress per second"
+    return text
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run table: steps and mean time per phase, skipped backward passes, validation loss."""
     st = summary["statistics"]
@@ -726,6 +745,9 @@ def format_summary(summary: dict) -> str:
                     "of the parameters each on average)" if st.get("partial_backward") else ""))
     if st.get("idle_steps"):
         lines.append(f"real steps without the predictor's bookkeeping (lazy_bookkeeping): {st['idle_steps']}")
+    share = share_line(st.get("gradient_noise_scale"))
+    if share:
+        lines.append(share)
     if st.get("held_back"):
         lines.append("Predict held back: " + ", ".join(f"{n} steps by {HELD_BACK.get(k, k)}"
                                                        for k, n in st["held_back"].items()))
