@@ -402,11 +402,11 @@ def test_the_offload_suites_share_one_readme_table(tmp_path):
     sections.write_text("<!-- bench:offload-b64:start -->\nold\n<!-- bench:offload-b64:end -->\n")
     bench_report.update_readme(result, tmp_path)
     rows = [line for line in readme.read_text().splitlines() if line.startswith("| [")]
-    assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-gpu"]
+    assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-preset", "offload-gpu"]
     assert "`zenflow` not reached (0/2) (at plain's LR)" in rows[0] and "2026-01-02" in rows[0]
     assert "| 1 | `zenflow` not reached (0/2) (its own LR swept) | `predict` **0.55 ± 0.00x** | 0.55 ± 0.00x | " \
            "0.50 ± 0.00x |" in rows[2]
-    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[3]
+    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[4]
     assert "old" not in readme.read_text() and readme.read_text().endswith("outro\n")
     # (runs that ran several at a time: that row in Full-step equivalents, and says so)
     table = bench_report.offload_table({"offload-b64": dict(result, jobs=4)})
@@ -493,6 +493,19 @@ def test_arm_configs():
         assert [b for b in b64.budgets if b in bench_arms.ARMS[comparator].budgets] == [1.0, 1.25, 1.5]
     assert [b for b in b64.budgets if b in bench_arms.ARMS["predict-gradient-quarter-15"].budgets] == [1.0, 3.0, 4.0]
     assert 4.0 not in gpu.budgets   # (the GPU suite's quarter stops at 3x)
+    # offload-preset: the 1b-16gb-gradient preset's own layout and section, only its LR and warmup scaled
+    suite = bench.SUITES["offload-preset"]
+    preset, _ = resolve_config(suite.config)
+    cfg, plain = bench_arms.arm_config(bench_arms.deep_merge(preset, suite.overrides), bench_arms.ARMS["preset-long"],
+                                       quick=False)
+    shipped = dict(preset["hybrid_predict"], warmup_steps=25)
+    assert not plain and cfg["hybrid_predict"] == shipped and cfg["optimizer"]["params"]["lr"] == 3e-3
+    assert {k: cfg[k] for k in ("zero_optimization", "bf16", "activation_checkpointing", "gradient_accumulation_steps",
+                                "train_micro_batch_size_per_gpu")} == \
+        {k: preset[k] for k in ("zero_optimization", "bf16", "activation_checkpointing", "gradient_accumulation_steps",
+                                "train_micro_batch_size_per_gpu")}
+    assert [b for b in suite.budgets if b in bench_arms.ARMS["baseline"].budgets] == [1.0, 1.25, 1.5]
+    assert [b for b in suite.budgets if b in bench_arms.ARMS["preset-long"].budgets] == [1.0, 3.0, 4.0]
     # The same in the compact state (what fits 7B under 24 GB), on the device path its state needs
     cfg, plain = bench_arms.arm_config(bench_arms.deep_merge(preset, b64.overrides),
                                        bench_arms.ARMS["predict-gradient-quarter-15-int4f"], quick=False)
