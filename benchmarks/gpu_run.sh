@@ -113,11 +113,6 @@
 #            build of 6.5B weights on the CPU, DeepSpeed's CPU Adam build and pageable copies of 13-26 GB a
 #            step: a few minutes an arm), TRAIN7B_STEPS (12) the steps of each
 #                                    -> OUT/train7b-hybrid.json, OUT/train7b-plain.json, OUT/plan-7b.json, OUT/free.log
-#   preset1b llama-1b on the 1b-16gb-gradient preset as shipped (a quarter of the batch, 15 Predict steps a real
-#            one; its warmup cut to 4 steps so that two runs fit) under a 16 GB allocator cap, and the same config
-#            with --baseline (plain ZeRO-Offload), PRESET1B_STEPS (37: 4 + 2 x (1 + 15) + the real step that checks
-#            the second run) each: that the preset runs under the cap, its peak GPU and host memory, ms/step per
-#            phase and tokens/s as ds-hybrid train reports them  -> OUT/preset1b-hybrid.json, OUT/preset1b-plain.json
 #   stale124 the CPU window's cost in loss at GPT-2 124M (benchmarks/stale_update_study.py, plain PyTorch, bf16
 #            autocast): the synchronous step against a gradient taken one update behind the masters, bare and
 #            covered by the last update; 8 x 256 bytes a step, 600 steps, peak LR 6e-4 and 1.2e-3, 3 seeds. It
@@ -309,21 +304,6 @@ print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_o
       done
       kill "$watcher" 2>/dev/null
       stage_rc train7b $rc "$t0" ;;
-    preset1b)
-      rc=0
-      arms=2
-      for arm in hybrid plain; do
-        flag=""; [ $arm = plain ] && flag="--baseline"
-        # (each arm its share of what is left, as train7b's)
-        timeout -k 30 "$(smaller 300 $(( $(left 20) / arms )))" $DSH train --config 1b-16gb-gradient --model llama-1b \
-          --gpu-mem-cap 16GB --seq-len 1024 --steps "${PRESET1B_STEPS:-37}" --set warmup_steps=4 \
-          --eval-every "${PRESET1B_STEPS:-37}" --val-batches 1 --no-progress --no-plot --out /tmp/p1b-$arm $flag \
-          > "$OUT/preset1b-$arm.log" 2>&1 || rc=1
-        tail -12 "$OUT/preset1b-$arm.log"
-        [ -f /tmp/p1b-$arm/summary.json ] && cp /tmp/p1b-$arm/summary.json "$OUT/preset1b-$arm.json"
-        arms=$(( arms - 1 ))
-      done
-      stage_rc preset1b $rc "$t0" ;;
     stale124)
       timeout -k 20 "$(smaller 560 "$(left 10)")" $PY benchmarks/stale_update_study.py --model gpt2-124m --seq-len 256 --batch 8 --device cuda --bf16 \
         --lrs 6e-4 1.2e-3 --seeds 1 2 3 --modes stale cover-last --json "$OUT/stale-update-study-124m.json" \
@@ -334,7 +314,7 @@ print('train7b: offload_optimizer.pin_memory', c['zero_optimization']['offload_o
         --lr 6e-4 --seeds 1 2 3 --schedules 1:1 1:3 --modes skip drift adam-carry --state-dtype bf16 \
         --weights bf16-sr --json "$OUT/grad-step-study-124m.json" > "$OUT/grad124.log" 2>&1
       rc=$?; tail -14 "$OUT/grad124.log"; stage_rc grad124 $rc "$t0" ;;
-    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b prof1b foldhost gradz3 offbench train7b preset1b stale124 grad124)"; status=2 ;;
+    *) echo "unknown stage $stage (env ops tests kernels attn mem124 prof pred124 prec32 prec16 mem1b off1b grad1b prof1b foldhost gradz3 offbench train7b stale124 grad124)"; status=2 ;;
   esac
 done
 exit $status

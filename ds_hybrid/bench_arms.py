@@ -111,10 +111,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         with_changes(GROUPS, group_predict__pinned=2, group_predict__step_scale=0.0), budgets=(1.0,)),
     Arm("default", "the preset's own `hybrid_predict` section as shipped (the no-argument `ds-hybrid train`)",
         "preset", budgets=(1.0,)),
-    # A preset whose real steps are a few of its steps (1b-16gb-gradient: 1 in 16) reaches plain's final loss
-    # only on a longer schedule, as its arm does (predict-gradient-quarter-15): its own section up to 4x.
-    Arm("preset-long", "the preset's own `hybrid_predict` section as shipped, up to 4x plain's budget (a preset "
-        "whose real steps are few: `1b-16gb-gradient`, 1 in 16)", "preset", budgets=(1.0, 2.0, 3.0, 4.0)),
+    # A config whose real steps are a few of its steps (offload-preset's: 1 in 16) reaches plain's final loss
+    # only on a longer schedule, as predict-gradient-quarter-15 does: its own section up to 4x.
+    Arm("preset-long", "the suite's config's own `hybrid_predict` section, up to 4x plain's budget (for a section "
+        "whose real steps are few: `offload-preset`'s, 1 in 16)", "preset", budgets=(1.0, 2.0, 3.0, 4.0)),
 ]}
 
 

@@ -712,21 +712,22 @@ HELD_BACK = {"lr_gate": "the LR gate (predict_lr_fraction)", "predictor": "the p
 
 
 def share_line(noise: dict | None) -> str | None:
-    """For gradient Predict steps from a share of the batch: what one was worth in real steps over
-    the run (``noise_scale.py``, from the gradient noise scale: a guide, not a measurement of loss)
-    and what it cost of a Full step's time, so a user sees whether the share pays on their model.
-    None where no share step was paired with a real one."""
+    """For gradient Predict steps from a share of the batch: the gradient noise scale over the run
+    against the share's size, what the noise-scale model (``noise_scale.py``) makes a share step
+    worth in real steps, and what one cost of a Full step's time. The model assumes each batch size
+    at its own best LR; at the real steps' LR a share far below the noise scale can be worth much
+    less (the offload-preset suite: a figure of 0.29 where the runs stalled), so it is a guide and
+    says so. None where no share step was paired with a real one."""
     if not noise or not noise.get("pairs") or noise.get("run_share_worth") is None:
         return None
-    worth, cost = noise["run_share_worth"], noise.get("share_step_cost")
-    b_noise = noise.get("run_b_noise_samples")
-    text = (f"gradient Predict steps from {noise['share_samples']} of {noise['batch_samples']} sequences: "
-            f"each worth about {worth:.2f} of a real step over the run (gradient noise scale "
-            + (f"{b_noise:.0f} sequences" if b_noise is not None else "past estimating: the noise swamps the signal")
-            + ", a guide)")
+    b_noise, cost = noise.get("run_b_noise_samples"), noise.get("share_step_cost")
+    text = (f"gradient Predict steps from {noise['share_samples']} of {noise['batch_samples']} sequences, gradient "
+            "noise scale " + (f"{b_noise:.0f} sequences" if b_noise is not None else "past estimating (the noise "
+                                                                                    "swamps the signal)")
+            + f" over the run: by the noise-scale model each worth {noise['run_share_worth']:.2f} of a real step "
+            "(a guide: it assumes an LR suited to the share)")
     if cost:
-        # (progress per second against a real step's: under 1 the share steps give less than they cost)
-        text += f", at {cost:.2f} of a Full step's time: {worth / cost:.1f}x a real step's progress per second"
+        text += f", at {cost:.2f} of a Full step's time"
     return text
 
 

@@ -95,7 +95,7 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     # (the planner's 50B shape: a 32000 x 8192 embedding).
     assert fifty.zero_config.offload_param.buffer_size >= 32000 * 8192
 
-    for name in ("1b-16gb", "1b-16gb-gradient", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
+    for name in ("1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
         hybrid = parse_hybrid_config(json.loads((PRESET_DIR / f"{name}.json").read_text()))
         assert hybrid.snapshot_device == "cpu", f"{name}: the snapshot of a big model belongs in host memory"
 
@@ -140,57 +140,3 @@ def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
     assert train.main(common + ["--out", str(tmp_path / "grad")])["steps_done"] == 12
     flat = json.dumps(json.loads((tmp_path / "grad" / "summary.json").read_text()))
     assert '"predict": 4' in flat and '"gradient_nonfinite_steps": 0' in flat
-
-
-def test_the_1b_gradient_preset_is_the_measured_arm_on_the_1b_layout():
-    """1b-16gb-gradient is 1b-16gb's layout (everything DeepSpeed reads but the schedule, 3x as
-    long) with the hybrid section the offload-b64 bench measured to plain ZeRO-Offload's final
-    loss: its predict-gradient-quarter-15 arm, on the device path beside a GPU."""
-    from ds_hybrid.bench_arms import ARMS
-    plain = json.loads((PRESET_DIR / "1b-16gb.json").read_text())
-    grad = json.loads((PRESET_DIR / "1b-16gb-gradient.json").read_text())
-    outside = ("hybrid_predict", "scheduler")
-    assert {k: v for k, v in grad.items() if k not in outside} == {k: v for k, v in plain.items() if k not in outside}
-    sched, plain_sched = grad["scheduler"]["params"], plain["scheduler"]["params"]
-    assert sched["total_num_steps"] == 3 * plain_sched["total_num_steps"]
-    assert {k: v for k, v in sched.items() if k != "total_num_steps"} == \
-        {k: v for k, v in plain_sched.items() if k != "total_num_steps"}
-    section, arm = dict(grad["hybrid_predict"]), dict(ARMS["predict-gradient-quarter-15"].hybrid)
-    assert section.pop("warmup_steps") == plain["hybrid_predict"]["warmup_steps"]
-    assert section.pop("snapshot_device") == "cpu" and section.pop("memory") == {"offload_predict": "auto"}
-    arm.pop("warmup_steps")
-    assert section == arm
-    parsed = parse_hybrid_config(grad)
-    assert parsed.predictor.direction == "gradient" and parsed.predictor.gradient_batch_fraction == 0.25
-
-
-def test_the_preset1b_stage_trains_the_preset_on_the_cpu(tmp_path):
-    """benchmarks/gpu_run.sh's preset1b stage, its ds-hybrid train command as written with a small model
-    (no GPU cap on the CPU): the hybrid arm takes two runs of 15 Predict steps after its 4 warmup steps,
-    each step's gradient from a quarter of the batch (2 of its 8 micro-batches); the --baseline arm none."""
-    import shlex
-
-    from ds_hybrid import train
-    from spawn import write_corpus
-    stage = (PRESET_DIR.parent / "benchmarks" / "gpu_run.sh").read_text().split("    preset1b)", 1)[1].split(";;", 1)[0]
-    command = stage.split("$DSH train ", 1)[1].split(">", 1)[0].replace("\\\n", " ")
-    command = command.replace("${PRESET1B_STEPS:-37}", "37").replace('"', "")
-    args = shlex.split(command)
-    for flag, value in (("--config", "1b-16gb-gradient"), ("--model", "llama-1b"), ("--gpu-mem-cap", "16GB")):
-        assert args[args.index(flag) + 1] == value
-    args[args.index("--model") + 1], args[args.index("--seq-len") + 1] = "llama-tiny", "32"
-    del args[args.index("--gpu-mem-cap"):args.index("--gpu-mem-cap") + 2]
-    assert args[-3:] == ["--out", "/tmp/p1b-$arm", "$flag"]
-    args = args[:-1]
-    args[args.index("--out") + 1] = str(tmp_path / "hybrid")
-    args += ["--data", str(write_corpus(tmp_path))]
-    assert train.main(args)["steps_done"] == 37
-    stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())["statistics"]
-    assert stats["steps_per_phase"]["warmup"] == 4 and stats["steps_per_phase"]["predict"] == 30
-    assert stats["direction"] == "gradient" and stats["gradient_nonfinite_steps"] == 0
-    assert stats["gradient_noise_scale"]["batch_samples"] == 32 and stats["gradient_noise_scale"]["share_samples"] == 8
-    assert stats["predict_accepted"] + stats["predict_rolled_back"] == 30
-    args[args.index("--out") + 1] = str(tmp_path / "plain")
-    assert train.main(args + ["--baseline"])["steps_done"] == 37
-    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())["statistics"]
-    assert plain["steps_per_phase"]["predict"] == 0

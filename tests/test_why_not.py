@@ -72,15 +72,16 @@ def test_the_run_summary_counts_skipped_backward_passes_and_held_back_steps():
 
 
 def test_the_run_summary_says_what_a_share_step_was_worth_and_cost():
-    """A gradient Predict run from a share of the batch: the summary gives the run-wide worth the
-    noise scale projects, the step's cost over a Full step's, and their ratio; nothing before a pair."""
+    """A gradient Predict run from a share of the batch: the summary gives the noise scale against the
+    share, the worth the noise-scale model projects (a guide, said so) and the step's cost over a Full
+    step's; nothing before a pair."""
     from ds_hybrid.train import format_summary, share_line
-    noise = {"run_share_worth": 0.57, "run_b_noise_samples": 10.8, "batch_samples": 32, "share_samples": 8,
-             "pairs": 37, "share_step_cost": 0.19}
+    noise = {"run_share_worth": 0.29, "run_b_noise_samples": 140.2, "batch_samples": 32, "share_samples": 8,
+             "pairs": 1101, "share_step_cost": 0.17}
     line = share_line(noise)
-    assert line == ("gradient Predict steps from 8 of 32 sequences: each worth about 0.57 of a real step over the "
-                    "run (gradient noise scale 11 sequences, a guide), at 0.19 of a Full step's time: 3.0x a real "
-                    "step's progress per second")
+    assert line == ("gradient Predict steps from 8 of 32 sequences, gradient noise scale 140 sequences over the run: "
+                    "by the noise-scale model each worth 0.29 of a real step (a guide: it assumes an LR suited to "
+                    "the share), at 0.17 of a Full step's time")
     st = {"steps_per_phase": {"full": 3, "predict": 30}, "mean_step_seconds": {"full": 0.4, "predict": 0.076},
           "seconds_per_phase": {"full": 1.2, "predict": 2.3}, "predict_accepted": 30, "predict_rolled_back": 0,
           "verifications": 2, "backward_skipped": 0, "backward_passes": 264, "backward_skipped_pct": 0.0,
@@ -88,9 +89,9 @@ def test_the_run_summary_says_what_a_share_step_was_worth_and_cost():
     text = format_summary({"statistics": st, "final_val_loss": 2.6, "val_points": [[33, 2.6]],
                            "train_seconds_excluding_eval": 3.5})
     assert line in text.splitlines()
-    # no Full step timed yet: the worth alone; the noise past estimating: said so; no pair yet: no line
-    assert share_line(dict(noise, share_step_cost=None)).endswith("(gradient noise scale 11 sequences, a guide)")
-    assert "(gradient noise scale past estimating: the noise swamps the signal, a guide)" in \
+    # no Full step timed yet: no cost; the noise past estimating: said so; no pair yet: no line
+    assert share_line(dict(noise, share_step_cost=None)).endswith("(a guide: it assumes an LR suited to the share)")
+    assert "gradient noise scale past estimating (the noise swamps the signal) over the run" in \
         share_line(dict(noise, run_b_noise_samples=None))
     assert share_line(dict(noise, pairs=0)) is None and share_line(None) is None
     assert share_line(dict(noise, run_share_worth=None)) is None
