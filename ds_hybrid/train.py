@@ -258,6 +258,20 @@ def preflight_plan(ds_config: dict, args: argparse.Namespace, zero_init: bool, g
             "accelerator": "cpu" if accelerator == "cpu" else "cuda"}
 
 
+def cpu_bf16_note(ds_config: dict, accelerator: str, capability: str) -> str | None:
+    """A note when a bf16 config runs on a CPU whose PyTorch kernels stop below AVX-512
+    (``torch.backends.cpu.get_cpu_capability()``: "AVX2" or less), where a bf16 step costs several
+    fp32 ones (7.65x on an AVX2 EPYC: docs/benchmarks.md, "bf16 on an AVX2 CPU"). The run goes on
+    as configured: a note, since its numbers are right, only slow."""
+    if accelerator != "cpu" or not (ds_config.get("bf16") or {}).get("enabled"):
+        return None
+    if capability not in ("AVX2", "NO AVX"):   # (x86 below AVX-512; other kinds of CPU unmeasured)
+        return None
+    return (f"note: bf16.enabled on a CPU whose PyTorch kernels are {capability} (no AVX-512): bf16 steps here "
+            "cost several fp32 ones (docs/benchmarks.md, \"bf16 on an AVX2 CPU\"); bf16.enabled: false trains "
+            "in fp32 instead")
+
+
 def apply_gpu_cap(cap: int, local_rank: int) -> None:
     """Limit the caching allocator on this rank's GPU to ``cap`` bytes, so a bigger card trains
     within a 16 GB card's budget (a real limit: past it, allocation fails). The CUDA context and the libraries' workspaces outside the allocator are
@@ -456,6 +470,10 @@ def main(argv: list[str] | None = None) -> dict:
     # DeepSpeed compiles some ops on first use, and waits silently on a build lock: say so first.
     say = (lambda line: print(line, flush=True)) if args.local_rank == 0 else (lambda line: None)
     locks = check_op_builds(ds_config, deepspeed.get_accelerator().device_name(), say)
+    slow_bf16 = cpu_bf16_note(ds_config, deepspeed.get_accelerator().device_name(),
+                              torch.backends.cpu.get_cpu_capability())
+    if slow_bf16:
+        say(slow_bf16)
     ensure_distributed_env()
     quiet_logs(args.verbose)
     if gpu_cap is not None:

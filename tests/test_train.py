@@ -55,6 +55,49 @@ def test_set_overrides_hybrid_keys(corpus, tmp_path, capsys):
     assert summary["statistics"]["direction"] == "drift" and summary["statistics"]["velocity_bytes"] > 0
 
 
+def test_bf16_on_a_cpu_below_avx512_gets_a_note():
+    bf16 = {"bf16": {"enabled": True}}
+    note = train.cpu_bf16_note(bf16, "cpu", "AVX2")
+    assert "bf16.enabled" in note and "AVX2" in note and "bf16.enabled: false" in note
+    assert train.cpu_bf16_note(bf16, "cpu", "NO AVX") is not None
+    assert train.cpu_bf16_note(bf16, "cpu", "AVX512") is None          # (wide kernels: no note)
+    assert train.cpu_bf16_note(bf16, "cpu", "SVE256") is None          # (an Arm CPU: not measured)
+    assert train.cpu_bf16_note(bf16, "cuda", "AVX2") is None           # (the GPU does the arithmetic)
+    assert train.cpu_bf16_note({"bf16": {"enabled": False}}, "cpu", "AVX2") is None
+    assert train.cpu_bf16_note({}, "cpu", "AVX2") is None
+
+
+def test_the_run_prints_the_bf16_note_and_trains_as_configured(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    cfg = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    cfg["bf16"] = {"enabled": True}
+    (tmp_path / "bf16.json").write_text(json.dumps(cfg))
+    summary = train.main(["--config", str(tmp_path / "bf16.json"), "--data", str(corpus), "--steps", "2",
+                          "--seq-len", "32", "--eval-every", "2", "--val-batches", "1", "--model", "gpt2-test",
+                          "--out", str(tmp_path / "r"), "--no-progress", "--no-plot", "--baseline"])
+    assert "note: bf16.enabled on a CPU whose PyTorch kernels are AVX2" in capsys.readouterr().out
+    assert summary["global_steps"] == 2 and summary["ds_config"]["bf16"]["enabled"]
+
+
+def test_cpu_bf16_benchmark_times_both_precisions(tmp_path):
+    # benchmarks/cpu_bf16.py, small: one step of each (the figures in docs/benchmarks.md use 20, 2 runs each)
+    import subprocess
+    import sys
+    cfg = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    (tmp_path / "fp32.json").write_text(json.dumps(cfg))
+    (tmp_path / "bf16.json").write_text(json.dumps(dict(cfg, bf16={"enabled": True})))
+    script = [sys.executable, str(ROOT / "benchmarks" / "cpu_bf16.py"), "--model", "gpt2-test", "--steps", "1"]
+    proc = subprocess.run([*script, "--config", str(tmp_path / "fp32.json")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "--config:" in proc.stderr and "bf16.enabled" in proc.stderr
+    proc = subprocess.run([*script, "--config", str(tmp_path / "bf16.json"), "--reps", "1", "--json",
+                           str(tmp_path / "out.json")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["table_markdown"] in proc.stdout
+    assert all(len(v) == 1 and v[0] > 0 for v in result["full_step_seconds"].values())
+    assert result["bf16_over_fp32"] == result["full_step_seconds"]["bf16"][0] / result["full_step_seconds"]["fp32"][0]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
     (["--config", "no-such-preset"], "--config: 'no-such-preset'"),
