@@ -739,11 +739,18 @@ def share_line(noise: dict | None) -> str | None:
     if not noise or not noise.get("pairs") or noise.get("run_share_worth") is None:
         return None
     b_noise, cost = noise.get("run_b_noise_samples"), noise.get("share_step_cost")
-    text = (f"gradient Predict steps from {noise['share_samples']} of {noise['batch_samples']} sequences, gradient "
-            "noise scale " + (f"{b_noise:.0f} sequences" if b_noise is not None else "past estimating (the noise "
-                                                                                    "swamps the signal)")
-            + f" over the run: by the noise-scale model each worth {noise['run_share_worth']:.2f} of a real step "
-            "(a guide: it assumes an LR suited to the share)")
+    head = f"gradient Predict steps from {noise['share_samples']} of {noise['batch_samples']} sequences, gradient "
+    if b_noise == 0.0:
+        # The pairs' trace estimate at or below 0: the share steps' gradients came out no larger than the
+        # real steps' before them (a 16-of-32 share on the offload-preset config, 2026-12-06). That is
+        # no measurement of the noise, and the model's "worth a whole step" from it would be none either.
+        text = head + ("noise scale not measured (the share steps' gradients no larger than the real steps' "
+                       "over the run), so no worth by the noise-scale model")
+    else:
+        text = (head + "noise scale " + (f"{b_noise:.0f} sequences" if b_noise is not None
+                                         else "past estimating (the noise swamps the signal)")
+                + f" over the run: by the noise-scale model each worth {noise['run_share_worth']:.2f} of a real "
+                "step (a guide: it assumes an LR suited to the share)")
     if cost:
         text += f", at {cost:.2f} of a Full step's time"
     return text

@@ -93,5 +93,9 @@ def test_the_run_summary_says_what_a_share_step_was_worth_and_cost():
     assert share_line(dict(noise, share_step_cost=None)).endswith("(a guide: it assumes an LR suited to the share)")
     assert "gradient noise scale past estimating (the noise swamps the signal) over the run" in \
         share_line(dict(noise, run_b_noise_samples=None))
+    # a trace estimated at or below 0 (the estimator's 0 sequences, worth 1.0): no noise figure, no worth
+    zero = share_line(dict(noise, run_b_noise_samples=0.0, run_share_worth=1.0))
+    assert "noise scale not measured" in zero and "no worth by the noise-scale model" in zero
+    assert "1.00" not in zero and zero.endswith("at 0.17 of a Full step's time")
     assert share_line(dict(noise, pairs=0)) is None and share_line(None) is None
     assert share_line(dict(noise, run_share_worth=None)) is None
