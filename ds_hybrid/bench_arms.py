@@ -115,6 +115,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     # only on a longer schedule, as predict-gradient-quarter-15 does: its own section up to 4x.
     Arm("preset-long", "the suite's config's own `hybrid_predict` section, up to 4x plain's budget (for a section "
         "whose real steps are few: `offload-preset`'s, 1 in 16)", "preset", budgets=(1.0, 2.0, 3.0, 4.0)),
+    # The same at 1.75 times plain's budget (offload-preset-fp32: a run whose real steps are 1 in 16 and
+    # whose Predict steps take half the batch; its 1x run ends above plain's final loss).
+    Arm("preset-1.75x", "the suite's config's own `hybrid_predict` section at 1.75 times plain's budget",
+        "preset", budgets=(1.75,)),
 ]}
 
 

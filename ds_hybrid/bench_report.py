@@ -14,7 +14,7 @@ HEADLINE_MARK = "<!-- headline:{name}:{end} -->"
 OFFLOAD_MARK = "<!-- offload-table:{end} -->"
 # The suites under ZeRO-Offload: the README gives them one table (plain, ZenFlow, the hybrid) in
 # place of a headline line each. A suite not run yet has a row that says how to run it.
-OFFLOAD_SUITES = ("offload", "offload-z3", "offload-b64", "offload-preset", "offload-gpu")
+OFFLOAD_SUITES = ("offload", "offload-z3", "offload-b64", "offload-preset", "offload-preset-fp32", "offload-gpu")
 
 
 def ds_feature(hybrid) -> bool:

@@ -132,6 +132,21 @@ class PredictorConfig(_Section):
     spread (docs/memory.md, "A share step's learning rate"). So the default is the schedule's
     rate."""
 
+    gradient_second_moment: Literal["held", "updated"] = "held"
+    """``direction: gradient``: Adam's second moment in a Predict run. ``held``: the last real
+    step's, read in place (no copy beside the run's first moment). ``updated``: Adam's own, each
+    Predict gradient folded into a copy of it as into the first moment (``v = beta2 v +
+    (1 - beta2) g^2``), the copy handed to the optimizer with the first moment when the run is
+    kept and dropped when it is rolled back: one more fp32 copy of this rank's partition on the
+    host path (on the device path the run's second moment is a copy already beside the 16-bit
+    weights, in ``memory.gradient_state_dtype``). With a held ``v`` a coordinate whose Predict
+    gradients outgrow its last real ones steps by ``m / sqrt(v)`` without Adam's bound; at
+    ``betas[1]`` 0.95 (the 1B presets') a half of a 32-sequence batch at 15 Predict steps a real
+    one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain ZeRO-Offload's final
+    loss with ``updated`` (docs/offload.md, "At the 1b-16gb preset's batch"). Not with
+    ``memory.gradient_state_dtype`` int8/int4-factored or ``memory.cpu_step_behind``, whose
+    second moment is factored or the cover's."""
+
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """``direction: gradient`` with a model under activation checkpointing (transformers'
     ``gradient_checkpointing``): whether a Predict step's own backward recomputes each
@@ -741,6 +756,19 @@ class HybridPredictConfig(_Section):
                              "learning rate a gradient Predict step takes; predictor.direction "
                              f"{self.predictor.direction!r} takes no gradient (set direction 'gradient' or leave it "
                              "at 1)")
+        if self.predictor.gradient_second_moment != "held" and self.predictor.direction != "gradient":
+            raise ValueError(f"predictor.gradient_second_moment ({self.predictor.gradient_second_moment!r}) is how a "
+                             "gradient Predict run keeps Adam's second moment; predictor.direction "
+                             f"{self.predictor.direction!r} takes no gradient (set direction 'gradient' or leave it "
+                             "'held')")
+        if self.predictor.gradient_second_moment == "updated":
+            if self.memory.gradient_state_dtype in ("int8-factored", "int4-factored"):
+                raise ValueError(f"predictor.gradient_second_moment 'updated' keeps a whole second moment; "
+                                 f"memory.gradient_state_dtype {self.memory.gradient_state_dtype!r} keeps it factored "
+                                 "(use 'auto', 'fp32' or 'bf16', or leave the second moment 'held')")
+            if self.memory.cpu_step_behind:
+                raise ValueError("predictor.gradient_second_moment 'updated': memory.cpu_step_behind builds the "
+                                 "run's second moment from the real step's cover; set one of them back")
         if self.memory.park_optimizer_states and self.predictor.direction in ("adam", "gradient"):
             raise ValueError(f"memory.park_optimizer_states needs predictor.direction 'drift': Predict steps "
                              f"with direction {self.predictor.direction!r} read the moments it would move off "

@@ -484,6 +484,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                 out["moment_parking"] = self._parking.mode
             if self._gradient is not None:   # Predict steps whose gradient was NaN/Inf on a rank: moved nothing
                 out["gradient_nonfinite_steps"] = self._gradient.nonfinite
+                # predictor.gradient_second_moment: Adam's v held at the last real step's, or updated by the run
+                out["gradient_second_moment"] = "updated" if self._gradient.update_v else "held"
                 # memory.cpu_step_behind: real steps covered on the GPU, and their CPU steps' time behind the runs
                 out["cpu_step_behind"] = self._cpu_step_behind
                 out["cpu_steps_behind"] = self._stats.steps_behind

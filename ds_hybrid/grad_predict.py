@@ -3,10 +3,11 @@
 Under ZeRO-Offload a real step's dear part is the CPU Adam step and the PCIe copies, not the
 forward and backward (docs/memory.md). This Predict step runs a forward and backward of its own
 through ``engine.module`` and moves the weights by Adam's step with the new gradient in the first
-moment and the second moment held at the last real step's. The run keeps its own first moment,
-begun from the optimizer's: a run that is kept hands it to the optimizer (``commit``), so each
-Predict gradient stays in the moment as a real step's does; a rolled-back run drops it
-(``discard``). Measured with ``benchmarks/grad_step_study.py`` (mode ``adam-carry``): 0.98-1.01 of
+moment and the second moment held at the last real step's (``predictor.gradient_second_moment:
+held``) or updated by the new gradient too, as a real step's is (``updated``). The run keeps its
+own first moment (and an updated second), begun from the optimizer's: a run that is kept hands
+them to the optimizer (``commit``), so each Predict gradient stays in the moments as a real
+step's does; a rolled-back run drops them (``discard``). Measured with ``benchmarks/grad_step_study.py`` (mode ``adam-carry``): 0.98-1.01 of
 a real step in loss at 1 real step in every 2 to 16.
 
 The backward is private: ``torch.autograd.grad`` through ``engine.module`` accumulates into no
@@ -142,8 +143,13 @@ class GradientPredict(WorkerOwner):
 
     def __init__(self, access: MasterAccess, clip: float, all_reduce: Callable[[torch.Tensor], None], world: int,
                  on_device: bool = False, state_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0, compact: str | None = None):
+                 seed: int = 0, batch_fraction: float = 1.0, lr_scale: float = 1.0, compact: str | None = None,
+                 second_moment: str = "held"):
         self.access = access
+        # predictor.gradient_second_moment: "updated": the run's v is a copy of the optimizer's that
+        # each Predict gradient is folded into (beta2 v + (1 - beta2) g^2), handed over with m when
+        # the run is kept; "held": the last real step's v (read in place where it can be)
+        self.update_v = second_moment == "updated"
         # memory.gradient_state_dtype: int8-factored or int4-factored (the device path, ZeRO 1-3):
         # "int8" / "int4", the run's moments in about a byte or half a byte a parameter and the gradient
         # folded into them as the backward produces it (compact_moments.py); the run's state is then
@@ -272,17 +278,24 @@ class GradientPredict(WorkerOwner):
                 m = self.m[i]
                 if m is None:
                     continue
-                beta1 = part.group.get("betas", (0.9, 0.999))[0]
+                beta1, beta2 = part.group.get("betas", (0.9, 0.999))
                 m = m.view(-1)
                 m.mul_(beta1)
+                # (updated: Adam's v of the clipped gradient, g / coef; the fold in fp32, into v's dtype)
+                v = self.v[i].view(-1).mul_(beta2) if self.update_v else None
                 if laid is not None:
-                    m.add_(laid[i].to(m.device), alpha=(1.0 - beta1) / coef)
+                    g = laid[i].to(m.device)
+                    m.add_(g, alpha=(1.0 - beta1) / coef)
+                    if v is not None:
+                        v.addcmul_(g, g, value=(1.0 - beta2) / (coef * coef))
                     continue
                 for p, ps, ms, n in self._slices[i]:
                     g = grads[self._index[p]]
                     if g is not None:
-                        m[ms:ms + n].add_(g.reshape(-1)[ps:ps + n].to(m.device),
-                                          alpha=(1.0 - beta1) / coef)
+                        g = g.reshape(-1)[ps:ps + n].to(m.device)
+                        m[ms:ms + n].add_(g, alpha=(1.0 - beta1) / coef)
+                        if v is not None:
+                            v[ms:ms + n].addcmul_(g, g, value=(1.0 - beta2) / (coef * coef))
         return True
 
     def _take_compact(self, engine: Any, batches: list, loss_fn: Callable, timed: Timer) -> bool:
@@ -542,12 +555,15 @@ class GradientPredict(WorkerOwner):
                 continue
             if not self.on_device:
                 ms.append(part.state["exp_avg"].detach().clone())
-                vs.append(None), fill.append(0)   # (the optimizer's own exp_avg_sq is read in place)
+                # (held: the optimizer's own exp_avg_sq is read in place)
+                vs.append(part.state["exp_avg_sq"].detach().clone() if self.update_v else None)
+                fill.append(0)
                 continue
             shard = shards[i]
             ms.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
             v = part.state["exp_avg_sq"].view(-1)
-            if v.device != shard.device or v.dtype != self.state_dtype:   # (read-only: no copy where it can be read)
+            # (held, read-only: no copy where it can be read; updated: always the run's own)
+            if self.update_v or v.device != shard.device or v.dtype != self.state_dtype:
                 vs.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
                 fill.append(2)
             else:
@@ -689,7 +705,7 @@ class GradientPredict(WorkerOwner):
         if not self.on_device:
             from .zero_access import apply_predicted_update
             apply_predicted_update(self.access, 1.0, backend=self.backend, first_moments=self.m,
-                                   lr_scale=self.lr_scale)
+                                   second_moments=self.v if self.update_v else None, lr_scale=self.lr_scale)
             self.access.propagate()
             return
         if self.moments is not None:
@@ -760,14 +776,15 @@ class GradientPredict(WorkerOwner):
             return
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))] if self.on_device else []
-        run, self.m, self.v = self.m, None, []
+        run, second = self.m, (self.v if self.update_v else None)
+        self.m, self.v = None, []
         self.covered = False
         if background and self.on_device and not resync:
             # (the thread's copies wait for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
-            self._worker.start(lambda: self._hand_over(parts, run, shards, ready))
+            self._worker.start(lambda: self._hand_over(parts, run, shards, ready, second))
             return
-        self._hand_over(parts, run, shards)
+        self._hand_over(parts, run, shards, second=second)
         if self.on_device and resync:
             self._repropagate()
 
@@ -805,14 +822,18 @@ class GradientPredict(WorkerOwner):
             if stream is not None:
                 stream.synchronize()
 
-    def _hand_over(self, parts: list, run: list, shards: list, after=None) -> None:
-        """The run's first moment into the optimizer's, and (``shards``: the device path) the
-        masters caught up with the 16-bit weights. ``after``: the event its copies from a GPU
-        wait for (``Stager.mark``; None: the work queued so far)."""
+    def _hand_over(self, parts: list, run: list, shards: list, after=None, second: list | None = None) -> None:
+        """The run's first moment (and ``second``: its updated second moment) into the
+        optimizer's, and (``shards``: the device path) the masters caught up with the 16-bit
+        weights. ``after``: the event its copies from a GPU wait for (``Stager.mark``; None: the
+        work queued so far)."""
         for i, part in enumerate(parts):
             if run[i] is None:
                 continue
             self._copy(part.state["exp_avg"].view(-1), run[i].view(-1), after)
+            if second is not None and second[i] is not None:
+                self._copy(part.state["exp_avg_sq"].view(-1), second[i].view(-1), after)
+                second[i] = None
             # (the copy has finished: the moment's GPU memory goes back now, not after the last
             # partition's catch-up, which a background commit runs during the next real step)
             run[i] = None
@@ -868,7 +889,9 @@ class GradientPredict(WorkerOwner):
             sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
             if self.on_device:
                 sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.m))]
-            if self.covered:   # (the run's second moment is the GPU's step of it, not the optimizer's copy)
+            # (covered: the run's second moment is the GPU's step of it; updated: the run's own; neither
+            # is the optimizer's)
+            if self.covered or self.update_v:
                 sd["v"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.v]
         return sd
 
@@ -901,7 +924,7 @@ class GradientPredict(WorkerOwner):
             # Device -> host: the masters are the last good point and the run's weights are not
             # in them, so it is dropped.
             if self.on_device:
-                self._hand_over(parts, saved, [])
+                self._hand_over(parts, saved, [], second=sd.get("v"))
                 return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
             self._repropagate()
             return "saved on the device path: the run is dropped (the masters hold its last good point)"
@@ -909,7 +932,12 @@ class GradientPredict(WorkerOwner):
         for m, t in zip(self.m, saved):
             if m is not None:
                 m.view(-1).copy_(t.view(-1))
-        if sd.get("v") is not None and self.on_device:
+        if sd.get("v") is not None and self.update_v:
+            # (the run's own second moment, allocated by _begin)
+            for v, t in zip(self.v, sd["v"]):
+                if v is not None:
+                    v.view(-1).copy_(t.view(-1))
+        elif sd.get("v") is not None and self.on_device:
             # memory.cpu_step_behind: the run's own v, a tensor of its own (_begin may have handed
             # it the optimizer's, where that can be read in place)
             self.v = [None if v is None else torch.empty_like(v).copy_(t.view(-1).to(v.device))

@@ -126,7 +126,8 @@ class MemoryPaths:
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
                                    seed=self.hybrid_config.dynamics.seed,
                                    batch_fraction=pred.gradient_batch_fraction,
-                                   lr_scale=pred.gradient_lr_scale, compact=compact)
+                                   lr_scale=pred.gradient_lr_scale, compact=compact,
+                                   second_moment=pred.gradient_second_moment)
         except NotImplementedError as err:
             raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None

@@ -634,7 +634,9 @@ def _scale_of(scale: "float | Sequence[float]", gi: int) -> float:
 
 @torch.no_grad()
 def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]", backend: str = "torch",
-                           first_moments: "Sequence[torch.Tensor] | None" = None, lr_scale: float = 1.0) -> float:
+                           first_moments: "Sequence[torch.Tensor] | None" = None,
+                           second_moments: "Sequence[torch.Tensor | None] | None" = None,
+                           lr_scale: float = 1.0) -> float:
     """Add ``-scale * lr * adam_direction`` (plus AdamW's decoupled decay) to the masters.
 
     ``scale`` is one number, or one per layer group (optimizer param group); a
@@ -644,7 +646,8 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
     ``adam_direction`` + add on the same device. Returns the squared norm of the
     applied update on this rank. The caller propagates to the model parameters.
     ``first_moments``: one tensor per partition that stands in for the optimizer's ``exp_avg``
-    (``predictor.direction: gradient``, whose Predict run keeps its own). ``lr_scale``: the
+    (``predictor.direction: gradient``, whose Predict run keeps its own); ``second_moments`` the
+    same for ``exp_avg_sq`` (``predictor.gradient_second_moment: updated``). ``lr_scale``: the
     share of the group's LR the step takes, its decay included (``predictor.gradient_lr_scale``).
     """
     from . import kernels
@@ -662,8 +665,9 @@ def apply_predicted_update(access: MasterAccess, scale: "float | Sequence[float]
         g = part.group
         beta1, beta2 = g.get("betas", (0.9, 0.999))
         m = part.state["exp_avg"] if first_moments is None else first_moments[i]
+        v = part.state["exp_avg_sq"] if second_moments is None else second_moments[i]
         sq.append(kernels.fused_update(
-            part.master, m, part.state["exp_avg_sq"], lr=float(g["lr"]) * lr_scale, scale=s,
+            part.master, m, v, lr=float(g["lr"]) * lr_scale, scale=s,
             beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
             weight_decay=float(g.get("weight_decay", 0.0)), decoupled=access.decoupled_decay,
             bias_correction=g.get("bias_correction", True), compute_sq=True, backend=backend,

@@ -68,6 +68,8 @@ parser.add_argument("--checkpointing", default=None, choices=["auto", "true", "f
                          "predictor.gradient_checkpointing")
 parser.add_argument("--no-room-rank", type=int, default=None,
                     help="with --checkpointing auto: this rank finds no room for the blocks' activations")
+parser.add_argument("--gradient-second-moment", default="held", choices=["held", "updated"],
+                    help="with --direction gradient: predictor.gradient_second_moment")
 parser.add_argument("--gradient-state-dtype", default="auto",
                     help="with --direction gradient --offload-predict device: memory.gradient_state_dtype")
 parser.add_argument("--offload-param", action="store_true",
@@ -97,6 +99,7 @@ if args.offload_predict:
               "max_predict_steps": 2, "correction_steps": 0, "check": "next_step",
               "predictor": {"direction": args.direction} if args.direction != "gradient" else
               {"direction": "gradient", "gradient_batch_fraction": args.gradient_batch_fraction,
+               "gradient_second_moment": args.gradient_second_moment,
                "gradient_checkpointing": {None: "auto", "auto": "auto", "true": True,
                                           "false": False}[args.checkpointing]},
               "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0},

@@ -402,11 +402,13 @@ def test_the_offload_suites_share_one_readme_table(tmp_path):
     sections.write_text("<!-- bench:offload-b64:start -->\nold\n<!-- bench:offload-b64:end -->\n")
     bench_report.update_readme(result, tmp_path)
     rows = [line for line in readme.read_text().splitlines() if line.startswith("| [")]
-    assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-preset", "offload-gpu"]
+    assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-preset",
+                                              "offload-preset-fp32", "offload-gpu"]
     assert "`zenflow` not reached (0/2) (at plain's LR)" in rows[0] and "2026-01-02" in rows[0]
     assert "| 1 | `zenflow` not reached (0/2) (its own LR swept) | `predict` **0.55 ± 0.00x** | 0.55 ± 0.00x | " \
            "0.50 ± 0.00x |" in rows[2]
-    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[4]
+    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[5]
+    assert "not run yet |" in rows[4] and "CUDA" not in rows[4]
     assert "old" not in readme.read_text() and readme.read_text().endswith("outro\n")
     # (runs that ran several at a time: that row in Full-step equivalents, and says so)
     table = bench_report.offload_table({"offload-b64": dict(result, jobs=4)})

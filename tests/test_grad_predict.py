@@ -288,14 +288,19 @@ def _equal(xs, ys) -> bool:
     return all(torch.equal(x, y) for x, y in zip(xs, ys))
 
 
-@pytest.mark.parametrize("stage, gas, offload_param", [(1, 1, None), (2, 1, None), (2, 2, None), (3, 1, None),
-                                                       (3, 2, "cpu")])
-def test_device_path_matches_the_host_path_bit_for_bit(stage, gas, offload_param):
+@pytest.mark.parametrize("stage, gas, offload_param, second", [(1, 1, None, "held"), (2, 1, None, "held"),
+                                                               (2, 2, None, "held"), (3, 1, None, "held"),
+                                                               (3, 2, "cpu", "held"), (2, 2, None, "updated"),
+                                                               (3, 1, None, "updated"), (3, 2, "cpu", "updated")])
+def test_device_path_matches_the_host_path_bit_for_bit(stage, gas, offload_param, second):
     """fp32 parameters: the same arithmetic on the same values, so the weights are the host path's
-    after every step, and the masters and first moments after every real step (inside a run they
+    after every step, and the masters and both moments after every real step (inside a run they
     wait at the last good point); the device path takes no snapshot of the masters. On ZeRO 3 the
-    16-bit partition it moves is in host memory with ``offload_param: cpu``."""
-    host, dev = _paths(stage, gas=gas, offload_param=offload_param)
+    16-bit partition it moves is in host memory with ``offload_param: cpu``. With
+    ``predictor.gradient_second_moment: updated`` the device path's v (a copy beside the 16-bit
+    partition) takes the same fold as the host path's copy beside the masters."""
+    host, dev = _paths(stage, gas=gas, offload_param=offload_param,
+                       predictor={"direction": "gradient", "gradient_second_moment": second})
     assert (host.statistics()["offload_predict"], dev.statistics()["offload_predict"]) == ("host", "device")
     bh, bd = Batches(seed=3), Batches(seed=3)
     phases = []
@@ -306,8 +311,10 @@ def test_device_path_matches_the_host_path_bit_for_bit(stage, gas, offload_param
         if rd.phase != "predict":
             assert _equal(master_copies(host), master_copies(dev))
             assert _equal(_moments(host, "exp_avg"), _moments(dev, "exp_avg"))
+            assert _equal(_moments(host, "exp_avg_sq"), _moments(dev, "exp_avg_sq"))
         phases.append(rd.phase)
     st = dev.statistics()
+    assert st["gradient_second_moment"] == host.statistics()["gradient_second_moment"] == second
     assert phases.count("predict") >= 6 and st["predict_accepted"] == host.statistics()["predict_accepted"] >= 4
     assert "snapshot" not in st["bookkeeping_seconds"] and "snapshot" in host.statistics()["bookkeeping_seconds"]
     assert st["snapshot_bytes"] == 0

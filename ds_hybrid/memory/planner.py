@@ -145,6 +145,7 @@ class PresetSpec:
     fold_source: str = "auto"         # hybrid_predict.memory.fold_source
     gradient: bool = False            # predictor.direction: gradient
     gradient_state_dtype: str = "auto"   # hybrid_predict.memory.gradient_state_dtype
+    gradient_v_updated: bool = False     # predictor.gradient_second_moment: updated (the run's own v)
     free_velocity_copy: bool = False     # hybrid_predict.memory.free_velocity_copy
     fold_during_run: bool = False        # hybrid_predict.memory.fold_during_run (true: its auto is off)
     pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
@@ -245,6 +246,7 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source,
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
         gradient_state_dtype=hybrid.memory.gradient_state_dtype,
+        gradient_v_updated=hybrid.predictor.gradient_second_moment == "updated",
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
         fold_during_run=hybrid.memory.fold_during_run is True,
         pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
@@ -689,13 +691,16 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
                                   lp * P + (state * P if preset.gradient_accumulation > 1 or W > 1 else 0)))
             if device_path and not preset.compact_gradient_state:   # (the compact state's counted above)
                 # (the second moment is read where it lies when that is beside the shards in the state dtype)
-                v_in_place = state == 4.0 and m_where == state_where
+                v_in_place = state == 4.0 and m_where == state_where and not preset.gradient_v_updated
                 items.append(Item(state_where, "gradient Predict run's Adam moments beside the 16-bit shards "
                                                "(memory.gradient_state_dtype)",
                                   (1 if v_in_place else 2) * state * P / W * per_node))
             elif not device_path:
                 items.append(Item(m_where, "gradient Predict run's first moment (fp32, beside the masters)",
                                   part * per_node))
+                if preset.gradient_v_updated:
+                    items.append(Item(m_where, "gradient Predict run's second moment (fp32, beside the masters; "
+                                               "predictor.gradient_second_moment: updated)", part * per_node))
         staging = staging_pinned_blocks(preset, accelerator, W)
         if staging:
             items.append(Item("cpu", "the Predict run's pinned staging chunks (ds_hybrid/staging.py)",
