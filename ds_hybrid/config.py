@@ -137,9 +137,9 @@ class PredictorConfig(_Section):
     step's, read in place (no copy beside the run's first moment). ``updated``: Adam's own, each
     Predict gradient folded into a copy of it as into the first moment (``v = beta2 v +
     (1 - beta2) g^2``), the copy handed to the optimizer with the first moment when the run is
-    kept and dropped when it is rolled back: one more fp32 copy of this rank's partition on the
-    host path (on the device path the run's second moment is a copy already beside the 16-bit
-    weights, in ``memory.gradient_state_dtype``). With a held ``v`` a coordinate whose Predict
+    kept and dropped when it is rolled back: one more copy of this rank's partition, fp32 on the
+    host path, in ``memory.gradient_state_dtype`` on the device path (none more where the device
+    path copies the optimizer's already: beside a GPU under ``offload_optimizer``). With a held ``v`` a coordinate whose Predict
     gradients outgrow its last real ones steps by ``m / sqrt(v)`` without Adam's bound; at
     ``betas[1]`` 0.95 (the 1B presets') a half of a 32-sequence batch at 15 Predict steps a real
     one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain ZeRO-Offload's final

@@ -7,8 +7,9 @@ moment and the second moment held at the last real step's (``predictor.gradient_
 held``) or updated by the new gradient too, as a real step's is (``updated``). The run keeps its
 own first moment (and an updated second), begun from the optimizer's: a run that is kept hands
 them to the optimizer (``commit``), so each Predict gradient stays in the moments as a real
-step's does; a rolled-back run drops them (``discard``). Measured with ``benchmarks/grad_step_study.py`` (mode ``adam-carry``): 0.98-1.01 of
-a real step in loss at 1 real step in every 2 to 16.
+step's does; a rolled-back run drops them (``discard``). Measured with
+``benchmarks/grad_step_study.py`` (mode ``adam-carry``, held): 0.98-1.01 of a real step in loss at
+1 real step in every 2 to 16.
 
 The backward is private: ``torch.autograd.grad`` through ``engine.module`` accumulates into no
 ``.grad``, so DeepSpeed's gradient hooks, its reduction buckets, offload copies and counters never
