@@ -108,9 +108,8 @@ SUITES: dict[str, Suite] = {
     # (predictor.gradient_second_moment: updated): with the held one the preset's betas (0.9, 0.95)
     # stalled a 2x run near 2.9 (docs/offload.md, "At the 1b-16gb preset's batch"). The hybrid runs
     # 1.75x plain's budget (a one-seed 2x run crossed plain's final loss at two thirds of its steps;
-    # its 1x run ended 6% above it). Plain runs its full budget only: its longer schedules (1.25x,
-    # 1.5x), which the frontier rule runs elsewhere, were left for a later sitting (2026-12-06: the
-    # LR sweep's tie ran two LRs on every seed) and are owed.
+    # its 1x run ended 6% above it) and 2.25x; plain runs 1x, 1.25x and 1.5x, whose longer schedules
+    # cross its full budget's final loss sooner than that budget does.
     "offload-preset-fp32": Suite(
         name="offload-preset-fp32",
         doc="the `offload-preset` suite's layout (ZeRO 2 + ZeRO-Offload, activation checkpointing, 8 micro-batches "
@@ -119,8 +118,8 @@ SUITES: dict[str, Suite] = {
             "(`predictor.gradient_second_moment: updated`), against plain ZeRO-Offload on the same layout",
         model="gpt2-tiny", config="benchmarks/offload-preset.json", steps=300, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "preset-1.75x"), launcher="deepspeed",
-        budgets=(1.0, 1.75),
+        arms=("baseline", "preset-1.75x", "preset-2.25x"), launcher="deepspeed",
+        budgets=(1.0, 1.25, 1.5, 1.75, 2.25),
         overrides={"bf16": {"enabled": False}, "optimizer": {"params": {"lr": 3e-3}},
                    "hybrid_predict": {"warmup_steps": 25,
                                       "predictor": {"gradient_batch_fraction": 0.5,
