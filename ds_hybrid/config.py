@@ -139,11 +139,13 @@ class PredictorConfig(_Section):
     (1 - beta2) g^2``), the copy handed to the optimizer with the first moment when the run is
     kept and dropped when it is rolled back: one more copy of this rank's partition, fp32 on the
     host path, in ``memory.gradient_state_dtype`` on the device path (none more where the device
-    path copies the optimizer's already: beside a GPU under ``offload_optimizer``). With a held ``v`` a coordinate whose Predict
-    gradients outgrow its last real ones steps by ``m / sqrt(v)`` without Adam's bound; at
-    ``betas[1]`` 0.95 (the 1B presets') a half of a 32-sequence batch at 15 Predict steps a real
-    one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain ZeRO-Offload's final
-    loss with ``updated`` (docs/offload.md, "At the 1b-16gb preset's batch"). Not with
+    path copies the optimizer's already: beside a GPU under ``offload_optimizer``). With a held
+    ``v`` a coordinate whose Predict gradients outgrow its last real ones steps by ``m / sqrt(v)``
+    without Adam's bound; at ``betas[1]`` 0.95 (the 1B presets') a half of a 32-sequence batch at
+    15 Predict steps a real one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain
+    ZeRO-Offload's final loss with ``updated`` (docs/offload.md, "At the 1b-16gb preset's
+    batch"). At 0.999 a held ``v`` moves little between real steps, and ``updated`` reached
+    plain's final loss no sooner (one seed, ``offload-b64``'s arm), so the default is ``held``. Not with
     ``memory.gradient_state_dtype`` int8/int4-factored or ``memory.cpu_step_behind``, whose
     second moment is factored or the cover's."""
 
