@@ -120,7 +120,7 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("preset-1.75x", "the suite's config's own `hybrid_predict` section at 1.75 times plain's budget",
         "preset", budgets=(1.75,)),
     # And at 2.25 times: plain's own longer schedules (1.25x, 1.5x) crossed its full budget's final loss a
-    # quarter sooner than that budget on this suite (its LR stays higher for longer), so the hybrid gets a
+    # fifth sooner than that budget on this suite (its LR stays higher for longer), so the hybrid gets a
     # longer schedule too, at a budget plain does not run.
     Arm("preset-2.25x", "the suite's config's own `hybrid_predict` section at 2.25 times plain's budget",
         "preset", budgets=(2.25,)),
