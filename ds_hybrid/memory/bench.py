@@ -150,6 +150,10 @@ VARIANTS: dict[str, dict | None] = {
     # eighth is one): that share of its forwards and backwards, where those are a real step's dear part too.
     **{f"grad-device-{name}": _gradient_run(gradient_batch_fraction=fraction)
        for name, fraction in (("half", 0.5), ("quarter", 0.25), ("eighth", 0.125))},
+    # ... half with Adam's second moment updated by each Predict gradient (predictor.gradient_second_moment:
+    # updated; the offload-preset-fp32 suite's setting, which reached plain ZeRO-Offload's final loss on the
+    # CPU): what the copy of v and its fold add to the GPU's Predict step, against grad-device-half.
+    "grad-device-half-updated": _gradient_run(gradient_batch_fraction=0.5, gradient_second_moment="updated"),
     # ... an eighth with its backward recomputing the checkpointed blocks whatever auto would decide
     # (auto kept their activations at llama-1b's one micro-batch, near the 16 GB cap).
     "grad-device-eighth-recompute": _gradient_run(gradient_batch_fraction=0.125, gradient_checkpointing=True),
