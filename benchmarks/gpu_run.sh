@@ -56,7 +56,8 @@
 #            worth the CPU study put at 0.43 and 0.19 of a real step; grad-host, grad-device-half: measured
 #            2026-11-26; grad-device-half-updated: half with Adam's second moment updated by each Predict
 #            gradient, the offload-preset-fp32 suite's setting (with GRAD1B_ACCUM=8, against grad-device-half);
-#            drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with a velocity that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
+#            drift-bf16-device-next-fused and drift-fp32-device-next-fused: the fused real step with a velocity
+#            that needs no int8 rounding; grad-device-plain and grad-device-recompute: the gradient
 #            Predict step's backward never or always recomputing the preset's checkpointed blocks, where
 #            grad-device's predictor.gradient_checkpointing auto keeps their activations only if they fit under the
 #            cap by its measured peak and the planner's count (its record's gradient_recompute says which);
