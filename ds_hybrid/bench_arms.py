@@ -25,6 +25,9 @@ class Arm:
     # full budget on the first seed around plain's best. The hybrid's arms keep plain's LR, so that a
     # predicted step is never credited with what a better LR would have done.
     own_lr: bool = False
+    # With ``hybrid="preset"``: changes to the suite's own section (``with_changes``' keys), so that one
+    # of its settings is varied and the rest, as the suite's config has it, kept.
+    preset_changes: dict | None = None
 
 
 # Predicted steps everywhere they are allowed, so the frontier shows what they are worth.
@@ -124,6 +127,12 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     # longer schedule too, at a budget plain does not run.
     Arm("preset-2.25x", "the suite's config's own `hybrid_predict` section at 2.25 times plain's budget",
         "preset", budgets=(2.25,)),
+    # Its Predict steps from a quarter of the batch (offload-preset-fp32: 2 of the 8 micro-batches, a
+    # Predict step about 0.2 of a real one on the CPU against the half's 0.33), Adam's second moment
+    # updated as the suite has it: at the held one a quarter stalled (offload-preset).
+    Arm("preset-1.75x-quarter", "`preset-1.75x` with each Predict step's gradient from a quarter of the batch "
+        "(`predictor.gradient_batch_fraction: 0.25`)", "preset", budgets=(1.75,),
+        preset_changes={"predictor__gradient_batch_fraction": 0.25}),
 ]}
 
 
@@ -165,9 +174,17 @@ def arm_config(base_cfg: dict, arm: Arm, quick: bool) -> tuple[dict, bool]:
     if arm.hybrid is None:
         return cfg, True
     if arm.hybrid == "preset":
-        section = cfg.get("hybrid_predict", {})
+        section = with_changes(cfg.get("hybrid_predict", {}), **(arm.preset_changes or {}))
     elif report.ds_feature(arm.hybrid):    # a DeepSpeed feature, no hybrid
-        return deep_merge(cfg, arm.hybrid["__ds__"]), True
+        cfg = deep_merge(cfg, arm.hybrid["__ds__"])
+        gas = cfg.get("gradient_accumulation_steps", 1)
+        if (cfg.get("zero_optimization") or {}).get("zenflow") and gas > 1:
+            # ZenFlow makes every micro-batch an optimizer step (its update_interval takes the
+            # accumulation's place): the suite's batch in one micro-batch, so that its steps see what
+            # plain's do (train refuses a ZenFlow config that accumulates).
+            cfg["train_micro_batch_size_per_gpu"] = cfg["train_micro_batch_size_per_gpu"] * gas
+            cfg["gradient_accumulation_steps"] = 1
+        return cfg, True
     else:
         section = json.loads(json.dumps(arm.hybrid))
     if quick:

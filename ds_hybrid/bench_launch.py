@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import socket
 import sys
 import threading
+
+from . import dist_env
 
 LAUNCHERS = ("python", "deepspeed")
 
@@ -44,13 +45,9 @@ def free_port() -> int:
     another bench's ranks may hold DeepSpeed's default 29500), and that this process has not
     handed to another run (``--jobs``: two launchers started together must not take one port)."""
     with _ports_lock:
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _ports_given:
-                _ports_given.add(port)
-                return port
+        port = dist_env.free_port(_ports_given)
+        _ports_given.add(port)
+        return port
 
 
 def machine_cores() -> list[int]:

@@ -241,6 +241,11 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     def batches():
         return [{k: v.to(dev) for k, v in next(stream).items()} for _ in range(gas)]
 
+    # A feature's steps take the suite's batch at its own micro-batch size, one optimizer step a
+    # micro-batch (ZenFlow: the whole batch in one, as arm_config builds its runs).
+    feature_streams = {name: train_batches(train, suite.seq_len, e.train_micro_batch_size_per_gpu(), seed=0)
+                       for name, e in ds_features.items()}
+
     for _ in range(8):  # Adam state, velocity and the planner's statistics exist
         engine.train_step(batches())
 
@@ -318,7 +323,11 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
             os.sched_setaffinity(0, narrowed[name])
         try:
             for _ in range(steps):
-                deepspeed_step(eng)
+                batch = {k: v.to(dev) for k, v in next(feature_streams[name]).items()}
+                loss = default_loss(eng, batch)
+                eng.backward(loss)
+                eng.step()
+            loss.item()
         finally:
             narrowed[name] = os.sched_getaffinity(0)
             os.sched_setaffinity(0, cores)
@@ -476,6 +485,9 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
             "narrowed_kinds": sorted(narrowed_kinds),
             # a feature's last update, still running after its block: the mean wait, untimed
             "settled_seconds": {k: v / done for k, v in settled.items()},
+            # the sequences a feature's optimizer step took (the suite's batch: ZenFlow's in one micro-batch)
+            "feature_batch": {k: e.train_micro_batch_size_per_gpu() for k, e in ds_features.items()},
+            "batch": engine.train_micro_batch_size_per_gpu() * gas,
             "commits_in": {k: n for k, n in pending_at.items() if n},
             "plain_work_seconds": {k: sum(plain_work[k]) / done for k in pairs},
             "layer_groups": layout.names if layout is not None else [],

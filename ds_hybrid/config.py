@@ -304,12 +304,24 @@ def offload_devices(ds_config: Mapping[str, Any]) -> tuple[str, str]:
 def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredictConfig) -> str | None:
     """What the engine cannot run that the ds_config alone shows, outside the ``hybrid_predict``
     section (``parse_hybrid_config`` checks that one): ``initialize`` raises it before DeepSpeed
-    builds anything, and ``ds-hybrid train`` exits with it among its input checks. Not part of
+    builds anything, and ``ds-hybrid train`` exits with it among its input checks (ZenFlow with
+    gradient accumulation also with the hybrid off: DeepSpeed would shrink the batch). Not part of
     ``parse_hybrid_config``: ``ds-hybrid plan --set`` parses every preset with the change and
     marks an NVMe preset under the gradient direction as fitting nothing, instead of stopping."""
+    zo = ds_config.get("zero_optimization") or {}
+    gas = ds_config.get("gradient_accumulation_steps")
+    if isinstance(zo, Mapping) and zo.get("zenflow") and isinstance(gas, int) and gas > 1:
+        # DeepSpeed's ZenFlow sets gradient_accumulation_steps to its update_interval and makes every
+        # micro-batch an optimizer step: a config that accumulates would train, in silence, on a
+        # batch gradient_accumulation_steps times smaller than it says.
+        micro = ds_config.get("train_micro_batch_size_per_gpu")
+        fold = (f" (here train_micro_batch_size_per_gpu {micro * gas})" if isinstance(micro, int) else "")
+        return (f"gradient_accumulation_steps: {gas} under zero_optimization.zenflow: DeepSpeed's ZenFlow makes every micro-batch an optimizer step (its update_interval takes "
+                f"gradient_accumulation_steps' place), so each step would see 1/{gas} of the batch; set "
+                "gradient_accumulation_steps to 1 and train_micro_batch_size_per_gpu to the whole batch per rank"
+                f"{fold}")
     if not hybrid.enabled:
         return None
-    zo = ds_config.get("zero_optimization") or {}
     if isinstance(zo, Mapping) and zo.get("zenflow"):
         # ZenFlow replaces the optimizer step (a selective update on the device every micro-step,
         # the rest on the CPU every update_interval): the masters and Adam state the Predict

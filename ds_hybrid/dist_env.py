@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
+from pathlib import Path
 
 from .arguments import REPO_ROOT
 
@@ -27,11 +29,40 @@ def ensure_distributed_env() -> bool:
         return False
     if any(v in os.environ for v in _LAUNCHER_VARS):
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return True
+
+
+def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A local port for a rendezvous that no process holds now and that is not in ``taken``, drawn
+    at random below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from that range, from which it also takes the
+    local end of every outgoing connection: between that choice and rank 0's listen, the gloo ranks
+    of another run on this host could take it (EADDRINUSE; seen in CI 2026-12-06 with two test
+    workers). Below the range only another explicit choice can collide, and each is drawn at random.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):   # (not Linux: the IANA range's start)
+        low = 49152
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    while True:   # (nothing free below the range: the kernel's choice)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def child_env() -> dict:

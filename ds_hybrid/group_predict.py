@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 

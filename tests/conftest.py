@@ -2,11 +2,9 @@
 DeepSpeed's ops built in the background while the suite runs."""
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,35 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from ds_hybrid.dist_env import free_port   # (the tests that start ranks import it from here)
+
 # tests/test_faults.py's one summary of the fault suite; under pytest-xdist the process that
 # started the workers prints its line (pytest_terminal_summary), since a worker's terminal is not shown
 FAULT_SUMMARY_PATH = Path(__file__).resolve().parent.parent / "runs" / "fault_summary.json"
 _session_start = time.time()
-
-
-def free_port() -> int:
-    """A port for a rendezvous that no process holds now, below the kernel's ephemeral range.
-
-    A port the kernel hands out for ``bind(0)`` comes from that range, from which it also takes
-    the local end of every outgoing connection: the gloo ranks of a test on the other xdist
-    worker took one between this choice and rank 0's listen (EADDRINUSE, CI 2026-12-06). Below
-    the range only another explicit choice can collide, and each is drawn at random."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:   # (no free port below the range: the kernel's choice)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # DeepSpeed initialises torch.distributed from these on first use; tests that spawn

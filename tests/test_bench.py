@@ -118,6 +118,29 @@ def test_lrs_tied_on_the_sweeps_seed_run_on_every_seed_and_the_best_mean_picks(t
     assert calls.count("baseline-b1-s2") == 1 and calls.count("baseline-b1-s3") == 1
 
 
+def test_zenflow_takes_the_suites_batch_in_one_micro_batch():
+    """ZenFlow makes every micro-batch an optimizer step: on a suite whose config accumulates
+    (offload-preset-fp32: 8 micro-batches of 4) its runs take the 32 sequences in one micro-batch,
+    as plain's steps do in eight; the other arms keep the layout, and a suite that does not
+    accumulate is left as it is."""
+    from ds_hybrid.arguments import REPO_ROOT, resolve_config
+    from ds_hybrid.config import parse_hybrid_config, refused_before_deepspeed
+    cfg = bench_arms.deep_merge(resolve_config(str(REPO_ROOT / "benchmarks" / "offload-preset.json"))[0],
+                                bench.SUITES["offload-preset-fp32"].overrides)
+    zen, baseline = bench_arms.arm_config(cfg, bench_arms.ARMS["zenflow"], quick=False)
+    assert baseline and zen["zero_optimization"]["zenflow"]["update_interval"] == 4
+    assert (zen["train_micro_batch_size_per_gpu"], zen["gradient_accumulation_steps"]) == (32, 1)
+    off = dict(zen, hybrid_predict={"enabled": False})   # (as its runs take it: --baseline)
+    assert refused_before_deepspeed(off, parse_hybrid_config(off)) is None
+    accumulating = dict(off, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=8)
+    assert "gradient_accumulation_steps: 8" in refused_before_deepspeed(accumulating, parse_hybrid_config(off))
+    plain, _ = bench_arms.arm_config(cfg, bench_arms.ARMS["baseline"], quick=False)
+    assert (plain["train_micro_batch_size_per_gpu"], plain["gradient_accumulation_steps"]) == (4, 8)
+    tiny = resolve_config("tiny-cpu")[0]
+    assert bench_arms.arm_config(tiny, bench_arms.ARMS["zenflow"], quick=False)[0]["train_micro_batch_size_per_gpu"] \
+        == tiny["train_micro_batch_size_per_gpu"]
+
+
 def test_zenflow_tunes_its_own_lr_and_runs_every_budget_at_it(tmp_path, monkeypatch):
     """Another system's baseline is tuned as plain DeepSpeed's is: ZenFlow sweeps its own LR around
     plain's best (extended past an edge), its best sweep run is its full-budget row on the first seed,
@@ -519,10 +542,20 @@ def test_arm_configs():
     hp = cfg["hybrid_predict"]
     assert not plain and hp["memory"] == {"offload_predict": "device", "gradient_state_dtype": "int4-factored"}
     assert (hp["min_predict_steps"], hp["predictor"]["gradient_batch_fraction"]) == (15, 0.25)
-    # Every arm's section parses.
+    # offload-preset-fp32's quarter: the suite's own section with one setting changed, the rest kept
+    fp32 = bench.SUITES["offload-preset-fp32"]
+    fp32_cfg = bench_arms.deep_merge(resolve_config(fp32.config)[0], fp32.overrides)
+    half, _ = bench_arms.arm_config(fp32_cfg, bench_arms.ARMS["preset-1.75x"], quick=False)
+    quarter, _ = bench_arms.arm_config(fp32_cfg, bench_arms.ARMS["preset-1.75x-quarter"], quick=False)
+    assert half["hybrid_predict"]["predictor"] == {"direction": "gradient", "gradient_batch_fraction": 0.5,
+                                                   "gradient_second_moment": "updated"}
+    assert quarter["hybrid_predict"] == bench_arms.with_changes(half["hybrid_predict"],
+                                                                predictor__gradient_batch_fraction=0.25)
+    assert "preset-1.75x-quarter" in fp32.arms and fp32_cfg["hybrid_predict"]["predictor"]["gradient_batch_fraction"] == 0.5
+    # Every arm's section parses (a preset arm's changes on the suite that runs it).
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench_arms.ARMS.values():
-        cfg, plain = bench_arms.arm_config(base, arm, quick=False)
+        cfg, plain = bench_arms.arm_config(fp32_cfg if arm.preset_changes else base, arm, quick=False)
         if not plain:
             parse_hybrid_config(cfg)
 
@@ -562,13 +595,15 @@ def test_one_suite_runs_on_one_kind_of_gpu(tmp_path):
 
 def test_launcher_commands_and_a_missing_numactl_named(monkeypatch):
     from ds_hybrid import bench_launch
+    from pathlib import Path
     assert bench_launch.command("python", "ds_hybrid.train", ["--steps", "3"])[1:] == ["-m", "ds_hybrid.train",
                                                                                      "--steps", "3"]
     cmd = bench_launch.command("deepspeed", "ds_hybrid.train", ["--steps", "3"], cores=[0, 1])
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and "--bind_cores_to_rank" in cmd
     assert "--bind_core_list=0-1" in cmd and cmd[-4:] == ["--module", "ds_hybrid.train", "--steps", "3"]
     port = int(cmd[cmd.index("--master_port") + 1])
-    assert 0 < port < 65536
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert 1024 <= port < low   # below the ephemeral range, where no outgoing connection takes it
     # two launchers started together never get one port
     ports = [int(c[c.index("--master_port") + 1]) for c in
              (bench_launch.command("deepspeed", "m", []) for _ in range(50))]
@@ -723,6 +758,8 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     # The in-line one leaves no update running after its block; the overlapped one's last one is
     # waited out, untimed, before the next kind
     assert prof["settled_seconds"]["zenflow"] == 0.0 and prof["settled_seconds"]["zenflow-overlap"] >= 0.0
+    # each of its steps takes the suite's batch, as a plain step does
+    assert prof["feature_batch"] == {"zenflow": prof["batch"], "zenflow-overlap": prof["batch"]}
     if prof["cores"] > 1:
         assert prof["feature_cores"]["zenflow-overlap"] < prof["cores"]
 

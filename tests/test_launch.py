@@ -146,3 +146,24 @@ def test_two_cpu_ranks_really_train(script, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step8"
     assert sorted(p.name for p in (tmp_path / "ckpt" / "global_step8").glob("hybrid_rank*.pt")) == \
         ["hybrid_rank0.pt", "hybrid_rank1.pt"]
+
+
+def test_free_port_is_below_the_ephemeral_range_bindable_and_not_one_already_given(monkeypatch):
+    import socket
+
+    from ds_hybrid import dist_env
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    port = dist_env.free_port()
+    assert 1024 <= port < low
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))   # (free as handed out)
+        # a port held by a listener is never handed out; nor one in `taken`
+        s.listen()
+        for _ in range(50):
+            assert dist_env.free_port({port + 1}) not in (port, port + 1)
+    # nothing free below the range: the kernel's choice, still not one in `taken`
+    monkeypatch.setattr(dist_env.random.SystemRandom, "randrange", lambda self, a, b: port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert dist_env.free_port() != port
