@@ -316,8 +316,9 @@ def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredict
         # batch gradient_accumulation_steps times smaller than it says.
         micro = ds_config.get("train_micro_batch_size_per_gpu")
         fold = (f" (here train_micro_batch_size_per_gpu {micro * gas})" if isinstance(micro, int) else "")
-        return (f"gradient_accumulation_steps: {gas} under zero_optimization.zenflow: DeepSpeed's ZenFlow makes every micro-batch an optimizer step (its update_interval takes "
-                f"gradient_accumulation_steps' place), so each step would see 1/{gas} of the batch; set "
+        return (f"gradient_accumulation_steps: {gas} under zero_optimization.zenflow: DeepSpeed's ZenFlow makes "
+                "every micro-batch an optimizer step (its update_interval takes gradient_accumulation_steps' "
+                f"place), so each step would see 1/{gas} of the batch; set "
                 "gradient_accumulation_steps to 1 and train_micro_batch_size_per_gpu to the whole batch per rank"
                 f"{fold}")
     if not hybrid.enabled:

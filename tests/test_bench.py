@@ -552,7 +552,8 @@ def test_arm_configs():
                                                    "gradient_second_moment": "updated"}
     assert quarter["hybrid_predict"] == bench_arms.with_changes(half["hybrid_predict"],
                                                                 predictor__gradient_batch_fraction=0.25)
-    assert "preset-1.75x-quarter" in fp32.arms and fp32_cfg["hybrid_predict"]["predictor"]["gradient_batch_fraction"] == 0.5
+    assert "preset-1.75x-quarter" in fp32.arms
+    assert fp32_cfg["hybrid_predict"]["predictor"]["gradient_batch_fraction"] == 0.5
     # Every arm's section parses (a preset arm's changes on the suite that runs it).
     from ds_hybrid.config import parse_hybrid_config
     for arm in bench_arms.ARMS.values():

@@ -138,8 +138,9 @@ def test_short_corpus_and_bad_config_key(tmp_path):
 def test_a_config_the_engine_refuses_fails_before_deepspeed_builds_anything(preset, change, key, tmp_path,
                                                                              monkeypatch):
     """What initialize refuses from the ds_config alone (the gradient direction on NVMe, ZenFlow with
-    the hybrid, ZenFlow with gradient accumulation even without it) is one of train's input errors, naming the file and the key, before an op build
-    or a model (train says what DeepSpeed is about to build: not reached)."""
+    the hybrid, ZenFlow with gradient accumulation even without it) is one of train's input errors,
+    naming the file and the key, before an op build or a model (train says what DeepSpeed is about
+    to build: not reached)."""
     from ds_hybrid import op_build
     if preset.startswith("zenflow"):
         cfg = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
