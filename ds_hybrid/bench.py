@@ -53,7 +53,7 @@ from .arguments import REPO_ROOT
 from .bench_launch import host
 from .bench_profile import PROFILE_REPS, eq_curve, feature_lrs, kinds_needed, own_kind, profile_steps, shifted_profile
 from .bench_suites import SUITES, Suite
-from .compare import load_run
+from .compare import backward_share, load_run
 from .dist_env import child_env
 
 TARGETS = {"target": 0.0, "target+1%": 0.01, "target+2%": 0.02}
@@ -374,6 +374,12 @@ def _slim(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- analysis
 
+def priced_elsewhere(arm: str) -> bool:
+    """Whether an arm's runs ran a hybrid on a DeepSpeed config the profile's kinds were not timed on
+    (``Arm.ds_changes``): its Full-step equivalents are then left out, not priced at the suite's."""
+    return arm in ARMS and bool(ARMS[arm].ds_changes)
+
+
 def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
     """The arm's mean ratio in Full-step equivalents at each target with every kind's cost one
     standard error lower and higher, [low, high]: the uncertainty within the profile's rounds, the
@@ -408,11 +414,17 @@ def analyse(raw: dict, profile: dict | None) -> dict:
         own = own_kind(arm, profile)
         for by_budget in rows.values():
             for row in by_budget.values():
-                row["eq_curve"] = eq_curve(row, own, profile)
+                # (a hybrid arm on another DeepSpeed config, ARMS' ds_changes: the profile timed its
+                # kinds on the suite's, so its steps are not priced)
+                row["eq_curve"] = [] if priced_elsewhere(arm) else eq_curve(row, own, profile)
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
                 # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
                 row["opt_curve"] = fr.step_costs_curve(row["val_points"], [0.0 if k.startswith("predict") else 1.0
                                                                            for k in row["step_kinds"]])
+                # The sequences whose gradient each step took (its share of the batch): whether the
+                # steps to the target were worth more, or only cost less, than plain's per sequence.
+                row["seq_curve"] = fr.step_costs_curve(row["val_points"],
+                                                       [backward_share(k) for k in row["step_kinds"]])
     for arm, by_seed in raw["rows"].items():
         if arm == "baseline":
             continue
@@ -428,11 +440,13 @@ def analyse(raw: dict, profile: dict | None) -> dict:
                 "seconds": fr.ratios(arm_runs, base_runs, targets, "val_curve"),
                 "equivalents": fr.ratios(arm_runs, base_runs, targets, "eq_curve"),
                 "optimizer_steps": fr.ratios(arm_runs, base_runs, targets, "opt_curve"),
+                "sequences": fr.ratios(arm_runs, base_runs, targets, "seq_curve"),
                 "full_budget": None if full is None else {
                     "final_val_loss": full["final_val_loss"], "baseline_final_val_loss": bfull["final_val_loss"],
                     "final_gap_pct": 100 * (full["final_val_loss"] - bfull["final_val_loss"]) / bfull["final_val_loss"],
                     "time_ratio": full["train_seconds"] / bfull["train_seconds"],
-                    "equivalents_ratio": full["eq_total"] / bfull["eq_total"] if bfull.get("eq_total") else None,
+                    "equivalents_ratio": full["eq_total"] / bfull["eq_total"]
+                    if bfull.get("eq_total") and full["eq_total"] is not None else None,
                     "backward_skipped": st.get("backward_skipped", 0),
                     "partial_backward": st.get("partial_backward", 0),
                     "backward_skipped_equivalent": st.get("backward_skipped_equivalent", st.get("backward_skipped", 0)),
@@ -442,12 +456,12 @@ def analyse(raw: dict, profile: dict | None) -> dict:
                     "peak_rss_mb": full.get("peak_rss_mb"), "baseline_peak_rss_mb": bfull.get("peak_rss_mb")},
             }
         agg = {}
-        for unit in ("seconds", "equivalents", "optimizer_steps"):
+        for unit in ("seconds", "equivalents", "optimizer_steps", "sequences"):
             agg[unit] = {}
             for t in TARGETS:
                 vals = [p[unit][t]["ratio"] for p in per_seed.values() if unit in p]   # (older results: no such unit)
                 agg[unit][t] = dict(fr.mean_spread(vals), reached=sum(v is not None for v in vals), seeds=len(vals))
-        if profile and profile.get("cost_se"):
+        if profile and profile.get("cost_se") and not priced_elsewhere(arm):
             agg["equivalents_profile_band"] = profile_band(raw, arm, out["targets"], profile)
         fulls = [p["full_budget"] for p in per_seed.values() if p["full_budget"]]
         agg["full_budget"] = {k: fr.mean_spread([f[k] for f in fulls])

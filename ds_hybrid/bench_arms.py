@@ -28,6 +28,9 @@ class Arm:
     # With ``hybrid="preset"``: changes to the suite's own section (``with_changes``' keys), so that one
     # of its settings is varied and the rest, as the suite's config has it, kept.
     preset_changes: dict | None = None
+    # Changes to the suite's DeepSpeed config for a hybrid arm's runs (``deep_merge``'s: a None
+    # removes a section), so that the hybrid runs where a plain arm's config does.
+    ds_changes: dict | None = None
 
 
 # Predicted steps everywhere they are allowed, so the frontier shows what they are worth.
@@ -133,6 +136,12 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("preset-1.75x-quarter", "`preset-1.75x` with each Predict step's gradient from a quarter of the batch "
         "(`predictor.gradient_batch_fraction: 0.25`)", "preset", budgets=(1.75,),
         preset_changes={"predictor__gradient_batch_fraction": 0.25}),
+    # And without activation checkpointing, as `baseline-no-recompute` runs plain: its real steps recompute
+    # nothing either (its Predict steps recompute nothing in either arm: their micro-batch fits).
+    Arm("preset-1.75x-no-recompute", "`preset-1.75x` with activation checkpointing off (`activation_checkpointing` "
+        "removed), as `baseline-no-recompute` runs plain (no Full-step equivalents: the profile times the hybrid's "
+        "steps on the suite's config)", "preset", budgets=(1.75,),
+        ds_changes={"activation_checkpointing": None}),
 ]}
 
 
@@ -147,6 +156,15 @@ _ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step", 
 ARMS["zenflow"] = Arm("zenflow", "DeepSpeed's ZenFlow (`zero_optimization.zenflow`: top 10% of columns updated "
                       "every step, re-selected every 100, the rest every 4 on the CPU)",
                       {"__ds__": {"zero_optimization": {"zenflow": _ZENFLOW}}}, budgets=_PLAIN_BUDGETS, own_lr=True)
+# Plain DeepSpeed without activation checkpointing, where the suite's config has it and its micro-batch
+# fits without it (the offload-preset suites on the CPU): the same gradients at plain's LR, each backward
+# without the forward it recomputes. A gradient Predict step skips that recompute where the memory allows
+# (predictor.gradient_checkpointing: auto), so this arm tells the saving of the recompute from the worth of
+# the predicted steps. Costed as a kind of its own in the profile, as a DeepSpeed feature's runs are.
+ARMS["baseline-no-recompute"] = Arm(
+    "baseline-no-recompute", "plain DeepSpeed with activation checkpointing off (`activation_checkpointing` "
+    "removed: nothing recomputed in backward; the suite's micro-batch fits without it), at plain's LR",
+    {"__ds__": {"activation_checkpointing": None}}, budgets=_PLAIN_BUDGETS)
 # ZenFlow as its tutorial recommends it beside a GPU: each CPU step overlapped with the next steps'
 # forward and backward (`overlap_step: true`, the CPU step in a process of its own), the offload-gpu
 # suite's. On the 2-core CPU that process takes a core from the training one: 120 steps of the
@@ -162,9 +180,14 @@ QUICK_HYBRID = {"warmup_steps": 6}
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` laid over it, section by section; a None in ``extra`` removes the key
+    (a config whose meaning is a section's presence: ``activation_checkpointing``)."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -173,6 +196,8 @@ def arm_config(base_cfg: dict, arm: Arm, quick: bool) -> tuple[dict, bool]:
     cfg = json.loads(json.dumps(base_cfg))
     if arm.hybrid is None:
         return cfg, True
+    if arm.ds_changes:
+        cfg = deep_merge(cfg, arm.ds_changes)
     if arm.hybrid == "preset":
         section = with_changes(cfg.get("hybrid_predict", {}), **(arm.preset_changes or {}))
     elif report.ds_feature(arm.hybrid):    # a DeepSpeed feature, no hybrid

@@ -194,11 +194,12 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     from . import initialize
     from .data import ByteDataset, train_batches
     from .engine import default_loss
+    from .grad_recompute import Recompute
     from .models import build_model, layer_groups
     from .phases import Phase
     from .dist_env import ensure_distributed_env
     from .arguments import resolve_config
-    from .train import apply_lr, load_init_weights, quiet_logs
+    from .train import apply_lr, enable_checkpointing, load_init_weights, quiet_logs
 
     ensure_distributed_env()
     quiet_logs(False)
@@ -220,6 +221,8 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         m = build_model(suite.model, vocab_size=256, seq_len=suite.seq_len)
         if init:
             load_init_weights(m, init)
+        if "activation_checkpointing" in config:   # (as train builds its runs' models: each block recomputed)
+            enable_checkpointing(m)
         return make_engine(model=m, model_parameters=layer_groups(m, suite.layer_groups), config=config)[0]
     engine = built(initialize, cfg)
     # DeepSpeed's own engine beside it (no ds_hybrid code): how far the unit, the bench's plain
@@ -228,11 +231,15 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     plain_cfg = {k: v for k, v in cfg.items() if k != "hybrid_predict"}
     ds_engine = built(deepspeed.initialize, plain_cfg)
     # Each DeepSpeed feature among the arms (ZenFlow), built as its runs are, at its own LR.
-    ds_features = {}
+    ds_features, feature_gas = {}, {}
     for name, arm_lr in (ds_arms or {}).items():
         feature_cfg = arm_config(plain_cfg, ARMS[name], quick=False)[0]
         apply_lr(feature_cfg, arm_lr)
         ds_features[name] = built(deepspeed.initialize, feature_cfg)
+        # The micro-batches of one of its steps as its config says: DeepSpeed steps at the accumulation
+        # boundary (8 on offload-preset-fp32 without the recompute), except ZenFlow, which makes every
+        # micro-batch a step and reports its update_interval as its accumulation (its config says 1).
+        feature_gas[name] = feature_cfg.get("gradient_accumulation_steps", 1)
     train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
     stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     gas = engine.gradient_accumulation_steps()
@@ -322,7 +329,7 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         if name in narrowed:
             os.sched_setaffinity(0, narrowed[name])
         try:
-            for _ in range(steps):
+            for _ in range(steps * feature_gas[name]):
                 batch = {k: v.to(dev) for k, v in next(feature_streams[name]).items()}
                 loss = default_loss(eng, batch)
                 eng.backward(loss)
@@ -371,6 +378,11 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         gradient = engine._make_gradient_predict()
     except ValueError:
         gradient = None
+    if gradient is not None:
+        # its backward recomputes the checkpointed blocks or not as the runs' does
+        # (predictor.gradient_checkpointing, set up as the engine sets up its own)
+        gradient.recompute = Recompute(engine.hybrid_config.predictor.gradient_checkpointing, engine.module,
+                                       engine._max_over_ranks)
     if gradient is not None:
         # A run of such steps copies the optimizer's moments in at its first step and hands its
         # first moment back (on the device path the masters catch up too) when it is kept: costs
@@ -486,8 +498,10 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
             # a feature's last update, still running after its block: the mean wait, untimed
             "settled_seconds": {k: v / done for k, v in settled.items()},
             # the sequences a feature's optimizer step took (the suite's batch: ZenFlow's in one micro-batch)
-            "feature_batch": {k: e.train_micro_batch_size_per_gpu() for k, e in ds_features.items()},
+            "feature_batch": {k: e.train_micro_batch_size_per_gpu() * feature_gas[k] for k, e in ds_features.items()},
             "batch": engine.train_micro_batch_size_per_gpu() * gas,
+            # the gradient Predict steps' recompute decisions (predictor.gradient_checkpointing), as a run reports them
+            "gradient_recompute": gradient.recompute.statistics() if gradient is not None else None,
             "commits_in": {k: n for k, n in pending_at.items() if n},
             "plain_work_seconds": {k: sum(plain_work[k]) / done for k in pairs},
             "layer_groups": layout.names if layout is not None else [],

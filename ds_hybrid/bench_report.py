@@ -7,6 +7,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from . import frontier as fr
 from .bench_suites import SUITES
 
 README_MARK = "<!-- bench:{name}:{end} -->"
@@ -129,12 +130,23 @@ def markdown(result: dict) -> str:
                   "of the profile's rounds lower / higher (the seeds' spread aside; a floor on the profile's "
                   "uncertainty: profiles of other sittings differ by more): "
                   + "; ".join(f"`{n}` {_f(lo, '{:.3f}')} / {_f(hi, '{:.3f}')}" for n, (lo, hi) in bands) + "."]
-    opt = [(n, a["aggregate"]["optimizer_steps"]["target+1%"]) for n, a in an["arms"].items()
-           if "optimizer_steps" in a["aggregate"]]
-    if opt:
-        lines += ["", "Optimizer steps to reach the target +1% (every step but a Predict step: under ZeRO-Offload "
-                  "the CPU Adam steps and their PCIe copies), over plain DeepSpeed's: "
-                  + "; ".join(f"`{n}` {_ratio_cell(o)}" for n, o in opt) + "."]
+    for unit, text in (("optimizer_steps", "Optimizer steps to reach the target +1% (every step but a Predict step: "
+                         "under ZeRO-Offload the CPU Adam steps and their PCIe copies), over plain DeepSpeed's: "),
+                       ("sequences", "Sequences whose gradient the steps took to reach the target +1% (a real step its "
+                        "whole batch, a Predict step its share: `predictor.gradient_batch_fraction`, none for a drift "
+                        "one), over plain DeepSpeed's; about 1 where the steps were worth their sequences and the time "
+                        "saved is each sequence's cost, under 1 where the steps were worth more: ")):
+        got = [(n, a["aggregate"][unit]["target+1%"]) for n, a in an["arms"].items() if unit in a["aggregate"]]
+        if got:   # (older results: no such unit)
+            lines += ["", text + "; ".join(f"`{n}` {_ratio_cell(o)}" for n, o in got) + "."]
+    for v in plain_variants(result):
+        unit = lead_unit(result)
+        rows = [(n, over_arm(result, n, v, unit)) for n, a in result["arms"].items()
+                if n in an["arms"] and a.get("hybrid") is not None and not ds_feature(a.get("hybrid"))]
+        if rows:
+            lines += ["", f"Time to the target +1% over `{v}`'s (per seed, the same targets; the plain DeepSpeed a "
+                      "hybrid is to beat where that arm is the faster plain): "
+                      + "; ".join(f"`{n}` {_ratio_cell(o)}" for n, o in rows) + "."]
     lines += ["", "Systems:", ""]
     for name, arm in result["arms"].items():
         lines.append(f"- `{name}`: {arm['doc']}.")
@@ -257,6 +269,26 @@ def _comparators(result: dict, unit: str = "seconds") -> str:
         else:
             parts.append(f"`{name}` reaches 1% above it on {a['reached']} of {a['seeds']} seeds")
     return ("; " + ", ".join(parts)) if parts else ""
+
+
+def plain_variants(result: dict) -> list[str]:
+    """The suite's other plain DeepSpeed arms (a DeepSpeed config change, no hybrid, named
+    ``baseline-*``: plain without the recompute), against which a hybrid's time is read too."""
+    return [n for n, a in result["arms"].items() if n.startswith("baseline-") and ds_feature(a.get("hybrid"))
+            and n in result["analysis"]["arms"]]
+
+
+def over_arm(result: dict, arm: str, other: str, unit: str, target: str = "target+1%") -> dict:
+    """Per seed, ``arm``'s time to the target over ``other``'s (both on the frontier, the same
+    targets), mean and spread over the seeds where both reached it."""
+    arms = result["analysis"]["arms"]
+    mine, theirs = arms[arm]["per_seed"], arms[other]["per_seed"]
+    vals = []
+    for seed, p in mine.items():
+        a, b = p[unit][target]["time"], theirs.get(seed, {}).get(unit, {}).get(target, {}).get("time")
+        vals.append(a / b if a is not None and b else None)
+    reached = [v for v in vals if v is not None]
+    return dict(fr.mean_spread(reached), reached=len(reached), seeds=len(vals))
 
 
 def concurrent(result: dict) -> bool:
@@ -386,7 +418,7 @@ def offload_table(results: dict[str, dict | None]) -> str:
              "validation loss over plain's (LR-tuned, budget frontier, mean ± std over 3 seeds; in seconds, or in "
              "Full-step equivalents where a suite's runs ran several at a time; under 1 is sooner). A row: `ds-hybrid "
              "bench --suite NAME`, its section in [Benchmarks](docs/benchmarks.md) and `docs/results/NAME.json`.", "",
-             "| suite | plain ZeRO-Offload | DeepSpeed's ZenFlow | best hybrid system | at the target itself "
+             "| suite | plain ZeRO-Offload | DeepSpeed's alternatives (ZenFlow) | best hybrid system | at the target itself "
              "| its optimizer steps |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         suite = SUITES[name]
@@ -408,7 +440,8 @@ def offload_table(results: dict[str, dict | None]) -> str:
             hybrid = target = steps = "none reached it on every seed"
         else:
             agg = arms[best[0]]["aggregate"]
-            hybrid = f"`{best[0]}` **{_ratio_cell(best[1], '{:.2f}', 'x')}**"
+            hybrid = f"`{best[0]}` **{_ratio_cell(best[1], '{:.2f}', 'x')}**" + "".join(
+                f" ({_ratio_cell(over_arm(r, best[0], v, unit), '{:.2f}', 'x')} `{v}`'s)" for v in plain_variants(r))
             target = _ratio_cell(agg[unit]["target"], "{:.2f}", "x")
             steps = _ratio_cell(agg["optimizer_steps"]["target+1%"], "{:.2f}", "x") if "optimizer_steps" in agg else "-"
         lines.append(f"| {cell} | 1 | {zen} | {hybrid} | {target} | {steps} |")

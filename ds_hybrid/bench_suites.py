@@ -111,16 +111,21 @@ SUITES: dict[str, Suite] = {
     # its 1x run ended 6% above it) and 2.25x, and at 1.75x from a quarter of the batch; plain runs 1x,
     # 1.25x and 1.5x, whose longer schedules cross its full budget's final loss sooner than that budget
     # does. ZenFlow takes the 32 sequences in one micro-batch (it makes every micro-batch a step).
+    # A Predict step's backward skips the recompute where its micro-batch fits (gradient_checkpointing:
+    # auto), and here plain's does too: plain and the 1.75x hybrid also run without checkpointing, so
+    # that the recompute's saving is told from the predicted steps' worth.
     "offload-preset-fp32": Suite(
         name="offload-preset-fp32",
         doc="the `offload-preset` suite's layout (ZeRO 2 + ZeRO-Offload, activation checkpointing, 8 micro-batches "
             "of 4 sequences a step) in fp32, each Predict step's gradient from half the batch (4 of the micro-batches, "
             "15 after every real step) with Adam's second moment updated by it "
-            "(`predictor.gradient_second_moment: updated`), against plain ZeRO-Offload on the same layout and "
-            "DeepSpeed's ZenFlow",
+            "(`predictor.gradient_second_moment: updated`), against plain ZeRO-Offload on the same layout, the "
+            "same without activation checkpointing (as the hybrid, too) and DeepSpeed's ZenFlow",
         model="gpt2-tiny", config="benchmarks/offload-preset.json", steps=300, seq_len=128, seeds=(1, 2, 3),
         lr_multipliers=(0.5, 1.0, 2.0), eval_every=25, val_batches=8,
-        arms=("baseline", "preset-1.75x", "preset-2.25x", "preset-1.75x-quarter", "zenflow"), launcher="deepspeed",
+        arms=("baseline", "preset-1.75x", "preset-2.25x", "preset-1.75x-quarter", "zenflow", "baseline-no-recompute",
+              "preset-1.75x-no-recompute"),
+        launcher="deepspeed",
         budgets=(1.0, 1.25, 1.5, 1.75, 2.25),
         overrides={"bf16": {"enabled": False}, "optimizer": {"params": {"lr": 3e-3}},
                    "hybrid_predict": {"warmup_steps": 25,

@@ -119,6 +119,20 @@ def step_kinds(run_dir: Path, hybrid: bool, groups: bool = False, gradient_fract
     return out
 
 
+_FRACTION = re.compile(r"predict_gradient_f([0-9.]+(?:e-?[0-9]+)?)")
+
+
+def backward_share(kind: str) -> float:
+    """The share of its batch whose gradient a step of ``kind`` (``step_kinds``) took: the share F
+    of a ``predict_gradient_fF`` step, none for a drift Predict step (its forward, where it runs
+    one, is a check), the whole for a real step, a ``predict_gradient`` step and a partial step
+    (the layer groups it trains take the whole batch's gradient)."""
+    if kind.startswith("predict_gradient"):
+        m = _FRACTION.match(kind)
+        return float(m.group(1)) if m else 1.0
+    return 0.0 if kind.startswith("predict") else 1.0
+
+
 def interp_curve(curve: list[tuple[float, float]], t: float) -> float | None:
     for (t0, v0), (t1, v1) in zip(curve, curve[1:]):
         if t0 <= t <= t1:

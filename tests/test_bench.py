@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ds_hybrid import bench, bench_arms, bench_launch, bench_profile, bench_report
+from ds_hybrid import bench, bench_arms, bench_launch, bench_profile, bench_report, compare
 from ds_hybrid import frontier as fr
 
 
@@ -142,6 +142,28 @@ def test_zenflow_takes_the_suites_batch_in_one_micro_batch():
         == tiny["train_micro_batch_size_per_gpu"]
 
 
+def test_plain_without_the_recompute_drops_the_checkpointing_section():
+    """``baseline-no-recompute`` is plain DeepSpeed on the suite's config without its
+    ``activation_checkpointing`` section (whose presence is what makes train recompute each block),
+    everything else as plain's; a None in an arm's DeepSpeed changes removes a key."""
+    from ds_hybrid.arguments import REPO_ROOT, resolve_config
+    assert bench_arms.deep_merge({"a": 1, "b": {"c": 2, "d": 3}}, {"a": None, "b": {"c": None}, "z": None}) \
+        == {"b": {"d": 3}}
+    cfg = bench_arms.deep_merge(resolve_config(str(REPO_ROOT / "benchmarks" / "offload-preset.json"))[0],
+                                bench.SUITES["offload-preset-fp32"].overrides)
+    assert "activation_checkpointing" in cfg
+    off, baseline = bench_arms.arm_config(cfg, bench_arms.ARMS["baseline-no-recompute"], quick=False)
+    plain, _ = bench_arms.arm_config(cfg, bench_arms.ARMS["baseline"], quick=False)
+    assert baseline and "activation_checkpointing" not in off
+    assert off == {k: v for k, v in plain.items() if k != "activation_checkpointing"}
+    assert not bench_arms.ARMS["baseline-no-recompute"].own_lr   # (the same gradients: plain's LR)
+    # and the hybrid's arm beside it: the suite's own section on the same config
+    hyb, baseline = bench_arms.arm_config(cfg, bench_arms.ARMS["preset-1.75x-no-recompute"], quick=False)
+    preset, _ = bench_arms.arm_config(cfg, bench_arms.ARMS["preset-1.75x"], quick=False)
+    assert not baseline and "activation_checkpointing" not in hyb and "activation_checkpointing" in preset
+    assert hyb == {k: v for k, v in preset.items() if k != "activation_checkpointing"}
+
+
 def test_zenflow_tunes_its_own_lr_and_runs_every_budget_at_it(tmp_path, monkeypatch):
     """Another system's baseline is tuned as plain DeepSpeed's is: ZenFlow sweeps its own LR around
     plain's best (extended past an edge), its best sweep run is its full-budget row on the first seed,
@@ -268,6 +290,28 @@ def test_analyse_scores_each_seed_on_the_frontier():
     assert agg["seconds"]["target"]["mean"] == pytest.approx(0.55) and agg["seconds"]["target"]["reached"] == 2
     # optimizer steps: the hybrid's 5 real steps of its 10 against plain DeepSpeed's 10
     assert seed["optimizer_steps"]["target"]["time"] == 5 and seed["optimizer_steps"]["target"]["ratio"] == 0.5
+    # sequences through a backward: the drift Predict steps took none, so 5 batches against 10
+    assert seed["sequences"]["target"]["time"] == 5 and seed["sequences"]["target"]["ratio"] == 0.5
+    assert agg["sequences"]["target"]["reached"] == 2
+
+
+def test_sequences_count_each_steps_share_of_the_batch():
+    """A gradient Predict step from half the batch counts half a batch of sequences, whatever its
+    suffixes; a real step, a whole-batch gradient step and a partial step the whole; a drift one none.
+    The hybrid below reaches plain's 2.0 at its 10th step on 5 real and 5 half steps: 7.5 batches
+    against plain's 10, as many steps as plain's, each sequence worth 4/3 of plain's."""
+    share = compare.backward_share
+    assert share("predict_gradient_f0.5") == 0.5 and share("predict_gradient_f0.25_verified+run") == 0.25
+    assert share("predict_gradient_f0.125+forward") == 0.125 and share("predict_gradient_f1e-05") == 1e-05
+    assert share("predict_gradient") == 1.0 and share("predict_gradient_verified+run") == 1.0
+    assert share("predict") == 0.0 and share("predict_verified+run") == 0.0
+    assert share("plain") == share("real_gradient") == share("real+commit") == share("partial_2") == 1.0
+    raw = _raw()
+    for row in raw["rows"]["predict"].values():
+        row["1"]["step_kinds"] = ["real_gradient", "predict_gradient_f0.5"] * 5
+    seed = bench.analyse(raw, None)["arms"]["predict"]["per_seed"]["1"]
+    assert seed["sequences"]["target"]["time"] == pytest.approx(7.5)
+    assert seed["sequences"]["target"]["ratio"] == pytest.approx(0.75)
 
 
 def test_the_equivalents_carry_the_profiles_own_uncertainty(tmp_path):
@@ -731,6 +775,8 @@ def test_quick_bench_end_to_end(tmp_path):
     assert grad["aggregate"]["full_budget"]["backward_skipped"]["mean"] == 0   # (its Predict steps run a backward)
     assert set(grad["per_seed"]["1"]["optimizer_steps"]) == {"target", "target+1%", "target+2%"}
     assert "Optimizer steps to reach the target +1%" in (out / "result.md").read_text()
+    assert set(grad["per_seed"]["1"]["sequences"]) == {"target", "target+1%", "target+2%"}
+    assert "Sequences whose gradient the steps took to reach the target +1%" in (out / "result.md").read_text()
     # Whole hybrid real steps are costed against the plain work inside them (more than none of it);
     # real_commit is the device path's (beside a GPU), not this CPU's host path
     assert set(prof["plain_work_seconds"]) == set(bench_profile.PAIRED_KINDS) & set(prof["cost"])
@@ -768,6 +814,33 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     assert prof["feature_batch"] == {"zenflow": prof["batch"], "zenflow-overlap": prof["batch"]}
     if prof["cores"] > 1:
         assert prof["feature_cores"]["zenflow-overlap"] < prof["cores"]
+
+
+@pytest.mark.slow
+def test_the_profile_recomputes_where_the_runs_do(monkeypatch):
+    """On a suite whose config checkpoints activations (offload-preset's) the profile's engines
+    recompute each block in backward as train's runs do: the unit (plain DeepSpeed's step) and the
+    hybrid's; plain without the recompute (a DeepSpeed-config arm without the section) does not."""
+    from ds_hybrid import train
+    built, enable = [], train.enable_checkpointing
+
+    def counted(model):
+        built.append(model)
+        enable(model)
+    monkeypatch.setattr(train, "enable_checkpointing", counted)
+    suite = bench.replace(bench.SUITES["offload-preset-fp32"], **bench.QUICK, launcher="python")
+    prof = bench_profile.worker(suite, 2e-3, 2, bench.resolve_data(suite.data), None, {"baseline-no-recompute": 2e-3})
+    # the hybrid's engines (the drift kinds' and the gradient arms' real step's) and DeepSpeed's own beside
+    # them, not the arm's
+    assert len(built) == 3 and all(m.is_gradient_checkpointing for m in built)
+    # and a gradient Predict step's backward decides on the recompute as the runs' does (the quick
+    # model's micro-batch fits: after the steps that measure it, as a run's first ones, it runs the
+    # blocks plainly)
+    steps = prof["gradient_recompute"]["steps"]
+    assert steps["plain"] > 10 * steps["recomputed"] and prof["gradient_recompute"]["fits_up_to_tokens"]
+    assert prof["cost"]["plain"] == 1.0 and prof["cost"]["baseline-no-recompute"] > 0
+    # each of its timed steps takes the suite's batch in its 8 micro-batches, as a plain step does
+    assert prof["feature_batch"] == {"baseline-no-recompute": prof["batch"]}
 
 
 @pytest.mark.slow
