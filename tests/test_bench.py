@@ -314,6 +314,23 @@ def test_sequences_count_each_steps_share_of_the_batch():
     assert seed["sequences"]["target"]["ratio"] == pytest.approx(0.75)
 
 
+def test_a_hybrids_time_is_read_against_a_faster_plain_arm_too():
+    """A suite with another plain arm (``baseline-*``, a DeepSpeed config change: plain without the
+    recompute) reports each hybrid's time to the target over that arm's, seed by seed: here plain's
+    same curve at 0.5 s a step reaches 2.0 in 5 s, the hybrid in 5.5 s (1.1x), where against the
+    suite's plain it is 0.55x."""
+    raw = _raw()
+    raw["rows"]["baseline-no-recompute"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=0.5)}
+                                            for s in ("1", "2")}
+    result = {"arms": {"baseline": {"hybrid": None}, "predict": {"hybrid": {"enabled": True}},
+                       "baseline-no-recompute": {"hybrid": {"__ds__": {"activation_checkpointing": None}}}},
+              "analysis": bench.analyse(raw, None)}
+    assert bench_report.plain_variants(result) == ["baseline-no-recompute"]
+    over = bench_report.over_arm(result, "predict", "baseline-no-recompute", "seconds", "target")
+    assert over["mean"] == pytest.approx(1.1) and (over["reached"], over["seeds"]) == (2, 2)
+    assert result["analysis"]["arms"]["predict"]["aggregate"]["seconds"]["target"]["mean"] == pytest.approx(0.55)
+
+
 def test_the_equivalents_carry_the_profiles_own_uncertainty(tmp_path):
     """With each kind's standard error in the profile, an arm's ratio in Full-step equivalents
     comes with its band: every kind one standard error cheaper and dearer (plain's step, the
