@@ -383,7 +383,6 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         # (predictor.gradient_checkpointing, set up as the engine sets up its own)
         gradient.recompute = Recompute(engine.hybrid_config.predictor.gradient_checkpointing, engine.module,
                                        engine._max_over_ranks)
-    if gradient is not None:
         # A run of such steps copies the optimizer's moments in at its first step and hands its
         # first moment back (on the device path the masters catch up too) when it is kept: costs
         # of the run, not of each step. So two kinds each: a step in the middle of a run
