@@ -331,6 +331,35 @@ def test_a_hybrids_time_is_read_against_a_faster_plain_arm_too():
     assert result["analysis"]["arms"]["predict"]["aggregate"]["seconds"]["target"]["mean"] == pytest.approx(0.55)
 
 
+def test_a_hybrids_time_over_a_faster_plain_arm_says_whether_the_machine_timed_their_same_work_alike(tmp_path):
+    """Beside a hybrid's time over a plain arm of its own DeepSpeed config, the report gives the
+    plain work inside the two arms' real steps (DeepSpeed's forward, backward and step timers), one
+    over the other, seed by seed: here the hybrid's at 270 ms and 300 ms against plain's 300 ms,
+    0.95 ± 0.07x, so its seconds were flattered. Not for a hybrid on another config (the suite's,
+    with the recompute): its real steps' work is not plain's."""
+    timers = lambda ms: {"wall_clock_breakdown": {"real": {"steps": 5, "mean_ms": {
+        "fwd": ms / 3, "bwd": 2 * ms / 3 - 10, "bwd_inner": 1.0, "step": 10.0}}}}
+    raw = _raw()
+    raw["rows"]["baseline-no-recompute"] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)], seconds_per_step=0.5,
+                                                         stats=timers(300.0))} for s in ("1", "2")}
+    raw["rows"]["preset-1.75x-no-recompute"] = {
+        s: {"1": _row([(0, 5.0), (6, 3.0), (10, 2.0)], kinds=["plain", "predict"] * 5, seconds_per_step=0.5,
+                      stats=timers(ms))} for s, ms in (("1", 270.0), ("2", 300.0))}
+    result = _result(tmp_path)
+    result["analysis"] = bench.analyse(raw, None)
+    result["arms"].update({a: bench.asdict(bench_arms.ARMS[a])
+                           for a in ("baseline-no-recompute", "preset-1.75x-no-recompute")})
+    result["runs"] = {arm: {s: {b: bench_report.slim_row(r) for b, r in by_b.items()} for s, by_b in by_s.items()}
+                      for arm, by_s in raw["rows"].items()}
+    work = bench_report.same_work(result, "preset-1.75x-no-recompute", "baseline-no-recompute")
+    assert work["mean"] == pytest.approx(0.95) and work["n"] == 2 and work["std"] == pytest.approx(0.0707, abs=1e-4)
+    assert bench_report.same_work(result, "predict", "baseline-no-recompute") is None
+    line = next(l for l in bench_report.markdown(result).splitlines() if l.startswith("Time to the target +1% over"))
+    assert "`preset-1.75x-no-recompute` 0.551 ± 0.000 (its real steps' plain work timed 0.95 ± 0.07x " \
+           "`baseline-no-recompute`'s)" in line
+    assert "`predict` 1.102 ± 0.000;" in line   # (the suite's config: its ratio only)
+
+
 def test_the_equivalents_carry_the_profiles_own_uncertainty(tmp_path):
     """With each kind's standard error in the profile, an arm's ratio in Full-step equivalents
     comes with its band: every kind one standard error cheaper and dearer (plain's step, the
