@@ -308,10 +308,11 @@ def same_work(result: dict, arm: str, other: str) -> dict | None:
                                                  else None) or {} for n in (arm, other)}
     if config[arm] != config[other]:
         return None
+
     def plain_ms(by_budget: dict) -> float | None:
         ms = [sum(t["mean_ms"].get(k, 0.0) for k in ("fwd", "bwd", "step"))
-              for t in (row.get("statistics", {}).get("wall_clock_breakdown", {}).get("real")
-                        for row in by_budget.values()) if t]
+              for t in (((row.get("statistics") or {}).get("wall_clock_breakdown") or {}).get("real")
+                        for row in by_budget.values()) if t]   # (older runs: no timers)
         return sum(ms) / len(ms) if ms else None
     runs = result.get("runs", {})
     vals = []
