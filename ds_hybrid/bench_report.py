@@ -139,8 +139,8 @@ def markdown(result: dict) -> str:
         got = [(n, a["aggregate"][unit]["target+1%"]) for n, a in an["arms"].items() if unit in a["aggregate"]]
         if got:   # (older results: no such unit)
             lines += ["", text + "; ".join(f"`{n}` {_ratio_cell(o)}" for n, o in got) + "."]
+    unit = lead_unit(result)
     for v in plain_variants(result):
-        unit = lead_unit(result)
         rows = [(n, over_arm(result, n, v, unit)) for n, a in result["arms"].items()
                 if n in an["arms"] and a.get("hybrid") is not None and not ds_feature(a.get("hybrid"))]
         if rows:
