@@ -374,10 +374,39 @@ def _slim(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- analysis
 
-def priced_elsewhere(arm: str) -> bool:
-    """Whether an arm's runs ran a hybrid on a DeepSpeed config the profile's kinds were not timed on
-    (``Arm.ds_changes``): its Full-step equivalents are then left out, not priced at the suite's."""
+def on_changed_config(arm: str) -> bool:
+    """Whether an arm's runs ran a hybrid on a changed DeepSpeed config (``Arm.ds_changes``), whose
+    kinds the suite's profile did not time (``elsewhere_profiles`` times them)."""
     return arm in ARMS and bool(ARMS[arm].ds_changes)
+
+
+def arm_profile(profile: dict | None, arm: str) -> dict | None:
+    """The profile an arm's steps are priced from: the suite's, or for a hybrid arm on a changed
+    DeepSpeed config the one timed on that config (its kinds in the suite's plain steps; None where
+    there is none: that arm's Full-step equivalents are left out, not priced at the suite's)."""
+    if not on_changed_config(arm):
+        return profile
+    return ((profile or {}).get("elsewhere") or {}).get(arm)
+
+
+def elsewhere_profiles(suite: Suite, raw: dict, data: str | None, out: Path, reuse: bool, reps: int) -> dict:
+    """For each DeepSpeed config a hybrid arm changed (``Arm.ds_changes``), a profile of the kinds its
+    runs took, timed on that config beside the suite's plain step (``bench_profile.worker``): by arm
+    name (arms that share a config share its profile)."""
+    by_changes: dict[str, list[str]] = {}
+    for arm in raw["rows"]:
+        if on_changed_config(arm):
+            by_changes.setdefault(json.dumps(ARMS[arm].ds_changes, sort_keys=True), []).append(arm)
+    profiles = {}
+    for changes, arms in by_changes.items():
+        state = out / f"profile-state-{arms[0]}.json"   # (--reuse: goes on from its finished rounds)
+        if not reuse:
+            state.unlink(missing_ok=True)
+        print(f"profiling the step kinds of {', '.join(arms)} on its DeepSpeed config ...", flush=True)
+        prof = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=reps, state=state,
+                             kinds=kinds_needed({a: raw["rows"][a] for a in arms}), ds_changes=json.loads(changes))
+        profiles.update(dict.fromkeys(arms, prof))
+    return profiles
 
 
 def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
@@ -387,10 +416,11 @@ def profile_band(raw: dict, arm: str, targets: dict, profile: dict) -> dict:
     base, own, band = raw["rows"]["baseline"], own_kind(arm, profile), {t: [] for t in TARGETS}
     for sign in (-1, 1):
         prof, vals = shifted_profile(profile, sign), {t: [] for t in TARGETS}
+        own_prof = shifted_profile(arm_profile(profile, arm), sign)   # (the suite's, or its config's)
         for seed, by_budget in raw["rows"][arm].items():
             if seed not in targets:
                 continue
-            arm_runs = [{**r, "eq_curve": eq_curve(r, own, prof)} for r in by_budget.values()]
+            arm_runs = [{**r, "eq_curve": eq_curve(r, own, own_prof)} for r in by_budget.values()]
             base_runs = [{**r, "eq_curve": eq_curve(r, None, prof)} for r in base[seed].values()]
             for t, v in fr.ratios(arm_runs, base_runs, targets[seed], "eq_curve").items():
                 vals[t].append(v["ratio"])
@@ -414,9 +444,10 @@ def analyse(raw: dict, profile: dict | None) -> dict:
         own = own_kind(arm, profile)
         for by_budget in rows.values():
             for row in by_budget.values():
-                # (a hybrid arm on another DeepSpeed config, ARMS' ds_changes: the profile timed its
-                # kinds on the suite's, so its steps are not priced)
-                row["eq_curve"] = [] if priced_elsewhere(arm) else eq_curve(row, own, profile)
+                # (a hybrid arm on another DeepSpeed config, ARMS' ds_changes: priced from its kinds
+                # timed on that config; not at all where the profile has none, not at the suite's)
+                prof = arm_profile(profile, arm)
+                row["eq_curve"] = [] if on_changed_config(arm) and prof is None else eq_curve(row, own, prof)
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
                 # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
                 row["opt_curve"] = fr.step_costs_curve(row["val_points"], [0.0 if k.startswith("predict") else 1.0
@@ -461,7 +492,7 @@ def analyse(raw: dict, profile: dict | None) -> dict:
             for t in TARGETS:
                 vals = [p[unit][t]["ratio"] for p in per_seed.values() if unit in p]   # (older results: no such unit)
                 agg[unit][t] = dict(fr.mean_spread(vals), reached=sum(v is not None for v in vals), seeds=len(vals))
-        if profile and profile.get("cost_se") and not priced_elsewhere(arm):
+        if profile and profile.get("cost_se") and (arm_profile(profile, arm) or {}).get("cost_se"):
             agg["equivalents_profile_band"] = profile_band(raw, arm, out["targets"], profile)
         fulls = [p["full_budget"] for p in per_seed.values() if p["full_budget"]]
         agg["full_budget"] = {k: fr.mean_spread([f[k] for f in fulls])
@@ -594,8 +625,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         state = out / "profile-state.json"
         if not args.reuse:
             state.unlink(missing_ok=True)
-        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=3 if args.quick else PROFILE_REPS,
-                                ds_arms=ds_arms, state=state, kinds=kinds_needed(raw["rows"]))
+        reps = 3 if args.quick else PROFILE_REPS
+        suites_own = {a: rows for a, rows in raw["rows"].items() if not on_changed_config(a)}
+        profile = profile_steps(suite, raw["best_lr"], data, raw["init"], reps=reps, ds_arms=ds_arms, state=state,
+                                kinds=kinds_needed(suites_own))
+        profile["elsewhere"] = elsewhere_profiles(suite, raw, data, out, args.reuse, reps) or None
     analysis = analyse(raw, profile)
     result = {
         "suite": {**asdict(suite), "seeds": list(suite.seeds), "lr_multipliers": list(suite.lr_multipliers),

@@ -139,8 +139,8 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     # And without activation checkpointing, as `baseline-no-recompute` runs plain: its real steps recompute
     # nothing either (its Predict steps recompute nothing in either arm: their micro-batch fits).
     Arm("preset-1.75x-no-recompute", "`preset-1.75x` with activation checkpointing off (`activation_checkpointing` "
-        "removed), as `baseline-no-recompute` runs plain (no Full-step equivalents: the profile times the hybrid's "
-        "steps on the suite's config)", "preset", budgets=(1.75,),
+        "removed), as `baseline-no-recompute` runs plain (its steps priced from its kinds timed on that config, "
+        "in the suite's plain steps)", "preset", budgets=(1.75,),
         ds_changes={"activation_checkpointing": None}),
 ]}
 

@@ -159,17 +159,21 @@ def feature_lrs(arms: Iterable[str], result: dict) -> dict[str, float]:
 
 def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, reps: int = PROFILE_REPS,
                   ds_arms: dict[str, float] | None = None, state: Path | None = None,
-                  kinds: Iterable[str] | None = None) -> dict:
+                  kinds: Iterable[str] | None = None, ds_changes: dict | None = None) -> dict:
     """Mean time of each step kind, measured in one process (a subprocess: its own world of 1).
     ``ds_arms``: the suite's DeepSpeed features (ZenFlow) and the LR each runs at, whose steps are
     timed too, each as a kind of its own name: their steps are not plain DeepSpeed's. ``state``:
     a file the rounds' times are kept in after every round, from which a profile cut off (a device
     call's time limit) goes on (``worker``). ``kinds``: time only these (``kinds_needed``:
-    the ones the suite's runs took; None: every kind this layout has), and each of ``ds_arms``."""
+    the ones the suite's runs took; None: every kind this layout has), and each of ``ds_arms``.
+    ``ds_changes``: the kinds of a hybrid arm that runs on a changed DeepSpeed config
+    (``Arm.ds_changes``), timed on that config, each costed in the suite's plain steps (``worker``)."""
     args = ["--suite", suite.name, "--lr", repr(lr), "--reps", str(reps), "--model", suite.model,
             "--seq-len", str(suite.seq_len)]
     if kinds is not None:
         args += ["--kinds", ",".join(sorted(kinds))]
+    if ds_changes:
+        args += ["--ds-changes", json.dumps(ds_changes, sort_keys=True)]
     if state is not None:
         args += ["--profile-state", str(state)]
     for name, arm_lr in (ds_arms or {}).items():
@@ -189,7 +193,12 @@ def profile_steps(suite: Suite, lr: float, data: str | None, init: str | None, r
 
 def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | None,
            ds_arms: dict[str, float] | None = None, state_path: str | None = None,
-           wanted: set[str] | None = None) -> dict:
+           wanted: set[str] | None = None, ds_changes: dict | None = None) -> dict:
+    """Times each step kind, round robin (``profile_steps``). With ``ds_changes`` every engine is
+    built on the suite's config with those changes (a hybrid arm's own, ``Arm.ds_changes``), and
+    one more, the suite's own plain step (kind ``suite_plain``), is the unit its kinds are costed
+    in, timed in the same rounds: so that a run on the changed config is priced in the same plain
+    steps as the suite's other runs (its ``plain`` is then the changed config's plain step)."""
     import torch
     from . import initialize
     from .data import ByteDataset, train_batches
@@ -206,8 +215,10 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     # (the cores this process was started on: every kind but a DeepSpeed feature's runs on them)
     cores, omp_threads = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
     preset, _ = resolve_config(suite.config)
-    cfg = deep_merge(preset, suite.overrides)
-    apply_lr(cfg, lr)
+    suite_cfg = deep_merge(preset, suite.overrides)
+    apply_lr(suite_cfg, lr)
+    cfg = deep_merge(suite_cfg, ds_changes) if ds_changes else suite_cfg
+    runs_section = json.loads(json.dumps(cfg.get("hybrid_predict", {})))   # (the section a --baseline run turns off)
     # Layer-group Predict (the partial kinds) needs ZeRO 0-2; on ZeRO 3 the whole-model kinds only.
     groups = int((cfg.get("zero_optimization") or {}).get("stage", 0) or 0) < 3
     if groups:
@@ -225,21 +236,25 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
             enable_checkpointing(m)
         return make_engine(model=m, model_parameters=layer_groups(m, suite.layer_groups), config=config)[0]
     engine = built(initialize, cfg)
+    # On a changed config (ds_changes): the suite's own plain step beside its kinds, the unit they are costed in
+    unit_engine = built(initialize, dict(suite_cfg, hybrid_predict=cfg["hybrid_predict"])) if ds_changes else None
     # DeepSpeed's own engine beside it (no ds_hybrid code): how far the unit, the bench's plain
     # DeepSpeed step (the hybrid's engine with the hybrid off: its non-finite guard included), is from it.
     import deepspeed
     plain_cfg = {k: v for k, v in cfg.items() if k != "hybrid_predict"}
     ds_engine = built(deepspeed.initialize, plain_cfg)
-    # Each DeepSpeed feature among the arms (ZenFlow), built as its runs are, at its own LR.
-    ds_features, feature_gas = {}, {}
+    # Each DeepSpeed feature among the arms (ZenFlow, plain without the recompute), built as its runs
+    # are (``train --baseline``: the hybrid's engine with its section turned off, stepped by
+    # ``train_step``; DeepSpeed's own engine, the ``deepspeed`` kind, was 2% faster), at its own LR.
+    ds_features = {}
     for name, arm_lr in (ds_arms or {}).items():
-        feature_cfg = arm_config(plain_cfg, ARMS[name], quick=False)[0]
+        feature_cfg = arm_config(dict(plain_cfg, hybrid_predict=dict(runs_section, enabled=False)), ARMS[name],
+                                 quick=False)[0]
         apply_lr(feature_cfg, arm_lr)
-        ds_features[name] = built(deepspeed.initialize, feature_cfg)
-        # The micro-batches of one of its steps as its config says: DeepSpeed steps at the accumulation
-        # boundary (8 on offload-preset-fp32 without the recompute), except ZenFlow, which makes every
-        # micro-batch a step and reports its update_interval as its accumulation (its config says 1).
-        feature_gas[name] = feature_cfg.get("gradient_accumulation_steps", 1)
+        ds_features[name] = built(initialize, feature_cfg)
+    # The micro-batches of one of its steps: the accumulation (8 on offload-preset-fp32 without the
+    # recompute), except under ZenFlow, which makes every micro-batch a step (``batches_per_step``).
+    feature_gas = {name: e.batches_per_step() for name, e in ds_features.items()}
     train, _ = ByteDataset.load(data).split(seq_len=suite.seq_len)
     stream = train_batches(train, suite.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     gas = engine.gradient_accumulation_steps()
@@ -329,12 +344,9 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         if name in narrowed:
             os.sched_setaffinity(0, narrowed[name])
         try:
-            for _ in range(steps * feature_gas[name]):
-                batch = {k: v.to(dev) for k, v in next(feature_streams[name]).items()}
-                loss = default_loss(eng, batch)
-                eng.backward(loss)
-                eng.step()
-            loss.item()
+            for _ in range(steps):
+                eng.train_step([{k: v.to(dev) for k, v in next(feature_streams[name]).items()}
+                                for _ in range(feature_gas[name])])
         finally:
             narrowed[name] = os.sched_getaffinity(0)
             os.sched_setaffinity(0, cores)
@@ -347,6 +359,7 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
         name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_LEAD)) for name, e in ds_features.items()}
     settled = dict.fromkeys(ds_features, 0.0)   # (untimed, after a feature's block: its last update's tail)
     kinds = {"plain": plain, "deepspeed": deepspeed_step,
+             **({"suite_plain": lambda: unit_engine._real_step(batches(), default_loss)} if unit_engine else {}),
              **{name: (lambda n=name, e=e: feature_steps(n, e, FEATURE_BLOCK)) for name, e in ds_features.items()},
              "real": lambda: full(0, with_planner=False),   # the whole-model arms' and the default's real step
              # ... without the predictor's work on the masters (lazy_bookkeeping: early warmup)
@@ -426,7 +439,7 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     if wanted is not None:
         # Only the kinds the suite's runs took (and DeepSpeed's features): on a GPU's device call
         # every kind timed is time the runs do not get.
-        kinds = {k: fn for k, fn in kinds.items() if k in wanted or k in ds_features}
+        kinds = {k: fn for k, fn in kinds.items() if k in wanted or k in ds_features or k == "suite_plain"}
     # Round robin, one step of each kind per round: a slow stretch of the machine (or the allocator
     # warming up) lands on every kind alike instead of on whichever was timed then.
     for name, fn in kinds.items():
@@ -445,7 +458,10 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     # (a device call's time limit; a resumed profile's rounds may come from another machine of the
     # same kind, as runs resumed with --reuse do).
     key = {"suite": suite.name, "model": suite.model, "seq_len": suite.seq_len, "lr": lr, "ds_arms": ds_arms or {},
-           "data": data, "init": init, "kinds": list(kinds), "host": bench_launch.host()}
+           "data": data, "init": init, "kinds": list(kinds), "host": bench_launch.host(),
+           **({"ds_changes": ds_changes} if ds_changes else {}),
+           # (the features' steps timed on the engine their runs took; older states: DeepSpeed's own)
+           **({"ds_arms_engine": "ds_hybrid"} if ds_arms else {})}
     state = Path(state_path) if state_path else None
     saved = json.loads(state.read_text()) if state is not None and state.is_file() else None
     done = 0
@@ -479,20 +495,30 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
                                        "settled": settled, "narrowed_kinds": sorted(narrowed_kinds)}))
             os.replace(tmp, state)
     # Each kind's cost in plain steps and its standard error: a hybrid real step over the plain work
-    # inside it, any other over the same rounds' plain steps.
+    # inside it, any other over the same rounds' plain steps. On a changed config, in the suite's
+    # plain steps: a real step's over the plain work inside it times the changed config's plain step
+    # over the suite's (the two errors combined as independent: the delta method's first order).
+    unit = "suite_plain" if unit_engine else "plain"
     pairs = [k for k in PAIRED_KINDS if k in kinds]
     cost, se = {}, {}
     for k in kinds:
         x = [t / (FEATURE_BLOCK if k in ds_features else 1) for t in sec[k]]
-        y = plain_work[k] if k in pairs else sec["plain"]
+        y = plain_work[k] if k in pairs else sec[unit]
         cost[k] = sum(x) / sum(y) if sum(y) > 0 else float("nan")
-        se[k] = 0.0 if k == "plain" else ratio_se(x, y)
+        se[k] = 0.0 if k == unit else ratio_se(x, y)
+    if unit_engine:
+        for k in pairs:
+            a, sa, b, sb = cost[k], se[k], cost["plain"], se["plain"]
+            cost[k] = a * b
+            se[k] = math.hypot(a * sb, b * sa) if sa is not None and sb is not None else None
     mean = {k: sum(v) / done / (FEATURE_BLOCK if k in ds_features else 1) for k, v in sec.items()}
     layout = engine._layout
     return {"seconds": mean, "cost": cost, "cost_se": se, "reps": done, "rounds_before": before,
-            "unpaired_cost": {k: mean[k] / mean["plain"] for k in pairs},
+            "ds_changes": ds_changes or None,
+            "unpaired_cost": {k: mean[k] / mean[unit] for k in pairs},
             # the cores every kind ran on, and a DeepSpeed feature's own where it narrowed them
             "cores": len(cores), "feature_cores": {k: len(v) for k, v in narrowed.items()},
+            "feature_engine": "ds_hybrid",   # (the features' steps on the engine their runs took: train_step)
             "narrowed_kinds": sorted(narrowed_kinds),
             # a feature's last update, still running after its block: the mean wait, untimed
             "settled_seconds": {k: v / done for k, v in settled.items()},
@@ -521,12 +547,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ds-arm", action="append", default=[], help="NAME=LR: a DeepSpeed feature's steps, at its LR")
     p.add_argument("--profile-state", default=None, help="the rounds' times, kept after every round, to go on from")
     p.add_argument("--kinds", default=None, help="comma-separated: time only these kinds")
+    p.add_argument("--ds-changes", default=None, type=json.loads,
+                   help="JSON: changes to the suite's DeepSpeed config (a hybrid arm's ds_changes; null removes a key)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # (the launcher's)
     args = p.parse_args(argv)
     suite = replace(SUITES[args.suite], model=args.model, seq_len=args.seq_len)
     ds_arms = {name: float(lr) for name, lr in (a.split("=", 1) for a in args.ds_arm)}
     wanted = set(args.kinds.split(",")) if args.kinds else None
-    print(json.dumps(worker(suite, args.lr, args.reps, args.data, args.init, ds_arms, args.profile_state, wanted)))
+    print(json.dumps(worker(suite, args.lr, args.reps, args.data, args.init, ds_arms, args.profile_state, wanted,
+                            args.ds_changes)))
 
 
 if __name__ == "__main__":

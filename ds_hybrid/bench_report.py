@@ -144,11 +144,20 @@ def markdown(result: dict) -> str:
         rows = [(n, over_arm(result, n, v, unit)) for n, a in result["arms"].items()
                 if n in an["arms"] and a.get("hybrid") is not None and not ds_feature(a.get("hybrid"))]
         if rows:
-            def timed(n: str) -> str:   # (in seconds, whether the machine timed the two arms' same work alike)
+            def timed(n: str) -> str:
+                # (in seconds: the same in Full-step equivalents, where the profile priced both arms, and
+                # whether the machine timed the two arms' same work alike)
+                parts = []
+                e = over_arm(result, n, v, "equivalents") if unit == "seconds" and result.get("profile") else None
+                if e and e["reached"]:
+                    parts.append(f"{_ratio_cell(e)} in Full-step equivalents")
                 w = same_work(result, n, v) if unit == "seconds" else None
-                return f" (its real steps' plain work timed {_ms(w, '{:.2f}')}x `{v}`'s)" if w else ""
+                if w:
+                    parts.append(f"its real steps' plain work timed {_ms(w, '{:.2f}')}x `{v}`'s")
+                return f" ({'; '.join(parts)})" if parts else ""
             lines += ["", f"Time to the target +1% over `{v}`'s (per seed, the same targets; the plain DeepSpeed a "
-                      "hybrid is to beat where that arm is the faster plain; in brackets the forward, backward and "
+                      "hybrid is to beat where that arm is the faster plain; in brackets the same in Full-step "
+                      "equivalents where the profile priced both arms, and the forward, backward and "
                       "optimizer step inside the two arms' real steps, DeepSpeed's timers, one over the other: about 1 "
                       "where the machine timed the same work alike, under 1 where the seconds flatter the hybrid): "
                       + "; ".join(f"`{n}` {_ratio_cell(o)}{timed(n)}" for n, o in rows) + "."]
@@ -184,7 +193,8 @@ def markdown(result: dict) -> str:
         before = prof.get("rounds_before") or 0
         se = prof.get("cost_se") or {}   # (older profiles: none)
         lines += ["", f"Step kinds (one process, mean of {prof['reps']} steps"
-                  + (f", {before} of them timed in an earlier sitting (a profile cut off and resumed)" if before else "")
+                  + (f", {before} of them timed by an earlier invocation (its saved rounds, `--reuse`: a profile "
+                     "cut off goes on from them)" if before else "")
                   + "; cost in plain DeepSpeed real steps" + (", ± one standard error over the rounds" if se else "")
                   + ("; a hybrid real step's cost is its time over the plain forward, backward and step inside it, "
                      "the same steps' time over the plain steps' beside it" if unpaired else "") + "):",
@@ -194,12 +204,40 @@ def markdown(result: dict) -> str:
             label = kind + (f" (backward skipped for {100 * share:.0f}% of the parameters)" if share else
                             " (DeepSpeed's own engine, no ds_hybrid code)" if kind == "deepspeed" else
                             KIND_LABELS[kind] if kind in KIND_LABELS else
-                            " (DeepSpeed's engine with this system's config, at its own LR)"
+                            (" (plain DeepSpeed with this system's config, stepped as its runs were, at its own LR)"
+                             if prof.get("feature_engine") == "ds_hybrid" else   # (older profiles: DeepSpeed's own)
+                             " (DeepSpeed's engine with this system's config, at its own LR)")
                             if ds_feature(result["arms"].get(kind, {}).get("hybrid")) else "")
             beside = f" ({unpaired[kind]:.3f})" if kind in unpaired else ""
             error = f" ± {se[kind]:.3f}" if se.get(kind) else ""
             lines.append(f"| {label} | {sec * 1e3:.1f} | {prof['cost'][kind]:.3f}{error}{beside} |")
+        lines += elsewhere_lines(prof)
     return "\n".join(lines)
+
+
+def _changes(ds_changes: dict) -> str:
+    """A DeepSpeed config change in words: ``{"activation_checkpointing": None}`` is
+    "`activation_checkpointing` removed"."""
+    return ", ".join(f"`{k}` removed" if v is None else f"`{k}`: `{json.dumps(v)}`" for k, v in ds_changes.items())
+
+
+def elsewhere_lines(prof: dict) -> list[str]:
+    """The profiles of the hybrid arms that ran on a changed DeepSpeed config (``bench.elsewhere_profiles``):
+    each kind their runs took, timed on that config, in the suite's plain steps."""
+    by_config: dict[str, list[str]] = {}
+    for arm, sub in (prof.get("elsewhere") or {}).items():
+        by_config.setdefault(json.dumps(sub["ds_changes"], sort_keys=True), []).append(arm)
+    lines = []
+    for arms in by_config.values():
+        sub = prof["elsewhere"][arms[0]]
+        se = sub.get("cost_se") or {}
+        costs = "; ".join(f"{k} {c:.3f}" + (f" ± {se[k]:.3f}" if se.get(k) else "")
+                          for k, c in sub["cost"].items() if k not in ("suite_plain", "plain", "deepspeed"))
+        lines += ["", f"{', '.join(f'`{a}`' for a in arms)}: its step kinds timed on its own DeepSpeed config "
+                  f"({_changes(sub['ds_changes'])}), beside the suite's plain step (the unit) in {sub['reps']} rounds "
+                  f"of one process after the profile above: {costs}; that config's plain step "
+                  f"{sub['cost']['plain']:.3f}" + (f" ± {se['plain']:.3f}" if se.get("plain") else "") + "."]
+    return lines
 
 
 # What a profiled kind is, where its name does not say it.

@@ -365,6 +365,52 @@ def test_a_hybrids_time_over_a_faster_plain_arm_says_whether_the_machine_timed_t
     assert "`predict` 1.102 ± 0.000;" in line   # (the suite's config: its ratio only)
 
 
+def test_a_hybrid_on_a_changed_config_is_priced_from_its_own_configs_profile(tmp_path):
+    """A hybrid arm whose runs change the suite's DeepSpeed config (``Arm.ds_changes``: no
+    recompute) is priced from its kinds timed on that config (``bench.elsewhere_profiles``), in the
+    suite's plain steps, not from the suite's profile; without such a profile, not at all. Here its
+    5 real steps at 0.7 and 5 half-batch Predict steps at 0.3 reach plain's 2.0 in 5.0 of plain's 10
+    (0.5x), 5/7 of plain without the recompute (its own kind, 0.7 a step), and its band comes from
+    its own kinds' errors."""
+    arm, plain_nr = "preset-1.75x-no-recompute", "baseline-no-recompute"
+    raw = _raw()
+    raw["rows"][plain_nr] = {s: {"1": _row([(0, 5.0), (5, 3.0), (10, 2.0)])} for s in ("1", "2")}
+    raw["rows"][arm] = {s: {"1": _row([(0, 5.0), (6, 3.0), (10, 2.0)],
+                                       kinds=["real_gradient", "predict_gradient_f0.5"] * 5)} for s in ("1", "2")}
+    changes = {"activation_checkpointing": None}
+    own = {"cost": {"suite_plain": 1.0, "plain": 0.7, "deepspeed": 0.7, "real": 0.72, "real_gradient": 0.7,
+                    "predict_gradient_f0.5": 0.3},
+           "cost_se": {"suite_plain": 0.0, "plain": 0.005, "real_gradient": 0.01, "predict_gradient_f0.5": 0.02},
+           "ds_changes": changes, "reps": 40}
+    profile = {"cost": {"plain": 1.0, "real": 1.0, "real_gradient": 2.0, "predict": 0.1, "predict_gradient_f0.5": 0.9,
+                        "forward": 0.3, plain_nr: 0.7},
+               "cost_se": {"plain": 0.0, "predict": 0.02}, "seconds": {"plain": 1.0}, "reps": 40,
+               "elsewhere": {arm: own}}
+    assert bench.arm_profile(profile, arm) is own and bench.arm_profile(profile, "predict") is profile
+    an = bench.analyse(raw, profile)
+    agg = an["arms"][arm]["aggregate"]
+    assert agg["equivalents"]["target"]["mean"] == pytest.approx(0.5)
+    # every kind of its own one standard error cheaper / dearer (plain's the suite's unit, exact)
+    assert agg["equivalents_profile_band"]["target"] == pytest.approx([0.485, 0.515])
+    result = _result(tmp_path)
+    result.update(analysis=an, profile=profile)
+    result["arms"].update({a: bench.asdict(bench_arms.ARMS[a]) for a in (plain_nr, arm)})
+    over = bench_report.over_arm(result, arm, plain_nr, "equivalents", "target")
+    assert over["mean"] == pytest.approx(5 / 7)
+    md = bench_report.markdown(result)
+    line = next(l for l in md.splitlines() if l.startswith("Time to the target +1% over"))
+    assert f"`{arm}` 1.002 ± 0.000 (0.716 ± 0.000 in Full-step equivalents)" in line   # (at +1%)
+    assert (f"`{arm}`: its step kinds timed on its own DeepSpeed config (`activation_checkpointing` removed), "
+            "beside the suite's plain step (the unit) in 40 rounds of one process after the profile above: "
+            "real 0.720; real_gradient 0.700 ± 0.010; predict_gradient_f0.5 0.300 ± 0.020; that config's plain step "
+            "0.700 ± 0.005.") in md
+    # no profile of its config: its Full-step equivalents are left out, not read from the suite's kinds
+    an = bench.analyse(raw, {k: v for k, v in profile.items() if k != "elsewhere"})
+    agg = an["arms"][arm]["aggregate"]
+    assert agg["equivalents"]["target"]["reached"] == 0 and "equivalents_profile_band" not in agg
+    assert an["arms"]["predict"]["aggregate"]["equivalents"]["target"]["reached"] == 2
+
+
 def test_the_equivalents_carry_the_profiles_own_uncertainty(tmp_path):
     """With each kind's standard error in the profile, an arm's ratio in Full-step equivalents
     comes with its band: every kind one standard error cheaper and dearer (plain's step, the
@@ -861,17 +907,16 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     # The in-line one leaves no update running after its block; the overlapped one's last one is
     # waited out, untimed, before the next kind
     assert prof["settled_seconds"]["zenflow"] == 0.0 and prof["settled_seconds"]["zenflow-overlap"] >= 0.0
-    # each of its steps takes the suite's batch, as a plain step does
+    # each of its steps takes the suite's batch, as a plain step does, on the engine its runs took
+    # (train --baseline: the hybrid's, its section off, stepped by train_step)
     assert prof["feature_batch"] == {"zenflow": prof["batch"], "zenflow-overlap": prof["batch"]}
+    assert prof["feature_engine"] == "ds_hybrid"
     if prof["cores"] > 1:
         assert prof["feature_cores"]["zenflow-overlap"] < prof["cores"]
 
 
-@pytest.mark.slow
-def test_the_profile_recomputes_where_the_runs_do(monkeypatch):
-    """On a suite whose config checkpoints activations (offload-preset's) the profile's engines
-    recompute each block in backward as train's runs do: the unit (plain DeepSpeed's step) and the
-    hybrid's; plain without the recompute (a DeepSpeed-config arm without the section) does not."""
+def _checkpointed_models(monkeypatch) -> list:
+    """The models the profile's engines are built on that recompute each block (train.enable_checkpointing's)."""
     from ds_hybrid import train
     built, enable = [], train.enable_checkpointing
 
@@ -879,6 +924,15 @@ def test_the_profile_recomputes_where_the_runs_do(monkeypatch):
         built.append(model)
         enable(model)
     monkeypatch.setattr(train, "enable_checkpointing", counted)
+    return built
+
+
+@pytest.mark.slow
+def test_the_profile_recomputes_where_the_runs_do(monkeypatch):
+    """On a suite whose config checkpoints activations (offload-preset's) the profile's engines
+    recompute each block in backward as train's runs do: the unit (plain DeepSpeed's step) and the
+    hybrid's; plain without the recompute (a DeepSpeed-config arm without the section) does not."""
+    built = _checkpointed_models(monkeypatch)
     suite = bench.replace(bench.SUITES["offload-preset-fp32"], **bench.QUICK, launcher="python")
     prof = bench_profile.worker(suite, 2e-3, 2, bench.resolve_data(suite.data), None, {"baseline-no-recompute": 2e-3})
     # the hybrid's engines (the drift kinds' and the gradient arms' real step's) and DeepSpeed's own beside
@@ -892,6 +946,37 @@ def test_the_profile_recomputes_where_the_runs_do(monkeypatch):
     assert prof["cost"]["plain"] == 1.0 and prof["cost"]["baseline-no-recompute"] > 0
     # each of its timed steps takes the suite's batch in its 8 micro-batches, as a plain step does
     assert prof["feature_batch"] == {"baseline-no-recompute": prof["batch"]}
+
+
+@pytest.mark.slow
+def test_the_profile_times_a_changed_configs_kinds_in_the_suites_plain_steps(monkeypatch, tmp_path):
+    """``ds_changes`` (a hybrid arm's own DeepSpeed config: offload-preset-fp32 without the
+    recompute): every engine the profile times is built on that config, none recomputing, but one:
+    the suite's own plain step (``suite_plain``, recomputing), the unit the kinds are costed in, in
+    the same rounds. A real step's cost is its time over the plain work inside it times the changed
+    config's plain step over the suite's; the state file's key keeps the changes."""
+    built = _checkpointed_models(monkeypatch)
+    suite = bench.replace(bench.SUITES["offload-preset-fp32"], **bench.QUICK, launcher="python")
+    changes, state = {"activation_checkpointing": None}, tmp_path / "profile-state.json"
+    wanted = {"plain", "deepspeed", "real", "real_gradient", "predict_gradient_f0.5"}
+    prof = bench_profile.worker(suite, 2e-3, 2, bench.resolve_data(suite.data), None, state_path=str(state),
+                                wanted=wanted, ds_changes=changes)
+    assert len(built) == 1 and built[0].is_gradient_checkpointing   # (the unit's model only)
+    assert set(prof["cost"]) == wanted | {"suite_plain"} and prof["ds_changes"] == changes
+    c, sec = prof["cost"], prof["seconds"]
+    assert c["suite_plain"] == 1.0 and prof["cost_se"]["suite_plain"] == 0.0
+    assert c["plain"] == pytest.approx(sec["plain"] / sec["suite_plain"]) and prof["cost_se"]["plain"] > 0
+    for k in ("real", "real_gradient"):
+        assert c[k] == pytest.approx(sec[k] / prof["plain_work_seconds"][k] * c["plain"])
+        assert prof["unpaired_cost"][k] == pytest.approx(sec[k] / sec["suite_plain"])
+    assert c["predict_gradient_f0.5"] == pytest.approx(sec["predict_gradient_f0.5"] / sec["suite_plain"])
+    assert json.loads(state.read_text())["key"]["ds_changes"] == changes
+    # the profile's own process takes the changes as JSON (profile_steps passes them so)
+    got = {}
+    monkeypatch.setattr(bench_profile, "worker", lambda *a: got.update(args=a) or {})
+    bench_profile.main(["--suite", suite.name, "--model", suite.model, "--seq-len", "32", "--lr", "0.002",
+                        "--ds-changes", json.dumps(changes)])
+    assert got["args"][-1] == changes
 
 
 @pytest.mark.slow
@@ -959,7 +1044,7 @@ def test_a_profile_cut_off_goes_on_from_its_finished_rounds(tmp_path):
     assert prof["reps"] == prof["rounds_before"] == 2 and prof["seconds"]["plain"] == 1.0
     assert prof["cost"]["forward"] == 2.0 and prof["cost_se"]["forward"] == 0.0   # (each round 2x plain)
     md = bench_report.markdown({**_result(tmp_path), "profile": prof})
-    assert "mean of 2 steps, 2 of them timed in an earlier sitting (a profile cut off and resumed)" in md
+    assert "mean of 2 steps, 2 of them timed by an earlier invocation (its saved rounds, `--reuse`" in md
     # asked for three: one more round, added to the rounds
     prof = bench_profile.worker(suite, 2e-3, 3, data, None, state_path=str(state))
     again = json.loads(state.read_text())
