@@ -245,7 +245,8 @@ def worker(suite: Suite, lr: float, reps: int, data: str | None, init: str | Non
     ds_engine = built(deepspeed.initialize, plain_cfg)
     # Each DeepSpeed feature among the arms (ZenFlow, plain without the recompute), built as its runs
     # are (``train --baseline``: the hybrid's engine with its section turned off, stepped by
-    # ``train_step``; DeepSpeed's own engine, the ``deepspeed`` kind, was 2% faster), at its own LR.
+    # ``train_step``; DeepSpeed's own engine, the ``deepspeed`` kind, was 2-3% faster on offload-preset-fp32),
+    # at its own LR.
     ds_features = {}
     for name, arm_lr in (ds_arms or {}).items():
         feature_cfg = arm_config(dict(plain_cfg, hybrid_predict=dict(runs_section, enabled=False)), ARMS[name],

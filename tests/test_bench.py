@@ -1294,3 +1294,47 @@ def test_lr_check_runs_the_bench_arms_at_another_lr_beside_the_result(tmp_path, 
         mod.main(["--result", str(tmp_path / "r.json"), "--lr", "0"])
     with pytest.raises(SystemExit, match="--result"):
         mod.main(["--result", str(tmp_path / "none.json"), "--lr", "0.002"])
+
+
+def test_lr_check_runs_a_hybrid_arm_with_a_setting_changed_beside_the_results_own_runs(tmp_path, monkeypatch):
+    """benchmarks/lr_check.py --set / --budget: the hybrid arm's section changed (a dotted key, the
+    value read as JSON where it parses), at the result's LR and the given budget, each seed beside the
+    result's own run of that arm and budget: finals, and the first validation step at or under the
+    seed's target and 1% above it (the result's curve against seconds read at this run's steps)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "lr_check.py"
+    spec = importlib.util.spec_from_file_location("lr_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    arm = "predict-gradient-quarter-15"
+    own = {"run": "r", "final_val_loss": 1.21, "val_curve": [[0.0, 5.0], [9.0, 1.3], [18.0, 1.25], [27.0, 1.21]]}
+    result = {"suite": {"name": "offload-b64"}, "best_lr": 4e-3, "init": None, "data": None,
+              "runs": {"baseline": {"1": {"1": {"final_val_loss": 1.24}}}, arm: {"1": {"3": own}}},
+              "analysis": {"targets": {"1": {"target": 1.24, "target+1%": 1.2524}}}}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    seen = []
+
+    def fake(self, run):
+        seen.append(run)
+        return {"final_val_loss": 1.22, "val_points": [[0, 5.0], [600, 1.27], [1200, 1.23], [1800, 1.22]]}
+    monkeypatch.setattr(bench.Runner, "__call__", fake)
+    out = mod.main(["--result", str(tmp_path / "r.json"), "--arms", arm, "--budget", "3",
+                    "--set", "predictor.gradient_second_moment=updated", "--set", "predictor.step_scale=0.5",
+                    "--out", str(tmp_path / "runs")])
+    run, = seen
+    assert (run.lr, run.budget, run.steps, run.baseline) == (4e-3, 3.0, 1800, False)
+    assert run.config["hybrid_predict"]["predictor"]["gradient_second_moment"] == "updated"
+    assert run.config["hybrid_predict"]["predictor"]["step_scale"] == 0.5   # (JSON: a number)
+    assert run.config["hybrid_predict"]["predictor"]["gradient_batch_fraction"] == 0.25   # (the arm's own, kept)
+    assert run.out.parent.name == ("offload-b64-lr0.004-predictor.gradient_second_moment-updated"
+                                   "-predictor.step_scale-0.5")
+    r = out["arms"][arm]["per_seed"]["1"]
+    assert (r["final_val_loss"], r["own_final_val_loss"]) == (1.22, 1.21)
+    assert (r["target_step"], r["own_target_step"]) == (1200, 1800)
+    assert (r["target+1%_step"], r["own_target+1%_step"]) == (1200, 1200)
+    assert out["set"] == {"predictor.gradient_second_moment": "updated", "predictor.step_scale": 0.5}
+    for bad, flag in ((["--set", "novalue"], "--set"), (["--budget", "0"], "--budget"),
+                      (["--arms", "baseline", "--set", "a=1"], "--set")):
+        with pytest.raises(SystemExit, match=flag):
+            mod.main(["--result", str(tmp_path / "r.json"), *bad])
