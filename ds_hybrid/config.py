@@ -145,7 +145,8 @@ class PredictorConfig(_Section):
     15 Predict steps a real one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain
     ZeRO-Offload's final loss with ``updated`` (docs/offload.md, "At the 1b-16gb preset's
     batch"). At 0.999 a held ``v`` moves little between real steps, and ``updated`` reached
-    plain's final loss no sooner (one seed, ``offload-b64``'s arm), so the default is ``held``.
+    plain's final loss no sooner (``offload-b64``'s arm, 3 seeds: later on two, on neither within
+    its schedule on the third), so the default is ``held``.
     Not with ``memory.gradient_state_dtype`` int8/int4-factored or ``memory.cpu_step_behind``,
     whose second moment is factored or the cover's."""
 
