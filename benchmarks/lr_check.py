@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from ds_hybrid import bench, bench_arms  # noqa: E402
 from ds_hybrid import bench_report as report  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
+from ds_hybrid.config import ConfigError, parse_hybrid_config  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
             if changes and not baseline:
                 cfg["hybrid_predict"] = bench_arms.with_changes(cfg["hybrid_predict"],
                                                                 **{k.replace(".", "__"): v for k, v in changes.items()})
+                try:   # (a key or value the section refuses: before any run, naming it)
+                    parse_hybrid_config(cfg)
+                except ConfigError as err:
+                    raise SystemExit(f"--set: {err}") from None
             run_name = f"{name}-b{args.budget:g}-s{seed}"
             row = runner(bench.Run(run_name, name, int(seed), lr, args.budget, cfg, out_dir / run_name, steps,
                                    baseline))

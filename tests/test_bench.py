@@ -1335,6 +1335,10 @@ def test_lr_check_runs_a_hybrid_arm_with_a_setting_changed_beside_the_results_ow
     assert (r["target+1%_step"], r["own_target+1%_step"]) == (1200, 1200)
     assert out["set"] == {"predictor.gradient_second_moment": "updated", "predictor.step_scale": 0.5}
     for bad, flag in ((["--set", "novalue"], "--set"), (["--budget", "0"], "--budget"),
-                      (["--arms", "baseline", "--set", "a=1"], "--set")):
+                      (["--arms", "baseline", "--set", "a=1"], "--set"),
+                      (["--arms", arm, "--set", "predictor.gradient_second_momentt=updated"],
+                       "--set: .*hybrid_predict.predictor.gradient_second_momentt"),
+                      (["--arms", arm, "--set", "predictor.gradient_second_moment=sometimes"],
+                       "--set: .*gradient_second_moment")):
         with pytest.raises(SystemExit, match=flag):
             mod.main(["--result", str(tmp_path / "r.json"), *bad])
