@@ -442,11 +442,11 @@ def analyse(raw: dict, profile: dict | None) -> dict:
         out["targets"][seed] = {n: full["final_val_loss"] * (1 + d) for n, d in TARGETS.items()}
     for arm, rows in raw["rows"].items():
         own = own_kind(arm, profile)
+        # (a hybrid arm on another DeepSpeed config, ARMS' ds_changes: priced from its kinds timed
+        # on that config; not at all where the profile has none, not at the suite's)
+        prof = arm_profile(profile, arm)
         for by_budget in rows.values():
             for row in by_budget.values():
-                # (a hybrid arm on another DeepSpeed config, ARMS' ds_changes: priced from its kinds
-                # timed on that config; not at all where the profile has none, not at the suite's)
-                prof = arm_profile(profile, arm)
                 row["eq_curve"] = [] if on_changed_config(arm) and prof is None else eq_curve(row, own, prof)
                 row["eq_total"] = row["eq_curve"][-1][0] if row["eq_curve"] else None
                 # The optimizer steps (the CPU Adam steps under ZeRO-Offload): every step but a Predict step.
