@@ -132,7 +132,7 @@ class PredictorConfig(_Section):
     spread (docs/memory.md, "A share step's learning rate"). So the default is the schedule's
     rate."""
 
-    gradient_second_moment: Literal["held", "updated"] = "held"
+    gradient_second_moment: Literal["auto", "held", "updated"] = "auto"
     """``direction: gradient``: Adam's second moment in a Predict run. ``held``: the last real
     step's, read in place (no copy beside the run's first moment). ``updated``: Adam's own, each
     Predict gradient folded into a copy of it as into the first moment (``v = beta2 v +
@@ -141,14 +141,17 @@ class PredictorConfig(_Section):
     host path, in ``memory.gradient_state_dtype`` on the device path (none more where the device
     path copies the optimizer's already: beside a GPU under ``offload_optimizer``). With a held
     ``v`` a coordinate whose Predict gradients outgrow its last real ones steps by ``m / sqrt(v)``
-    without Adam's bound; at ``betas[1]`` 0.95 (the 1B presets') a half of a 32-sequence batch at
-    15 Predict steps a real one stalled near 2.9 on a 2x schedule (ended 2.74) and reached plain
-    ZeRO-Offload's final loss with ``updated`` (docs/offload.md, "At the 1b-16gb preset's
-    batch"). At 0.999 a held ``v`` moves little between real steps, and ``updated`` reached
-    plain's final loss no sooner (``offload-b64``'s arm, 3 seeds: later on two, on neither within
-    its schedule on the third), so the default is ``held``.
-    Not with ``memory.gradient_state_dtype`` int8/int4-factored or ``memory.cpu_step_behind``,
-    whose second moment is factored or the cover's."""
+    without Adam's bound; at ``betas[1]`` 0.95 (the 1B and 7B presets', GPT-2's) a half of a
+    32-sequence batch at 15 Predict steps a real one stalled near 2.9 on a 2x schedule (ended
+    2.74) and reached plain ZeRO-Offload's final loss with ``updated`` (3 of 3 seeds; docs/offload.md,
+    "At the 1b-16gb preset's batch"). At 0.999 a held ``v`` moves little between real steps, and
+    ``updated`` reached plain's final loss no sooner (``offload-b64``'s arm, 3 seeds: later on
+    two, on neither within its schedule on the third). ``auto`` (the default): ``updated`` where
+    the optimizer's ``betas[1]`` is below 0.99 (``v`` remembers under 100 steps, a few Predict
+    runs), else ``held``; ``held`` too where the run's state cannot update it (below). The choice
+    is in ``statistics()["gradient_second_moment"]``.
+    Not ``updated`` with ``memory.gradient_state_dtype`` int8/int4-factored or
+    ``memory.cpu_step_behind``, whose second moment is factored or the cover's."""
 
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """``direction: gradient`` with a model under activation checkpointing (transformers'
@@ -275,6 +278,27 @@ def compact_state_refusal(gradient_state_dtype: str, device_path: bool) -> str |
         return None
     return (f"hybrid_predict.memory.gradient_state_dtype: {gradient_state_dtype}, but memory.offload_predict "
             "resolved to host (the compact state lives beside the 16-bit weights)")
+
+
+# predictor.gradient_second_moment "auto": a gradient Predict run updates Adam's v where the
+# optimizer's betas[1] is below this. v remembers about 1 / (1 - beta2) steps: 20 at 0.95, about a
+# 15-step run, so a held v is stale within one (measured to stall there); 1000 at 0.999, where a
+# run hardly moves it (measured: updating gained nothing).
+UPDATE_V_BELOW_BETA2 = 0.99
+
+
+def second_moment_updated(setting: str, beta2: float, gradient_state_dtype: str, cpu_step_behind: bool) -> bool:
+    """``predictor.gradient_second_moment`` resolved: whether a gradient Predict run folds its
+    gradients into a copy of Adam's second moment. ``held`` / ``updated`` as set (the config
+    refuses ``updated`` where the state cannot keep it); ``auto``: where ``beta2``, the
+    optimizer's smallest ``betas[1]``, is below UPDATE_V_BELOW_BETA2 and the run keeps a whole
+    ``v`` (not the factored one of ``memory.gradient_state_dtype`` int8/int4-factored nor
+    ``memory.cpu_step_behind``'s cover)."""
+    if setting != "auto":
+        return setting == "updated"
+    if gradient_state_dtype in ("int8-factored", "int4-factored") or cpu_step_behind:
+        return False
+    return beta2 < UPDATE_V_BELOW_BETA2
 
 
 def nvme_state_refusal(offload_optimizer_device: str, offload_param_device: str) -> str | None:
@@ -772,11 +796,11 @@ class HybridPredictConfig(_Section):
                              "learning rate a gradient Predict step takes; predictor.direction "
                              f"{self.predictor.direction!r} takes no gradient (set direction 'gradient' or leave it "
                              "at 1)")
-        if self.predictor.gradient_second_moment != "held" and self.predictor.direction != "gradient":
+        if self.predictor.gradient_second_moment == "updated" and self.predictor.direction != "gradient":
             raise ValueError(f"predictor.gradient_second_moment ({self.predictor.gradient_second_moment!r}) is how a "
                              "gradient Predict run keeps Adam's second moment; predictor.direction "
                              f"{self.predictor.direction!r} takes no gradient (set direction 'gradient' or leave it "
-                             "'held')")
+                             "'auto')")
         if self.predictor.gradient_second_moment == "updated":
             if self.memory.gradient_state_dtype in ("int8-factored", "int4-factored"):
                 raise ValueError(f"predictor.gradient_second_moment 'updated' keeps a whole second moment; "

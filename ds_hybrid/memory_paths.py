@@ -16,7 +16,7 @@ import torch
 
 from . import step_fusion
 from .config import (ConfigError, compact_state_refusal, fold_from_optimizer_state, offload_devices,
-                     offload_predict_on_device)
+                     offload_predict_on_device, second_moment_updated)
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
@@ -121,13 +121,17 @@ class MemoryPaths:
                                                       and shard.dtype == torch.bfloat16):
                 dtype = torch.bfloat16
         pred = self.hybrid_config.predictor
+        # (the smallest betas[1] of the optimizer's groups: auto updates v where any group's is short)
+        beta2 = min(float(g.get("betas", (0.9, 0.999))[1]) for g in self._masters.base.param_groups)
+        updated = second_moment_updated(pred.gradient_second_moment, beta2, mem.gradient_state_dtype,
+                                        mem.cpu_step_behind)
         try:
             return GradientPredict(self._masters, self.gradient_clipping(), self._all_reduce_in_place, self._world(),
                                    on_device=on_device, state_dtype=dtype, backend=self.hybrid_config.kernels,
                                    seed=self.hybrid_config.dynamics.seed,
                                    batch_fraction=pred.gradient_batch_fraction,
                                    lr_scale=pred.gradient_lr_scale, compact=compact,
-                                   second_moment=pred.gradient_second_moment)
+                                   second_moment="updated" if updated else "held")
         except NotImplementedError as err:
             raise ConfigError(f"hybrid_predict.predictor.direction: gradient needs ZeRO 1-3 or ZeRO 0 in fp32 "
                               f"(zero_optimization.stage, bf16.enabled): {err}") from None

@@ -153,6 +153,53 @@ def test_settings_it_cannot_take_are_refused_naming_the_key(hybrid, match):
         make_engine(ds_config(stage=2, offload_opt="cpu", hybrid=hybrid))
 
 
+def _betas(beta2: float) -> dict:
+    from engine_utils import LR
+    return {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, beta2]}}
+
+
+@pytest.mark.parametrize("beta2, memory, want", [
+    (0.95, {}, "updated"),            # v remembers ~20 steps: a run outgrows a held one
+    (0.999, {}, "held"),              # ~1000: a run hardly moves it
+    (0.95, {"offload_predict": "device", "gradient_state_dtype": "int8-factored"}, "held"),   # factored v
+    (0.95, {"offload_predict": "device", "cpu_step_behind": True}, "held"),                  # the cover's v
+])
+def test_auto_updates_the_second_moment_where_adams_memory_is_short(beta2, memory, want):
+    """``predictor.gradient_second_moment: auto`` (the default): ``updated`` below ``betas[1]``
+    0.99 where the run keeps a whole ``v``, else ``held``; at 0.95 it takes the same steps as
+    ``updated`` set by hand, bit for bit, and not the held ones."""
+    hybrid = dict(GRAD, predictor={"direction": "gradient"}, memory=memory)
+    auto = _engine(SETUPS["z2-offload"], hybrid, optimizer=_betas(beta2))
+    assert auto.statistics()["gradient_second_moment"] == want
+    assert auto._gradient.update_v is (want == "updated")
+    if memory:
+        return
+    same = dict(hybrid, predictor={"direction": "gradient", "gradient_second_moment": want})
+    other = dict(hybrid, predictor={"direction": "gradient",
+                                    "gradient_second_moment": "held" if want == "updated" else "updated"})
+    ref, alt = _engine(SETUPS["z2-offload"], same, optimizer=_betas(beta2)), \
+        _engine(SETUPS["z2-offload"], other, optimizer=_betas(beta2))
+    a, b, c = Batches(), Batches(), Batches()
+    phases = [(auto.train_step(a.step()).phase, ref.train_step(b.step()).phase, alt.train_step(c.step()).phase)
+              for _ in range(12)]
+    assert sum(p[0] == "predict" for p in phases) >= 4 and all(p[0] == p[1] for p in phases)
+    assert all(torch.equal(x, y) for x, y in zip(full_params(auto), full_params(ref)))
+    assert not all(torch.equal(x, y) for x, y in zip(full_params(auto), full_params(alt)))
+
+
+def test_the_planner_resolves_auto_from_the_presets_betas():
+    """``ds-hybrid plan --set predictor.direction=gradient``: the 1B preset's ``betas[1]`` 0.95 counts
+    the run's own ``v``, the CPU preset's 0.999 and the 4-bit state do not."""
+    from ds_hybrid.arguments import resolve_config
+    from ds_hybrid.memory import planner as pl
+    for preset, memory, want in (("1b-16gb", {}, True), ("tiny-cpu", {}, False),
+                                 ("1b-16gb", {"gradient_state_dtype": "int4-factored"}, False)):
+        ds, _ = resolve_config(preset)
+        ds["hybrid_predict"]["predictor"] = {"direction": "gradient"}
+        ds["hybrid_predict"]["memory"] = dict(ds["hybrid_predict"].get("memory") or {}, **memory)
+        assert pl.preset_spec(ds, preset).gradient_v_updated is want, (preset, memory)
+
+
 @pytest.mark.slow
 def test_an_updated_second_moment_keeps_the_ranks_together_on_both_paths(tmp_path):
     """ZeRO 2 under offload, 2 ranks, with the faults (rank 0's NaN loss in the first Predict step,

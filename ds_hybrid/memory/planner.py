@@ -212,11 +212,17 @@ class PresetSpec:
 VELOCITY_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # per value, quant.CompactBuffer
 
 
+def _beta2(ds_config: dict) -> float:
+    """The ds_config optimizer's ``betas[1]`` (DeepSpeed's Adam default 0.999 where it has none)."""
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    return float((params.get("betas") or (0.9, 0.999))[1])
+
+
 def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> PresetSpec:
     """Read a ds_config dict (DeepSpeed's defaults fill what it leaves out)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from ..config import ConfigError, parse_hybrid_config
+    from ..config import ConfigError, parse_hybrid_config, second_moment_updated
     zero = DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
     try:
         hybrid = parse_hybrid_config(ds_config)
@@ -246,7 +252,9 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         offload_predict=hybrid.memory.offload_predict, fold_source=hybrid.memory.fold_source,
         gradient=bool(hybrid.enabled and hybrid.predictor.direction == "gradient"),
         gradient_state_dtype=hybrid.memory.gradient_state_dtype,
-        gradient_v_updated=hybrid.predictor.gradient_second_moment == "updated",
+        gradient_v_updated=bool(hybrid.enabled and hybrid.predictor.direction == "gradient" and second_moment_updated(
+            hybrid.predictor.gradient_second_moment, _beta2(ds_config), hybrid.memory.gradient_state_dtype,
+            hybrid.memory.cpu_step_behind)),
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
         fold_during_run=hybrid.memory.fold_during_run is True,
         pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
