@@ -95,7 +95,7 @@
 #            cores (its ratios then in Full-step equivalents, each step kind timed alone after the runs;
 #            OFFBENCH_JOBS=1 for seconds from runs alone). About 25 min of runs one at a time: it stops itself after OFFBENCH_SECONDS
 #            (560) or what is left of the call (CALL_SECONDS, 570, less a minute for its tar) and resumes
-#            (--reuse) when called again on the same warm machine (OFFBENCH_ARMS, e.g. "predict-gradient-quarter-15
+#            (--reuse) when called again on the same warm machine (OFFBENCH_ARMS, e.g. "predict-gradient
 #            zenflow-overlap", runs those systems and plain ZeRO-Offload only); in a later session, unpack
 #            offload-gpu-runs.tgz into runs/bench here and name runs/bench/offload-gpu in the call's carry
 #                                                            -> OUT/offload-gpu.json/.png, OUT/offload-gpu-runs.tgz

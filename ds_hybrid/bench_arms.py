@@ -81,7 +81,8 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("predict-skip", "its control: the same runs with `predictor.direction: none` (Predict steps advance the "
         "schedule and move nothing)", with_changes(WHOLE, predictor__direction="none"), budgets=(1.0, 1.25)),
     Arm("predict-gradient", "whole-model Predict runs whose steps take their own gradient (`predictor.direction: "
-        "gradient`: Adam's step with the second moment held, the run's first moment handed to the optimizer when "
+        "gradient`: Adam's step, the second moment held at `betas[1]` 0.999 and updated below 0.99 "
+        "(`predictor.gradient_second_moment: auto`), the run's moments handed to the optimizer when "
         "kept; 3 after every real step from step 50), checked by the next real step's forward", GRADIENT,
         budgets=_HYBRID_BUDGETS),
     Arm("predict-gradient-half", "the same, each Predict step's gradient from half of its batch "
