@@ -56,8 +56,8 @@ DEFAULT_MODELS = {
 def _gradient_run(offload_predict: str = "device", memory: dict | None = None, **predictor) -> dict:
     """A variant of Predict steps that take their own gradient, 1 real : 3 of them, each run checked
     by the next real step; ``predictor`` and ``memory`` add to its sections. Adam's second moment
-    held unless a variant says otherwise (as the GPU runs before ``auto`` took ``updated`` at the
-    presets' ``betas[1]`` 0.95), so that a variant's name says what it runs."""
+    held unless a variant says otherwise: the GPU records made before ``auto`` held it, and at the
+    presets' ``betas[1]`` 0.95 ``auto`` would update it; so a variant's name says what it runs."""
     return {"predictor": {"direction": "gradient", "gradient_second_moment": "held", **predictor},
             "memory": {"offload_predict": offload_predict, **(memory or {})},
             "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3, "correction_steps": 0,
