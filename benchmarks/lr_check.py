@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from ds_hybrid import bench, bench_arms  # noqa: E402
 from ds_hybrid import bench_report as report  # noqa: E402
 from ds_hybrid.arguments import resolve_config  # noqa: E402
-from ds_hybrid.config import ConfigError, parse_hybrid_config  # noqa: E402
+from ds_hybrid.config import ConfigError, apply_overrides, parse_override  # noqa: E402
 from ds_hybrid.bench_suites import SUITES  # noqa: E402
 
 
@@ -43,17 +43,6 @@ def _gap(a: float, b: float) -> float:
 
 def _spread(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def _setting(text: str) -> tuple[str, object]:
-    """``KEY=VALUE``: a dotted key of the ``hybrid_predict`` section and its value (JSON where it parses)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--set {text}: expected KEY=VALUE (a hybrid_predict key, dotted: predictor.x=y)")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
 
 
 def first_under(losses: list[float], target: float) -> int | None:
@@ -78,7 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--lr: must be positive (got {args.lr})")
     if not args.budget > 0:
         raise SystemExit(f"--budget: must be positive (got {args.budget})")
-    changes = dict(_setting(t) for t in args.set)
+    try:
+        changes = dict(parse_override(t) for t in args.set)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
     if changes and all(bench_arms.ARMS[a].hybrid is None or report.ds_feature(bench_arms.ARMS[a].hybrid)
                        for a in args.arms):
         raise SystemExit("--set: changes a hybrid arm's own hybrid_predict section; none of --arms has one")
@@ -109,12 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, baseline = bench_arms.arm_config(base_cfg, bench_arms.ARMS[name], quick=False)
             cfg["wall_clock_breakdown"] = True   # (as the bench runs every arm)
             if changes and not baseline:
-                cfg["hybrid_predict"] = bench_arms.with_changes(cfg["hybrid_predict"],
-                                                                **{k.replace(".", "__"): v for k, v in changes.items()})
                 try:   # (a key or value the section refuses: before any run, naming it)
-                    parse_hybrid_config(cfg)
+                    apply_overrides(cfg, args.set)
                 except ConfigError as err:
-                    raise SystemExit(f"--set: {err}") from None
+                    raise SystemExit(str(err)) from None
             run_name = f"{name}-b{args.budget:g}-s{seed}"
             row = runner(bench.Run(run_name, name, int(seed), lr, args.budget, cfg, out_dir / run_name, steps,
                                    baseline))

@@ -890,22 +890,27 @@ def reference_markdown() -> str:
     return "\n".join(rows)
 
 
+def parse_override(item: str) -> tuple[str, Any]:
+    """One ``--set KEY=VALUE``: the dotted key inside ``hybrid_predict`` and the value, JSON
+    (``true``, ``4``, ``0.5``, ``"int8"``) or else the plain string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set: expected KEY=VALUE (a hybrid_predict key), got {item!r}")
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
 def apply_overrides(ds_config: dict, overrides: list[str]) -> None:
-    """``--set KEY=VALUE`` (``ds-hybrid train``, ``ds-hybrid plan``): KEY is a dotted path inside
-    ``hybrid_predict``, VALUE JSON (``true``, ``4``, ``0.5``, ``"int8"``) or else a plain string.
-    The whole section is validated afterwards, so a bad key or value fails here (``ConfigError``),
-    naming both."""
+    """``--set KEY=VALUE`` (``ds-hybrid train``, ``ds-hybrid plan``, ``benchmarks/lr_check.py``):
+    each item as ``parse_override`` reads it. The whole section is validated afterwards, so a bad
+    key or value fails here (``ConfigError``), naming both."""
     section = ds_config.setdefault("hybrid_predict", {})
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set: expected KEY=VALUE (a hybrid_predict key), got {item!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        key, value = parse_override(item)
         node = section
-        *parents, leaf = key.strip().split(".")
+        *parents, leaf = key.split(".")
         for name in parents:
             child = node.setdefault(name, {})
             if not isinstance(child, dict):
