@@ -278,11 +278,11 @@ class DevicePredict(WorkerOwner):
             return
         steps, self.pending = self.pending, []
         self.kept_runs += 1
-        parts = list(self.access.partitions())   # read DeepSpeed's optimizer here, not on the thread
+        parts = self._parts()   # read DeepSpeed's optimizer here, not on the thread
         bufs = self._run_velocity(vel)
         after = self._ready(bufs)
         self._release()   # (the copies stay untouched until the next hold, which waits for this commit)
-        if background:   # (the worker has its own work buffers)
+        if background and not self.access.swaps:   # (the worker has its own work buffers)
             def job() -> None:
                 if first is not None:
                     first()
@@ -292,6 +292,12 @@ class DevicePredict(WorkerOwner):
             if first is not None:
                 first()
             self._add_to_masters(parts, bufs, steps, after)
+
+    def _parts(self):
+        """The partitions for the masters' additions: listed here (a commit on a host thread reads
+        no DeepSpeed structure), or under ZeRO-Infinity's NVMe swap (``access.swaps``)
+        ``partitions()`` itself, each swapped in for its additions only, on this thread."""
+        return self.access.partitions() if self.access.swaps else list(self.access.partitions())
 
     def take_commit(self, vel: VelocityBuffers) -> tuple[list[list[float]], list] | None:
         """``commit`` handed to the caller (``memory.fold_in_step``: DeepSpeed's CPU Adam step adds
@@ -431,7 +437,7 @@ class DevicePredict(WorkerOwner):
             if vel is None:
                 raise ValueError("DevicePredict.discard: the run has verified steps; pass the velocity they moved along")
             bufs = self._run_velocity(vel)
-            self._add_to_masters(list(self.access.partitions()), bufs, good, self._ready(bufs))
+            self._add_to_masters(self._parts(), bufs, good, self._ready(bufs))
         self._release()
         self.access.lp_current = False
         self.access.propagate()

@@ -43,6 +43,19 @@ def ds_config(stage: int = 2, bf16: bool = False, offload_opt: str | None = None
     return cfg
 
 
+def aio_available() -> bool:
+    """DeepSpeed's NVMe op can be built here (libaio present): the NVMe tests skip cleanly otherwise."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        return AsyncIOBuilder().is_compatible(verbose=False)
+    except Exception:
+        return False
+
+
+# DeepSpeed's NVMe swap with small blocks (the tests' sub-groups are a few MiB)
+NVME_AIO = {"aio": {"block_size": 262144, "queue_depth": 4, "single_submit": False, "overlap_events": True}}
+
+
 # Predict as soon as possible: short warmup, no confidence gate, a lenient band.
 EAGER = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
          "confidence_threshold": 0.0, "correction_steps": 1, "verify_every": 1,
