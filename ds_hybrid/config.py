@@ -100,9 +100,12 @@ class PredictorConfig(_Section):
     where the optimizer step is dear (ZeRO-Offload: ``memory.offload_predict`` keeps the run on
     the GPU). Real steps keep no direction statistics for it: the confidence is the share of
     checked runs kept. ZeRO 0 fp32 and ZeRO 1-3, bf16 or fp32; on ZeRO 3 no rank holds a whole
-    gradient (each parameter's share is taken as the backward produces it). NVMe offload is
-    refused by ``initialize``, before DeepSpeed builds its NVMe op (``ds-hybrid plan`` marks such
-    a preset as fitting nothing)."""
+    gradient (each parameter's share is taken as the backward produces it). With ZeRO-Infinity
+    the masters and Adam state may be on NVMe (``offload_optimizer.device: nvme``): a run swaps
+    each sub-group in once where it begins, a kept run's commit goes into DeepSpeed's own step
+    (before each sub-group's Adam step), and on the device path its steps read none of them. The 16-bit parameters on NVMe (``offload_param.device: nvme``)
+    are refused by ``initialize``, before DeepSpeed builds its NVMe op (``ds-hybrid plan`` marks
+    such a preset as fitting nothing)."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -261,11 +264,20 @@ class DynamicsConfig(_Section):
     ``auto`` (``cuda`` when a GPU is present). Decisions are broadcast from rank 0 either way."""
 
 
-def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool) -> bool:
+def offload_predict_on_device(setting: str, host_masters_beside_accelerator: bool,
+                              masters_swapped: bool = False) -> bool:
     """``memory.offload_predict``: ``device`` and ``host`` as said; ``auto`` is the device path
-    where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU). (The
-    engine then checks the setup can take it; the planner estimates with the same rule.)"""
-    return setting == "device" or (setting == "auto" and host_masters_beside_accelerator)
+    where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU), or on
+    NVMe with the 16-bit parameters in memory (``masters_swapped``: ZeRO-Infinity's
+    ``offload_optimizer: nvme`` without ``offload_param: nvme``, on any accelerator), where the
+    host path would swap every sub-group in and out at every Predict step. (The engine then
+    checks the setup can take it; the planner estimates with the same rule.)"""
+    return setting == "device" or (setting == "auto" and (host_masters_beside_accelerator or masters_swapped))
+
+
+def masters_swapped(offload_optimizer_device: str, offload_param_device: str) -> bool:
+    """``offload_predict_on_device``'s ``masters_swapped`` from a ds_config's two offload devices."""
+    return offload_optimizer_device == "nvme" and offload_param_device != "nvme"
 
 
 def compact_state_refusal(gradient_state_dtype: str, device_path: bool) -> str | None:
@@ -302,17 +314,18 @@ def second_moment_updated(setting: str, beta2: float, gradient_state_dtype: str,
 
 
 def nvme_state_refusal(offload_optimizer_device: str, offload_param_device: str) -> str | None:
-    """Why ``predictor.direction: gradient`` cannot run with ZeRO-Infinity's NVMe offload (None:
-    neither ``zero_optimization.offload_optimizer`` nor ``offload_param`` is on ``nvme``). The
-    swap moves each sub-group in and out of memory; the run's state would have to follow. The
-    engine refuses the run with it before DeepSpeed (which would first build its async_io op);
-    the planner marks the preset as not fitting."""
-    on_nvme = [f"zero_optimization.{k}.device" for k, d in (("offload_optimizer", offload_optimizer_device),
-                                                            ("offload_param", offload_param_device)) if d == "nvme"]
-    if not on_nvme:
+    """Why ``predictor.direction: gradient`` cannot run with ZeRO-Infinity's NVMe offload (None: it
+    can). The masters and the Adam state may be on NVMe (``offload_optimizer.device: nvme``): a run
+    reads them a sub-group at a time, swapped in for its turn, where it begins and where it is
+    kept. The 16-bit partitions may not (``offload_param.device: nvme``): each Predict step moves
+    them, and they would have to follow DeepSpeed's parameter swapper in and out. The engine
+    refuses the run with it before DeepSpeed (which would first build its async_io op); the
+    planner marks the preset as not fitting."""
+    if offload_param_device != "nvme":
         return None
-    return (f"{' and '.join(on_nvme)}: nvme; hybrid_predict.predictor.direction 'gradient' needs the masters, "
-            "the Adam state and the 16-bit partitions in memory (cpu or the GPU)")
+    return ("zero_optimization.offload_param.device: nvme; hybrid_predict.predictor.direction 'gradient' moves "
+            "this rank's 16-bit partitions at every Predict step and needs them in memory (offload_param.device "
+            "cpu or none; offload_optimizer.device may be nvme)")
 
 
 def offload_devices(ds_config: Mapping[str, Any]) -> tuple[str, str]:
@@ -332,7 +345,8 @@ def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredict
     builds anything, and ``ds-hybrid train`` exits with it among its input checks (ZenFlow with
     gradient accumulation also with the hybrid off: DeepSpeed would shrink the batch). Not part of
     ``parse_hybrid_config``: ``ds-hybrid plan --set`` parses every preset with the change and
-    marks an NVMe preset under the gradient direction as fitting nothing, instead of stopping."""
+    marks a preset with the parameters on NVMe under the gradient direction as fitting nothing,
+    instead of stopping."""
     zo = ds_config.get("zero_optimization") or {}
     gas = ds_config.get("gradient_accumulation_steps")
     if isinstance(zo, Mapping) and zo.get("zenflow") and isinstance(gas, int) and gas > 1:
@@ -408,7 +422,10 @@ class MemoryConfig(_Section):
     16-bit weights plus their own sub-16-bit residual (with fp32 weights bit for bit the host
     path's). With ZeRO 3's ``offload_param: cpu`` the 16-bit partitions, and so the run's
     state, are in host memory. ``auto``: ``device`` where the masters are in host memory
-    beside a GPU."""
+    beside a GPU, or on NVMe (``offload_optimizer.device: nvme`` with ``offload_param`` not on
+    NVMe, on any accelerator: the host path would swap every sub-group in and out at every
+    Predict step; the device path swaps each in once where a run begins, and a kept run's commit
+    goes into DeepSpeed's step)."""
 
     gradient_state_dtype: Literal["auto", "fp32", "bf16", "int8-factored", "int4-factored"] = "auto"
     """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype

@@ -550,6 +550,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             self._guard.record_loss(loss)
             self.backward(loss)
             self.step()
+        if self._gradient is not None:
+            self._gradient.settle()   # (a kept run's commit deferred into the step: what a skipped step left)
 
     def _cut_at(self, block: int | None):
         return self._cut.active(block) if (self._cut is not None and block is not None) else contextlib.nullcontext()
@@ -1548,7 +1550,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                           "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
                           "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
                           "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
-    refused = refused_before_deepspeed(cfg_dict, hybrid)   # (ZenFlow; NVMe under the gradient direction)
+    refused = refused_before_deepspeed(cfg_dict, hybrid)   # (ZenFlow; the gradient direction with offload_param: nvme)
     if refused:
         raise ConfigError(refused)
 

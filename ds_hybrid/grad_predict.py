@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -50,7 +50,7 @@ from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .quant import worker_scratch
 from .staging import QueuedDownloads, Stager, side_stream
-from .zero_access import MasterAccess, _flat
+from .zero_access import MasterAccess, MasterPartition, _flat
 
 Timer = Callable[[str], ContextManager]
 
@@ -159,6 +159,8 @@ class GradientPredict(WorkerOwner):
         self.moments: CompactMoments | None = None
         self._beta1: dict = {}   # each parameter's Adam beta1 (its group's), for the compact fold
         self._commit_streams: dict = {}   # a compact run's commit behind the next step: its side stream per GPU
+        # Under NVMe swap: a kept run's commit by sub-group, taken inside DeepSpeed's next step (_defer_to_step)
+        self._in_step: dict = {}
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -232,6 +234,13 @@ class GradientPredict(WorkerOwner):
     def _shard(self, i: int) -> torch.Tensor:
         return _flat(self.access.device_shard(i))
 
+    def _parts(self) -> Iterable[MasterPartition]:
+        """The partitions for a pass that reads or writes their tensors: listed here (a pass on
+        a host thread reads no DeepSpeed structure), or under ZeRO-Infinity's NVMe swap
+        (``access.swaps``) ``partitions()`` itself, each swapped in for its turn only: such a pass
+        runs on this thread, one partition at a time."""
+        return self.access.partitions() if self.access.swaps else list(self.access.partitions())
+
     # ------------------------------------------------------------------ a step
     def take(self, engine: Any, batches: list, loss_fn: Callable, timed: Timer = _untimed) -> bool:
         """This step's gradient (the mean over its micro-batches, or the share of them
@@ -275,7 +284,7 @@ class GradientPredict(WorkerOwner):
             with timed("state_upload"):
                 self._begin()
         with timed("moment"), torch.no_grad():
-            for i, part in enumerate(self.access.partitions()):
+            for i, part in enumerate(self.access.partitions(resident=False)):   # (the group's betas only)
                 m = self.m[i]
                 if m is None:
                     continue
@@ -313,7 +322,7 @@ class GradientPredict(WorkerOwner):
         if sq is None:   # (some parameter's gradient was NaN/Inf on the ranks, and went into the moment)
             self.last_sq = self.last_samples = None
             self.nonfinite += 1
-            self.moments.reset_m(list(self.access.partitions()), key)
+            self.moments.reset_m(self._parts(), key)
             self.access.release_gathered()   # (ZeRO 3: no apply follows to do it)
             return False
         self.moments.take_shares(sq)
@@ -327,13 +336,12 @@ class GradientPredict(WorkerOwner):
         """The run's compact moments, built from the optimizer's (collective: the shares' sums);
         ``first`` False: the first moment left for a resume to load."""
         self.wait()
-        parts = list(self.access.partitions())
         device = self._shard(0).device
         self.moments = CompactMoments(self._slices, self.params, device, self.compact)
-        self.moments.build(parts, key, self._all_reduce, first=first)
+        self.moments.build(self._parts(), key, self._all_reduce, first=first)
         # (read at each run: a momentum schedule such as DeepSpeed's OneCycle moves a group's betas)
         self._beta1 = {}
-        for i, part in enumerate(parts):
+        for i, part in enumerate(self.access.partitions(resident=False)):
             for p, _, _, _ in self._slices[i]:
                 self._beta1[p] = part.group.get("betas", (0.9, 0.999))[0]
 
@@ -468,12 +476,14 @@ class GradientPredict(WorkerOwner):
         place, so what ``torch.autograd.grad`` returns costs no memory. The hooks fire in the
         backward's order, the same on every rank, so their all-reduces pair up."""
         sums: list[torch.Tensor | None] = []
-        for i, part in enumerate(self.access.partitions()):
-            if "exp_avg" not in part.state or part.master.numel() == 0:
+        # (not swapped in: the state's keys and where it lives when it is in memory)
+        for i, part in enumerate(self.access.partitions(resident=False)):
+            n = self.access.numel(i)
+            if "exp_avg" not in part.state or n == 0:
                 sums.append(None)
                 continue
             device = self._shard(i).device if self.on_device else part.state["exp_avg"].device
-            sums.append(torch.zeros(part.master.numel(), dtype=self.sum_dtype, device=device))
+            sums.append(torch.zeros(n, dtype=self.sum_dtype, device=device))
         where = self._where
 
         def hook(p: torch.nn.Parameter) -> Callable:
@@ -520,6 +530,10 @@ class GradientPredict(WorkerOwner):
         steps move: copies of the optimizer's, taken once per run (or by ``prefetch`` before it,
         used when the optimizer has not stepped since)."""
         self.wait()
+        shards = [self._shard(i) for i in range(self.access._count())] if self.on_device else []
+        if self.access.swaps:   # (each partition swapped in for its copies only; no prefetch runs here)
+            self.m, self.v = self._state_copies(self.access.partitions(), shards)
+            return
         parts = list(self.access.partitions())
         ready, self._next = self._next, None
         if ready is not None:
@@ -529,55 +543,56 @@ class GradientPredict(WorkerOwner):
                 return
             self.prefetched[1] += 1
             ready = None   # (the stale copies' GPU memory back before the new ones are made)
-        self.m, self.v = self._state_copies(parts, [self._shard(i) for i in range(len(parts))]
-                                            if self.on_device else [])
+        self.m, self.v = self._state_copies(parts, shards)
 
     @staticmethod
     def _state_key(parts: list) -> tuple:
         """What the copies were made from: each partition's step count and moment tensors."""
         return tuple((p.step, id(p.state.get("exp_avg")), id(p.state.get("exp_avg_sq"))) for p in parts)
 
-    def _state_copies(self, parts: list, shards: list) -> tuple[list, list]:
-        """The run's moments beside the shards, copied now."""
-        ms, vs, fill = self._state_buffers(parts, shards)
-        self._fill(parts, ms, vs, fill)
+    def _state_copies(self, parts: "Iterable", shards: list) -> tuple[list, list]:
+        """The run's moments beside the shards, copied now, a partition at a time (``parts`` may
+        be ``partitions()`` itself, each swapped in for its turn only)."""
+        ms: list = []
+        vs: list = []
+        for i, part in enumerate(parts):
+            m, v, f = self._state_buffer(part, shards[i] if shards else None)
+            self._fill_one(part, m, v, f)
+            ms.append(m), vs.append(v)
         return ms, vs
 
     def _state_buffers(self, parts: list, shards: list) -> tuple[list, list, list]:
-        """Per partition the run's first and second moment (allocated; the host path's first
+        """``_state_buffer`` of each partition, as three lists."""
+        made = [self._state_buffer(part, shards[i] if shards else None) for i, part in enumerate(parts)]
+        return [b[0] for b in made], [b[1] for b in made], [b[2] for b in made]
+
+    def _state_buffer(self, part: MasterPartition, shard: torch.Tensor | None) -> tuple:
+        """A partition's first and second moment for the run (allocated; the host path's first
         moment already a copy, a second moment that can be read where it lies is the optimizer's
         own) and what is left to copy into them: 0 nothing, 1 the first moment, 2 both."""
-        ms: list = []
-        vs: list = []
-        fill: list = []
-        for i, part in enumerate(parts):
-            if "exp_avg" not in part.state or part.master.numel() == 0:
-                ms.append(None), vs.append(None), fill.append(0)
-                continue
-            if not self.on_device:
-                ms.append(part.state["exp_avg"].detach().clone())
-                # (held: the optimizer's own exp_avg_sq is read in place)
-                vs.append(part.state["exp_avg_sq"].detach().clone() if self.update_v else None)
-                fill.append(0)
-                continue
-            shard = shards[i]
-            ms.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
-            v = part.state["exp_avg_sq"].view(-1)
-            # (held, read-only: no copy where it can be read; updated: always the run's own)
-            if self.update_v or v.device != shard.device or v.dtype != self.state_dtype:
-                vs.append(torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device))
-                fill.append(2)
-            else:
-                vs.append(v)
-                fill.append(1)
-        return ms, vs, fill
+        if "exp_avg" not in part.state or part.master.numel() == 0:
+            return None, None, 0
+        if not self.on_device:
+            # (held: the optimizer's own exp_avg_sq is read in place, swapped in with the master)
+            return (part.state["exp_avg"].detach().clone(),
+                    part.state["exp_avg_sq"].detach().clone() if self.update_v else None, 0)
+        m = torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device)
+        v = part.state["exp_avg_sq"].view(-1)
+        # (held, read-only: no copy where it can be read and stays there; updated: always the
+        # run's own; under NVMe the optimizer's is swapped out after this partition's turn)
+        if self.update_v or v.device != shard.device or v.dtype != self.state_dtype or self.access.swaps:
+            return m, torch.empty(shard.numel(), dtype=self.state_dtype, device=shard.device), 2
+        return m, v, 1
 
     def _fill(self, parts: list, ms: list, vs: list, fill: list, after=None, order: bool = True) -> None:
         for part, m, v, f in zip(parts, ms, vs, fill):
-            if f:
-                self._copy(m, part.state["exp_avg"].view(-1), after, order)
-            if f == 2:
-                self._copy(v, part.state["exp_avg_sq"].view(-1), after, order)
+            self._fill_one(part, m, v, f, after, order)
+
+    def _fill_one(self, part: MasterPartition, m, v, f: int, after=None, order: bool = True) -> None:
+        if f:
+            self._copy(m, part.state["exp_avg"].view(-1), after, order)
+        if f == 2:
+            self._copy(v, part.state["exp_avg_sq"].view(-1), after, order)
 
     @torch.no_grad()
     def cover(self, calls: list, step: int) -> None:
@@ -669,7 +684,7 @@ class GradientPredict(WorkerOwner):
         (the device path beside a GPU), or stay in host memory beside one (``prefetch_host``:
         the GPU runs the forward and backward meanwhile); elsewhere (DeepSpeed's CPU accelerator,
         where the thread would take the forward's cores) ``_begin`` copies in place of it."""
-        if not self.on_device or self.compact or self.m is not None or self._worker.running:
+        if not self.on_device or self.compact or self.m is not None or self._worker.running or self.access.swaps:
             return
         parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
         shards = [self._shard(i) for i in range(len(parts))]
@@ -712,7 +727,7 @@ class GradientPredict(WorkerOwner):
         if self.moments is not None:
             self._apply_compact(step)
             return
-        for i, part in enumerate(self.access.partitions()):
+        for i, part in enumerate(self.access.partitions(resident=False)):   # (group and step count only)
             if self.m[i] is None:
                 continue
             g = part.group
@@ -725,7 +740,7 @@ class GradientPredict(WorkerOwner):
 
     def _apply_compact(self, step: int) -> None:
         """``apply`` from the compact state: Adam's step a range at a time (``CompactMoments.step``)."""
-        for i, part in enumerate(self.access.partitions()):
+        for i, part in enumerate(self.access.partitions(resident=False)):   # (group and step count only)
             if not self.moments.parts[i]:
                 continue
             g = part.group
@@ -775,11 +790,15 @@ class GradientPredict(WorkerOwner):
             return
         if self.m is None:
             return
-        parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
-        shards = [self._shard(i) for i in range(len(parts))] if self.on_device else []
+        shards = [self._shard(i) for i in range(self.access._count())] if self.on_device else []
         run, second = self.m, (self.v if self.update_v else None)
         self.m, self.v = None, []
         self.covered = False
+        if self.access.swaps and not resync:
+            self._defer_to_step({i: (lambda part, i=i: self._hand_over_one(i, part, run, shards, None, second))
+                                 for i in range(len(run)) if run[i] is not None})
+            return
+        parts = self._parts()   # (DeepSpeed's structures read here, not on the thread)
         if background and self.on_device and not resync:
             # (the thread's copies wait for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
@@ -795,8 +814,12 @@ class GradientPredict(WorkerOwner):
         true``) on the host thread, as ``_hand_over`` is."""
         moments, self.moments = self.moments, None
         self.covered = False
-        parts = list(self.access.partitions())   # (DeepSpeed's structures read here, not on the thread)
-        shards = [self._shard(i) for i in range(len(parts))]
+        shards = [self._shard(i) for i in range(self.access._count())]
+        if self.access.swaps and not resync:
+            self._defer_to_step({i: (lambda part, i=i: self._hand_over_compact_one(moments, i, part, shards[i]))
+                                 for i in range(len(shards)) if moments.parts[i]})
+            return
+        parts = self._parts()   # (DeepSpeed's structures read here, not on the thread)
         if background and not resync:
             # (the thread's work waits for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
@@ -816,12 +839,16 @@ class GradientPredict(WorkerOwner):
             stream.wait_event(after)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for i, part in enumerate(parts):
-                if not moments.parts[i]:
-                    continue
-                moments.write_m(i, part.state["exp_avg"])   # (into host memory: waits for this stream only)
-                _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+                if moments.parts[i]:
+                    self._hand_over_compact_one(moments, i, part, shards[i], after)
             if stream is not None:
                 stream.synchronize()
+
+    def _hand_over_compact_one(self, moments: CompactMoments, i: int, part: MasterPartition, shard: torch.Tensor,
+                               after=None) -> None:
+        """Partition ``i`` of ``_hand_over_compact``."""
+        moments.write_m(i, part.state["exp_avg"])   # (into host memory: waits for the current stream only)
+        _catch_up(_flat(part.master), shard, self._stager, after, self.host_kernel)
 
     def _hand_over(self, parts: list, run: list, shards: list, after=None, second: list | None = None) -> None:
         """The run's first moment (and ``second``: its updated second moment) into the
@@ -829,17 +856,57 @@ class GradientPredict(WorkerOwner):
         weights. ``after``: the event its copies from a GPU wait for (``Stager.mark``; None: the
         work queued so far)."""
         for i, part in enumerate(parts):
-            if run[i] is None:
-                continue
-            self._copy(part.state["exp_avg"].view(-1), run[i].view(-1), after)
-            if second is not None and second[i] is not None:
-                self._copy(part.state["exp_avg_sq"].view(-1), second[i].view(-1), after)
-                second[i] = None
-            # (the copy has finished: the moment's GPU memory goes back now, not after the last
-            # partition's catch-up, which a background commit runs during the next real step)
-            run[i] = None
-            if shards:
-                _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+            if run[i] is not None:
+                self._hand_over_one(i, part, run, shards, after, second)
+
+    def _hand_over_one(self, i: int, part: MasterPartition, run: list, shards: list, after=None,
+                       second: list | None = None) -> None:
+        """Partition ``i`` of ``_hand_over``."""
+        self._copy(part.state["exp_avg"].view(-1), run[i].view(-1), after)
+        if second is not None and second[i] is not None:
+            self._copy(part.state["exp_avg_sq"].view(-1), second[i].view(-1), after)
+            second[i] = None
+        # (the copy has finished: the moment's GPU memory goes back now, not after the last
+        # partition's catch-up, which a background commit runs during the next real step)
+        run[i] = None
+        if shards:
+            _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+
+    # ------------------------------------------------- the commit inside DeepSpeed's NVMe step
+    # Under ZeRO-Infinity's offload_optimizer: nvme a kept run's commit on its own would swap every
+    # sub-group in and out once more, beside the real step's own swap. Instead each sub-group's part
+    # of it waits for DeepSpeed's step to swap that sub-group in, and runs just before its Adam
+    # step: the same copies and additions on the same values (benchmarks/nvme_step_cost.py: the
+    # real step that keeps a run then costs what a plain step does).
+    def _defer_to_step(self, jobs: dict) -> None:
+        """Each ``jobs[i](part)`` runs inside DeepSpeed's next step, before sub-group ``i``'s Adam
+        step (its master and moments swapped in). What the step does not reach (a skipped step:
+        the non-finite guard, an overflow) runs when the real step ends (``settle``)."""
+        self.settle()
+        self._in_step = jobs
+        opt = self.access.optimizer
+        if getattr(opt, "_ds_hybrid_in_step", None) is self:
+            return
+        inner = opt._optimizer_step
+
+        def sub_group_step(sub_group_id, *args, **kwargs):
+            job = self._in_step.pop(sub_group_id, None)
+            if job is not None:
+                job(self.access.partition(sub_group_id))
+            return inner(sub_group_id, *args, **kwargs)
+        opt._optimizer_step, opt._ds_hybrid_in_step = sub_group_step, self
+
+    def settle(self) -> None:
+        """The parts of a deferred commit no step has taken, now (each sub-group swapped in): the
+        engine calls it when a real step ends, so that after it the masters and moments hold the
+        run whether DeepSpeed stepped or skipped (a non-finite gradient)."""
+        jobs, self._in_step = self._in_step, {}
+        if not jobs:
+            return
+        for i, part in enumerate(self.access.partitions()):
+            job = jobs.get(i)
+            if job is not None:
+                job(part)
 
     @staticmethod
     def _crosses(parts: list, shards: list) -> bool:
@@ -850,6 +917,7 @@ class GradientPredict(WorkerOwner):
         """Join a commit or a prefetch running in the background, re-raising its error (a
         prefetch's copies are kept for the run they were made for), and (``behind``) a CPU step
         behind the run."""
+        self.settle()   # (a commit deferred into a step that has not run it)
         prefetching, self._prefetching = self._prefetching, False
         try:
             got = self._worker.wait()
@@ -913,19 +981,18 @@ class GradientPredict(WorkerOwner):
         saved = sd.get("m")
         if saved is None:
             return None
-        parts = list(self.access.partitions())
-        want = [tuple(p.state["exp_avg"].reshape(-1).shape) if "exp_avg" in p.state and p.master.numel() else None
-                for p in parts]
+        want = [(self.access.numel(i),) if "exp_avg" in p.state and self.access.numel(i) else None
+                for i, p in enumerate(self.access.partitions(resident=False))]
         if [None if t is None else tuple(t.reshape(-1).shape) for t in saved] != want:
             if self.on_device:
                 self.discard()   # (the loaded 16-bit weights from the loaded masters: the last good point)
-            return "this rank's partitions have other sizes here (another world size)"
+            return self._unmatched()
         if bool(sd.get("on_device")) != self.on_device:
             # Saved on the other path. Host -> device: the masters hold the run, so it is kept now.
             # Device -> host: the masters are the last good point and the run's weights are not
             # in them, so it is dropped.
             if self.on_device:
-                self._hand_over(parts, saved, [], second=sd.get("v"))
+                self._hand_over(self._parts(), saved, [], second=sd.get("v"))
                 return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
             self._repropagate()
             return "saved on the device path: the run is dropped (the masters hold its last good point)"
@@ -953,14 +1020,15 @@ class GradientPredict(WorkerOwner):
     def _load_compact(self, sd: dict) -> str | None:
         """``load_state_dict`` where the saved run or this one has the compact state."""
         saved = sd.get("compact")
-        parts = list(self.access.partitions())
+        meta = list(self.access.partitions(resident=False))
         if saved is None:   # (this engine is compact; the run was saved with full-size moments)
             if sd.get("m") is None:
                 return None
             sizes = [None if t is None else t.numel() for t in sd["m"]]
-            if not sd.get("on_device") and sizes == [p.master.numel() if "exp_avg" in p.state and p.master.numel()
-                                                     else None for p in parts]:
-                self._hand_over(parts, sd["m"], [])   # (the masters hold the run: it is kept)
+            here = [self.access.numel(i) if "exp_avg" in p.state and self.access.numel(i) else None
+                    for i, p in enumerate(meta)]
+            if not sd.get("on_device") and sizes == here:
+                self._hand_over(self._parts(), sd["m"], [])   # (the masters hold the run: it is kept)
                 return "saved on the host path: the run is kept as it stands (it can no longer be rolled back)"
             self._repropagate()
             return ("saved on the device path with full-size moments: the run is dropped (the masters hold its "
@@ -971,15 +1039,24 @@ class GradientPredict(WorkerOwner):
                     "dropped (the masters hold its last good point)")
         # (the second moment read again from the optimizer; the first is the saved one, not built)
         self._begin_compact(0, first=False)
-        if not self.moments.load_state_dict(saved) or len(sd["shards"]) != len(parts):
+        if not self.moments.load_state_dict(saved) or len(sd["shards"]) != len(meta):
             self.moments = None
             self._repropagate()
-            return "this rank's partitions have other sizes here (another world size)"
+            return self._unmatched()
         for i, t in enumerate(sd["shards"]):
             self._shard(i).copy_(t.view(-1))
         self.access.gather_device_shards()
         self.covered = saved.get("v") is not None
         return None
+
+    def _unmatched(self) -> str:
+        """Why a saved run's moments do not fit this rank's partitions."""
+        if self.access.swaps and not any("exp_avg" in p.state for p in self.access.partitions(resident=False)):
+            # DeepSpeed 0.19.8 loads ZeRO 3's NVMe-offloaded state from copies of its swap files and
+            # leaves the optimizer with no Adam state here (docs/deepspeed-parity.md)
+            return ("the optimizer holds no Adam state after DeepSpeed's load "
+                    "(zero_optimization.offload_optimizer.device: nvme)")
+        return "this rank's partitions have other sizes here (another world size)"
 
     def _repropagate(self) -> None:
         """The 16-bit weights written again from the masters (a collective on ZeRO 1/2): after a

@@ -15,8 +15,8 @@ import logging
 import torch
 
 from . import step_fusion
-from .config import (ConfigError, compact_state_refusal, fold_from_optimizer_state, offload_devices,
-                     offload_predict_on_device, second_moment_updated)
+from .config import (ConfigError, compact_state_refusal, fold_from_optimizer_state, masters_swapped,
+                     offload_devices, offload_predict_on_device, second_moment_updated)
 from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
@@ -38,6 +38,11 @@ class MemoryPaths:
     def _host_masters_beside_an_accelerator(self) -> bool:
         """offload_optimizer on a GPU (on DeepSpeed's CPU accelerator everything is host memory anyway)."""
         return offload_devices(self._config._param_dict)[0] in ("cpu", "nvme") and self.device.type != "cpu"
+
+    def _offload_predict_on_device(self, setting: str) -> bool:
+        """``memory.offload_predict`` resolved for this setup (``config.offload_predict_on_device``)."""
+        return offload_predict_on_device(setting, self._host_masters_beside_an_accelerator(),
+                                         masters_swapped(*offload_devices(self._config._param_dict)))
 
     def _resolve_fold_source(self) -> bool:
         """``memory.fold_source``: True where real steps read their update back from the Adam
@@ -80,7 +85,7 @@ class MemoryPaths:
         setting = self.hybrid_config.memory.offload_predict
         if self.hybrid_config.predictor.direction == "gradient":
             return None   # (its own device path: grad_predict.GradientPredict)
-        if not offload_predict_on_device(setting, self._host_masters_beside_an_accelerator()):
+        if not self._offload_predict_on_device(setting):
             return None
         why = device_unsupported(self._masters, self.hybrid_config.predictor.direction)
         if why is None:
@@ -99,9 +104,9 @@ class MemoryPaths:
             raise ConfigError("optimizer.params.weight_decay: hybrid_predict.predictor.direction 'gradient' takes "
                               "Adam's step with decoupled weight decay (AdamW, adam_w_mode true); this optimizer's "
                               "L2 decay would have to go into the gradient")
-        # (ZeRO-Infinity's NVMe swap is refused by initialize, before DeepSpeed builds its async_io op)
+        # (ZeRO-Infinity's parameter swap is refused by initialize, before DeepSpeed builds its async_io op)
         mem = self.hybrid_config.memory
-        on_device = offload_predict_on_device(mem.offload_predict, self._host_masters_beside_an_accelerator())
+        on_device = self._offload_predict_on_device(mem.offload_predict)
         if on_device and self._masters.kind not in ("zero1-2", "zero3"):
             why = (f"the device path keeps the run beside ZeRO 1-3's 16-bit partitions; this optimizer is "
                    f"{self._masters.kind}")

@@ -78,14 +78,29 @@ class MasterAccess(abc.ABC):
         """Make entry ``i`` resident in memory (NVMe swap-in) for the block."""
         yield
 
-    def partitions(self) -> Iterator[MasterPartition]:
-        """Yield every master partition of this rank, swapped in while in use."""
+    # Whether the optimizer swaps its sub-groups to NVMe between uses (ZeRO-Infinity's
+    # offload_optimizer: nvme): a partition's master and state tensors are then empty outside
+    # ``partitions()``'s block, so whoever keeps a partition past its turn reads nothing.
+    swaps = False
+
+    def partitions(self, resident: bool = True) -> Iterator[MasterPartition]:
+        """Yield every master partition of this rank, swapped in while in use. ``resident``
+        False: not swapped in (under ``swaps`` the master and state tensors may be empty), for
+        what the optimizer keeps beside them: the param group, the step count, the state's keys."""
         for i in range(self._count()):
-            with self._resident(i):
-                master, key, gi = self._entry(i)
-                group = self.base.param_groups[gi]
-                state = self.base.state.get(key, {})
-                yield MasterPartition(master, state, group, self._step_count(state, group), gi, self._lp(i))
+            with self._resident(i) if resident else contextlib.nullcontext():
+                yield self.partition(i)
+
+    def partition(self, i: int) -> MasterPartition:
+        """Entry ``i`` as it is now (not swapped in: the caller makes it resident where it swaps)."""
+        master, key, gi = self._entry(i)
+        group = self.base.param_groups[gi]
+        state = self.base.state.get(key, {})
+        return MasterPartition(master, state, group, self._step_count(state, group), gi, self._lp(i))
+
+    def numel(self, i: int) -> int:
+        """Entry ``i``'s length, without swapping it in."""
+        return self._entry(i)[0].numel()
 
     def _lp(self, i: int) -> torch.Tensor | None:
         """Entry ``i``'s low-precision shard, when the predicted update can write it in the same
@@ -413,10 +428,17 @@ class _Zero3Access(MasterAccess):
     def _count(self):
         return len(self.optimizer.fp32_partitioned_groups_flat)
 
+    @property
+    def swaps(self):
+        return bool(getattr(self.optimizer, "swap_optimizer", False))
+
     def _entry(self, i):
         opt = self.optimizer
         flat = opt.fp32_partitioned_groups_flat[i]
         return flat, flat, opt.sub_group_to_group_id[i]
+
+    def numel(self, i):
+        return int(self.optimizer.fp16_partitioned_groups_flat_numel[i])
 
     @contextlib.contextmanager
     def _resident(self, i):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ds_hybrid import Phase
 from ds_hybrid.data import train_batches
 from ds_hybrid.engine import default_loss
-from engine_utils import EAGER, MICRO, SEQ, ds_config, full_params, make_engine
+from engine_utils import NVME_AIO, EAGER, MICRO, SEQ, ds_config, full_params, make_engine
 
 NAN_LOSS_STEP = 2   # 1-based step numbers (global_steps after the step)
 NAN_GRAD_STEP = 3
@@ -74,6 +74,11 @@ parser.add_argument("--gradient-state-dtype", default="auto",
                     help="with --direction gradient --offload-predict device: memory.gradient_state_dtype")
 parser.add_argument("--offload-param", action="store_true",
                     help="with --stage 3 --offload-predict: offload_param: cpu too (the 16-bit partitions in host memory)")
+parser.add_argument("--nvme", default=None,
+                    help="with --offload-predict: offload_optimizer: nvme swapping into this folder (ZeRO 3)")
+parser.add_argument("--tiny", action="store_true",
+                    help="gpt2-tiny in sub-groups of 600k values (on 2 ranks each rank's partition is one, above "
+                         "DeepSpeed's smallest swappable tensor, so --nvme swaps it)")
 parser.add_argument("--copy-lp", action="store_true",
                     help="propagate by DeepSpeed's copy even where the update writes the 16-bit shards")
 args = parser.parse_args()
@@ -110,12 +115,16 @@ if args.offload_predict:
                          "gradient_state_dtype": args.gradient_state_dtype,
                          **({"cpu_step_behind": True} if args.cpu_step_behind else {})}}
     offload = {"offload_opt": "cpu", **({"offload_param": "cpu"} if args.offload_param else {})}
+    if args.nvme:
+        offload.update(offload_opt="nvme", nvme_path=args.nvme, **NVME_AIO)
 cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
+if args.tiny:
+    cfg["zero_optimization"]["sub_group_size"] = 600_000
 if args.stage == 3 and args.direction == "gradient":
     # every parameter released after its forward and gathered again for its backward (the test
     # model's are all below DeepSpeed's default persistence threshold)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-engine = make_engine(cfg, groups=4 if args.group_predict else 0)
+engine = make_engine(cfg, groups=4 if args.group_predict else 0, model="gpt2-tiny" if args.tiny else "gpt2-test")
 if args.checkpointing:
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 if args.no_room_rank == rank:
@@ -221,6 +230,9 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"record": record, "weights_sha256": digest, "global_steps": engine.global_steps,
                "micro_steps": engine.micro_steps, "deepspeed_skipped_steps": engine.skipped_steps,
                "lp_written_propagations": lp_written["propagations"], "bad_saves": bad_saves,
+               "swapped_sub_groups": [bool(engine.optimizer._swappable_optimizer_subgroup(i))
+                                      for i in range(len(engine.optimizer.fp16_partitioned_groups_flat_numel))]
+               if getattr(engine.optimizer, "swap_optimizer", False) else [],
                "statistics": {k: v for k, v in engine.statistics().items() if k != "predictor_details"},
                # (JSON: the RSSM's state and the difficulty counts hold tensors; compared elsewhere)
                "hybrid_state": json_state(engine.hybrid_state_dict())}, f)

@@ -2,6 +2,8 @@
 and backward through the module), moves by Adam's step with that gradient in a first moment the
 run keeps and the second moment held, hands that moment to the optimizer when the run is kept
 and drops it when the run is rolled back; on ZeRO 0 (fp32) and ZeRO 1/2, offloaded or not."""
+import copy
+
 import pytest
 import torch
 
@@ -9,8 +11,8 @@ from ds_hybrid.config import ConfigError
 from ds_hybrid.engine import default_loss
 from ds_hybrid.grad_predict import batch_share
 from ds_hybrid.phases import Phase
-from engine_utils import (EAGER, MICRO, Batches, commit_and_check, ds_config, full_params, make_engine, master_copies,
-                          steps_alike)
+from engine_utils import (NVME_AIO, EAGER, MICRO, Batches, aio_available, commit_and_check, ds_config, full_params,
+                          make_engine, master_copies, steps_alike)
 
 GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
 SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
@@ -677,21 +679,118 @@ def test_a_host_run_saved_and_loaded_on_the_device_path_is_kept_with_a_warning(t
         assert dev.train_step(b.step()).loss is not None
 
 
-@pytest.mark.parametrize("offload", [dict(offload_opt="nvme"), dict(offload_opt="cpu", offload_param="nvme")],
-                         ids=["opt-nvme", "param-nvme"])
-def test_zero_3_with_state_on_nvme_is_refused_naming_the_key(offload, tmp_path, monkeypatch):
-    """ZeRO-Infinity's NVMe swap: the run's state would have to follow each sub-group in and out.
-    Refused from the ds_config, before initialize reaches DeepSpeed (which would first build its
-    async_io op: CI waited 575 s on that build when the engine refused it after DeepSpeed's init)."""
+def test_zero_3_with_the_16_bit_partitions_on_nvme_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """ZeRO-Infinity's parameter swap: each Predict step moves the 16-bit partitions, which would
+    have to follow DeepSpeed's swapper in and out. Refused from the ds_config, before initialize
+    reaches DeepSpeed (which would first build its async_io op: CI waited 575 s on that build when
+    the engine refused it after DeepSpeed's init)."""
     from ds_hybrid import op_build
 
     def reached(*_):
         raise AssertionError("initialize went on towards DeepSpeed")
     monkeypatch.setattr(op_build, "stale_locks", reached)
-    aio = {"aio": {"block_size": 262144, "queue_depth": 4, "single_submit": False, "overlap_events": True}}
-    key = "offload_optimizer" if offload["offload_opt"] == "nvme" else "offload_param"
-    with pytest.raises(ConfigError, match=f"zero_optimization.{key}.device: nvme"):
-        make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), **offload, **aio))
+    with pytest.raises(ConfigError, match="zero_optimization.offload_param.device: nvme"):
+        make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), offload_opt="nvme",
+                              offload_param="nvme", **NVME_AIO))
+
+
+def _nan_gradient_loss(engine, batch):
+    """A finite loss whose gradient is NaN (d/dz sqrt(z) at z = 0, times 0)."""
+    out = engine(**batch)
+    z = out.logits.float().sum()
+    return out.loss + 0.0 * torch.sqrt(z - z.detach())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+@pytest.mark.parametrize("where, second, state", [("host", "held", "auto"), ("device", "held", "auto"),
+                                                  ("device", "updated", "auto"), ("device", "held", "int8-factored")])
+def test_masters_and_adam_state_on_nvme_take_the_same_steps_as_in_host_memory(where, second, state, tmp_path,
+                                                                            caplog):
+    """ZeRO 3 with ``offload_optimizer: nvme`` (ZeRO-Infinity): each sub-group's masters and moments
+    are swapped in for their turn only (a run's start, a kept run's commit, a rollback's
+    re-propagation; on the host path each step's update too). The same steps, weights, masters and
+    both moments, bit for bit, as the same run with them in host memory (``offload_optimizer:
+    cpu``), through kept runs and a rejected one. gpt2-tiny in sub-groups of about 300k values: the
+    first two are above DeepSpeed's smallest swappable tensor (1 MiB) and really are swapped, the
+    last (149k) stays in memory, as DeepSpeed keeps such a one. A checkpoint saved in the middle of
+    a run is loaded with the run dropped and the reason logged: DeepSpeed's own load of this
+    layout leaves the optimizer with no Adam state (plain DeepSpeed does not resume it either:
+    docs/deepspeed-parity.md)."""
+    hybrid = dict(GRAD, correction_steps=0, predictor={"direction": "gradient", "gradient_second_moment": second},
+                  memory={"offload_predict": where, "gradient_state_dtype": state})
+
+    def build(device: str, folder: str = "swap", seed: int = 0):
+        mine = copy.deepcopy(hybrid)
+        if device == "nvme" and where == "device":   # (auto takes the device path where the masters swap)
+            mine["memory"]["offload_predict"] = "auto"
+        cfg = ds_config(stage=3, offload_opt=device, nvme_path=str(tmp_path / folder), hybrid=mine, **NVME_AIO)
+        cfg["zero_optimization"]["sub_group_size"] = 300_000
+        return make_engine(cfg, seed=seed, model="gpt2-tiny")
+    ram, nvme = build("cpu"), build("nvme")
+    count = nvme._masters._count()
+    assert nvme._masters.swaps and not ram._masters.swaps and count >= 2
+    assert [nvme.optimizer._swappable_optimizer_subgroup(i) for i in range(count)] == [True, True, False]
+    assert nvme.statistics()["offload_predict"] == where
+
+    rejected = []
+    for engine in (ram, nvme):   # (the second run checked in each engine is rejected)
+        check, seen = engine._check_predicted_update, []
+
+        def judged(loss, batch, out, check=check, seen=seen, engine=engine):
+            if engine._check_groups is not None:   # (a run's check, not another step's first forward)
+                seen.append(float(loss))
+            return check(loss * 10 if len(seen) == 2 and engine._check_groups is not None else loss, batch, out)
+        engine._check_predicted_update = judged
+        rejected.append(seen)
+    swapped = [0]   # sub-groups swapped in by the NVMe engine since the count was reset
+    swap_in = nvme.optimizer._optimizer_states_and_gradient_swap_in
+
+    def counted(*args, **kwargs):
+        swapped[0] += 1
+        return swap_in(*args, **kwargs)
+    nvme.optimizer._optimizer_states_and_gradient_swap_in = counted
+    br, bn = Batches(seed=3), Batches(seed=3)
+    phases, kept, swaps = [], [], []   # per step of the NVMe engine: phase, a run kept, sub-groups swapped in
+    for _ in range(16):
+        swapped[0] = 0
+        # The third run's check keeps it and the step's gradient is NaN: the guard skips DeepSpeed's
+        # step, which then takes no part of the commit; it is added before anything reads it next.
+        poison = len(rejected[1]) == 2 and nvme._check_groups is not None
+        loss_fn = _nan_gradient_loss if poison else None
+        rr, rn = ram.train_step(br.step(), loss_fn=loss_fn), nvme.train_step(bn.step(), loss_fn=loss_fn)
+        swaps.append(swapped[0])
+        kept.append(rn.checked and not rn.rolled_back_steps and not poison)
+        assert (rr.phase, rr.loss, rr.checked) == (rn.phase, rn.loss, rn.checked)
+        assert _equal(full_params(ram), full_params(nvme))
+        if rn.phase != "predict":
+            assert _equal(master_copies(ram), master_copies(nvme))
+            assert _equal(_moments(ram, "exp_avg"), _moments(nvme, "exp_avg"))
+            assert _equal(_moments(ram, "exp_avg_sq"), _moments(nvme, "exp_avg_sq"))
+        phases.append(rn.phase)
+    st = nvme.statistics()
+    assert phases.count("predict") >= 6 and st["predict_accepted"] >= 4 and st["predict_rolled_back"] >= 2
+    assert st["gradient_second_moment"] == second and len(rejected[1]) >= 3 and st["skipped_steps"] == 1
+    # Each of the 2 swapped sub-groups in: on the device path once at a run's first step (the run's
+    # copies of the moments) and never at its later steps; on the host path at every step for the
+    # update and the propagation, and at the first also for the copies and the snapshot.
+    firsts = [n for k, (p, n) in enumerate(zip(phases, swaps)) if p == "predict" and phases[k - 1] != "predict"]
+    later = [n for k, (p, n) in enumerate(zip(phases, swaps)) if p == "predict" and phases[k - 1] == "predict"]
+    assert set(firsts) == ({2} if where == "device" else {8}) and later
+    assert set(later) == ({0} if where == "device" else {4})
+    # A real step that keeps a run swaps each sub-group in once: the commit goes into DeepSpeed's
+    # step, before each sub-group's Adam step, not through a swap of its own.
+    assert {n for n, k in zip(swaps, kept) if k} == {2}
+
+    _until(nvme, bn, Phase.PREDICT)
+    nvme.train_step(bn.step())
+    assert nvme.phase is Phase.PREDICT and nvme._gradient.pending
+    nvme.save_checkpoint(str(tmp_path / "ckpt"), tag="mid")
+    resumed = build("nvme", folder="swap-resumed", seed=1)
+    with caplog.at_level("WARNING"):
+        resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="mid")
+    assert "no Adam state after DeepSpeed's load (zero_optimization.offload_optimizer.device: nvme)" in caplog.text
+    assert not resumed._gradient.pending
 
 
 def test_zero3_shares_from_a_gpu_are_queued_and_added_on_a_host_thread_bit_for_bit():

@@ -380,21 +380,24 @@ def test_a_compact_state_the_engine_refuses_fits_nothing_and_the_plan_says_why()
 
 def test_the_gradient_direction_over_every_preset_marks_the_nvme_one_as_refused(tmp_path, capsys):
     """``ds-hybrid plan --set predictor.direction=gradient`` over all presets: the engine refuses the
-    gradient direction on ZeRO-Infinity's NVMe swap (config.nvme_state_refusal, its own rule), so
-    50b-24gb-nvme fits nothing whatever --nvme says and the reason names both keys; the plan goes on
-    to estimate and pick among the others."""
+    gradient direction where ZeRO-Infinity swaps the 16-bit parameters to NVMe
+    (config.nvme_state_refusal, its own rule), so 50b-24gb-nvme fits nothing whatever --nvme says
+    and the reason names the key; the plan goes on to estimate and pick among the others. With the
+    parameters in host memory and only the optimizer on NVMe the same preset is not refused."""
     plan = pl.main(["--model", "llama-7b", "--gpu-mem", "24GB", "--cpu-mem", "1024GB", "--nvme", "2TB",
                     "--set", "predictor.direction=gradient", "--json", str(tmp_path / "plan.json")])
     by_name = {e.preset: e for e in plan.estimates}
     assert set(by_name) == {f"{p.name}+set" for p in pl.load_presets()}
     nvme = by_name["50b-24gb-nvme+set"]
     assert not nvme.fits and nvme.nvme_bytes > 0
-    assert nvme.reasons == ["the engine refuses it: zero_optimization.offload_optimizer.device and "
-                            "zero_optimization.offload_param.device: nvme; hybrid_predict.predictor.direction "
-                            "'gradient' needs the masters, the Adam state and the 16-bit partitions in memory "
-                            "(cpu or the GPU)"]
+    assert nvme.reasons == ["the engine refuses it: zero_optimization.offload_param.device: nvme; "
+                            "hybrid_predict.predictor.direction 'gradient' moves this rank's 16-bit partitions at "
+                            "every Predict step and needs them in memory (offload_param.device cpu or none; "
+                            "offload_optimizer.device may be nvme)"]
     assert plan.picked is not None and by_name[plan.picked].fits
     assert "| 50b-24gb-nvme+set |" in capsys.readouterr().out
+    opt_on_nvme = pl.estimate(pl.model_shape("llama-7b"), spec(3, "nvme", "cpu", predictor={"direction": "gradient"}))
+    assert opt_on_nvme.reasons == [] and opt_on_nvme.nvme_bytes > 0
     # (the drift direction swaps with ZeRO-Infinity as before: the same machine fits it)
     drift = pl.make_plan(pl.model_shape("llama-7b"), pl.load_presets(["50b-24gb-nvme"]), 24 * GB, 1024 * GB,
                          nvme=2 * 10 ** 12)

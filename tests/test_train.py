@@ -132,7 +132,7 @@ def test_short_corpus_and_bad_config_key(tmp_path):
 
 
 @pytest.mark.parametrize("preset, change, key", [
-    ("50b-24gb-nvme.json", ["--set", "predictor.direction=gradient"], "zero_optimization.offload_optimizer.device"),
+    ("50b-24gb-nvme.json", ["--set", "predictor.direction=gradient"], "zero_optimization.offload_param.device"),
     ("zenflow", [], "zero_optimization.zenflow"),
     ("zenflow-accumulating", ["--baseline"], "gradient_accumulation_steps: 8 under zero_optimization.zenflow")])
 def test_a_config_the_engine_refuses_fails_before_deepspeed_builds_anything(preset, change, key, tmp_path,

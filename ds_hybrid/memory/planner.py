@@ -154,10 +154,11 @@ class PresetSpec:
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
         velocity or the gradient direction, and ZeRO 1-3)."""
-        from ..config import offload_predict_on_device
+        from ..config import masters_swapped, offload_predict_on_device
         beside = self.offload_optimizer != "none" and accelerator != "cpu"
         takes = (self.stage >= 1) if self.gradient else (bool(self.velocity_bytes_per_value) and self.stage >= 1)
-        return takes and offload_predict_on_device(self.offload_predict, beside)
+        return takes and offload_predict_on_device(self.offload_predict, beside,
+                                                   masters_swapped(self.offload_optimizer, self.offload_param))
 
     def shards_on_gpu(self, accelerator: str) -> bool:
         """Whether this rank's 16-bit partitions are in GPU memory (not with ZeRO 3's ``offload_param``)."""

@@ -1,0 +1,170 @@
+"""What a gradient Predict step costs under ZeRO-Infinity's NVMe optimizer offload, and what the
+host path would cost instead, in plain DeepSpeed steps of the same layout.
+
+ZeRO 3 with ``offload_optimizer: nvme`` (the masters and Adam state swapped to NVMe a sub-group
+at a time; the 16-bit parameters in memory), ``tiny-cpu``'s optimizer and schedule, one process,
+four engines built from the same weights, each with its own swap folder, stepped round robin on
+the same batches so that the machine's drift falls on all of them alike:
+
+* ``plain``: plain DeepSpeed (the hybrid's engine with ``hybrid_predict.enabled: false``);
+* ``device``: the hybrid, ``predictor.direction: gradient`` on the device path
+  (``memory.offload_predict: auto`` takes it here: the masters swap);
+* ``host``: the same on the host path (``offload_predict: host``: each Predict step moves the
+  masters, so swaps every sub-group in and out);
+* ``plain-cpu``: plain DeepSpeed with ``offload_optimizer: cpu``: what the swap adds to a step.
+
+The hybrid engines run 1 real step and 3 Predict steps in turn (``check: next_step``, every run
+kept). Each step is timed whole (``train_step``) and booked by kind: a real step after a run
+(DeepSpeed's step plus the run's commit), a run's first Predict step (its copies of the moments)
+and its later ones. DeepSpeed's swapper is counted too: sub-groups swapped in per step kind. A
+kind's cost is its mean time over ``plain``'s mean time in the same sitting; ``--sittings``
+repeats the whole measurement on fresh engines (other batches) for the spread.
+
+    .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
+        [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
+
+Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
+CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+ENGINES = ("plain", "device", "host", "plain-cpu")
+
+
+def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
+    from ds_hybrid.arguments import resolve_config
+    cfg, _ = resolve_config("tiny-cpu")
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    device = "cpu" if name == "plain-cpu" else "nvme"
+    cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": device, **(
+        {"nvme_path": swap} if device == "nvme" else {})}}
+    if device == "nvme":
+        cfg["aio"] = dict(AIO)
+    if name.startswith("plain"):
+        cfg["hybrid_predict"] = dict(cfg["hybrid_predict"], enabled=False)
+        return cfg
+    cfg["hybrid_predict"] = {
+        "enabled": True, "warmup_steps": 4, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
+        "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
+        # (every run kept: the costs of a kept run's steps are what is measured here)
+        "divergence": {"rel_tolerance": 10.0, "z_threshold": 1e6, "max_loss_ratio": 1e6},
+        "predictor": {"direction": "gradient", "gradient_batch_fraction": fraction},
+        "memory": {"offload_predict": "auto" if name == "device" else "host"},
+        "dynamics": {"progress_every": 0}}
+    return cfg
+
+
+def sitting(args, seed: int, root: Path) -> dict:
+    """One sitting: fresh engines, ``args.steps`` round-robin steps each; per engine and step kind
+    the step times (s) and the sub-groups swapped in."""
+    import torch
+    import ds_hybrid
+    from ds_hybrid.data import ByteDataset, train_batches
+    from ds_hybrid.models import build_model
+
+    engines = {}
+    for name in ENGINES:
+        torch.manual_seed(0)
+        model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
+        cfg = _config(name, str(root / f"swap-{seed}-{name}"), args.micro_batch, args.batch_fraction)
+        engines[name] = ds_hybrid.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    swaps = {name: [0] for name in engines}
+    for name, eng in engines.items():
+        opt = eng.optimizer
+        if getattr(opt, "swap_optimizer", False):
+            swap_in = opt._optimizer_states_and_gradient_swap_in
+
+            def counted(*a, _in=swap_in, _n=swaps[name], **k):
+                _n[0] += 1
+                return _in(*a, **k)
+            opt._optimizer_states_and_gradient_swap_in = counted
+    train, _ = ByteDataset.load(None).split(seq_len=args.seq_len)
+    stream = train_batches(train, args.seq_len, args.micro_batch, seed=seed)
+    out = {name: {} for name in engines}
+    warm = 8   # (Adam state exists, the hybrid past its warmup and one whole cycle)
+    for k in range(warm + args.steps):
+        batch = [next(stream)]
+        for name, eng in engines.items():
+            phase_before = eng.phase.value
+            first = phase_before == "predict" and getattr(eng, "_last_phase", None) != "predict"
+            swaps[name][0] = 0
+            t0 = time.perf_counter()
+            eng.train_step(batch)
+            dt = time.perf_counter() - t0
+            after_run = phase_before != "predict" and getattr(eng, "_last_phase", None) == "predict"
+            eng._last_phase = phase_before
+            if k < warm:
+                continue
+            kind = ("predict_first" if first else "predict") if phase_before == "predict" else (
+                "real_after_run" if after_run else "real")
+            row = out[name].setdefault(kind, {"seconds": [], "swapped_in": []})
+            row["seconds"].append(dt)
+            row["swapped_in"].append(swaps[name][0])
+    for name, eng in engines.items():
+        st = eng.statistics() if not name.startswith("plain") else {}
+        if st:
+            out[name]["_accepted"] = st.get("predict_accepted")
+            out[name]["_rolled_back"] = st.get("predict_rolled_back")
+            out[name]["_offload_predict"] = st.get("offload_predict")
+    return out
+
+
+def summarize(sittings: list[dict]) -> dict:
+    """Per engine and kind: mean seconds, cost over the same sitting's plain NVMe step (mean and
+    std over sittings) and the sub-groups swapped in per step."""
+    table: dict = {}
+    for name in ENGINES:
+        kinds = sorted({k for s in sittings for k in s[name] if not k.startswith("_")})
+        for kind in kinds:
+            costs = [statistics.fmean(s[name][kind]["seconds"]) / statistics.fmean(s["plain"]["real"]["seconds"])
+                     for s in sittings if kind in s[name]]
+            swapped = [n for s in sittings if kind in s[name] for n in s[name][kind]["swapped_in"]]
+            table[f"{name}:{kind}"] = {
+                "cost_mean": statistics.fmean(costs), "cost_std": statistics.stdev(costs) if len(costs) > 1 else 0.0,
+                "ms_mean": 1000 * statistics.fmean(x for s in sittings if kind in s[name]
+                                                   for x in s[name][kind]["seconds"]),
+                "swapped_in_per_step": statistics.fmean(swapped) if swapped else 0.0,
+                "steps": len(swapped)}
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder: the JSON and the swap folders")
+    p.add_argument("--model", default="gpt2-tiny")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences a step (tiny-cpu's 16)")
+    p.add_argument("--batch-fraction", type=float, default=1.0, help="predictor.gradient_batch_fraction")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per engine and sitting")
+    p.add_argument("--sittings", type=int, default=3)
+    args = p.parse_args(argv)
+    from ds_hybrid.dist_env import ensure_distributed_env
+    from ds_hybrid.train import quiet_logs
+    ensure_distributed_env()
+    quiet_logs(False)
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    sittings = [sitting(args, seed, root) for seed in range(1, args.sittings + 1)]
+    result = {"command": "benchmarks/nvme_step_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "settings": vars(args), "machine": f"{os.uname().machine}, {len(os.sched_getaffinity(0))} cores",
+              "summary": summarize(sittings), "sittings": sittings}
+    (root / "nvme_step_cost.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("| engine: step kind | ms | cost (plain NVMe step = 1) | sub-groups swapped in a step | steps |")
+    print("|---|---|---|---|---|")
+    for key, row in result["summary"].items():
+        print(f"| {key} | {row['ms_mean']:.1f} | {row['cost_mean']:.3f} ± {row['cost_std']:.3f} | "
+              f"{row['swapped_in_per_step']:.1f} | {row['steps']} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()

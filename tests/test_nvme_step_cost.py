@@ -1,0 +1,24 @@
+"""benchmarks/nvme_step_cost.py: its engines, step kinds and swap counts on a short sitting."""
+import json
+
+import pytest
+from bench_scripts import load
+from engine_utils import aio_available
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_a_short_sitting_books_each_step_kind_with_its_swaps(tmp_path):
+    out = load("nvme_step_cost").main(["--out", str(tmp_path), "--micro-batch", "1", "--steps", "8",
+                                       "--sittings", "2", "--seq-len", "32"])
+    assert json.loads((tmp_path / "nvme_step_cost.json").read_text())["summary"] == out["summary"]
+    table = out["summary"]
+    assert table["plain:real"]["cost_mean"] == 1.0 and table["plain:real"]["swapped_in_per_step"] == 1.0
+    # (the device path swaps nothing in a run's later steps; the real step that keeps it, only its own step's)
+    assert table["device:predict"]["swapped_in_per_step"] == 0.0 and table["device:predict"]["steps"] == 8
+    assert table["device:real_after_run"]["swapped_in_per_step"] == 1.0
+    assert table["host:predict"]["swapped_in_per_step"] == 2.0   # (the update and the propagation)
+    assert table["plain-cpu:real"]["swapped_in_per_step"] == 0.0
+    for sitting in out["sittings"]:
+        assert sitting["device"]["_offload_predict"] == "device" and sitting["host"]["_offload_predict"] == "host"
+        assert sitting["device"]["_rolled_back"] == 0 and sitting["device"]["_accepted"] > 0
