@@ -22,6 +22,7 @@ repeats the whole measurement on fresh engines (other batches) for the spread.
 
     .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
         [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
+        [--swap-dir DIR] [--engines plain device host plain-cpu]
 
 Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
 CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -63,7 +65,7 @@ def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
     return cfg
 
 
-def sitting(args, seed: int, root: Path) -> dict:
+def sitting(args, seed: int, swap_root: Path) -> dict:
     """One sitting: fresh engines, ``args.steps`` round-robin steps each; per engine and step kind
     the step times (s) and the sub-groups swapped in."""
     import torch
@@ -72,10 +74,10 @@ def sitting(args, seed: int, root: Path) -> dict:
     from ds_hybrid.models import build_model
 
     engines = {}
-    for name in ENGINES:
+    for name in args.engines:
         torch.manual_seed(0)
         model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
-        cfg = _config(name, str(root / f"swap-{seed}-{name}"), args.micro_batch, args.batch_fraction)
+        cfg = _config(name, str(swap_root / f"swap-{seed}-{name}"), args.micro_batch, args.batch_fraction)
         engines[name] = ds_hybrid.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     swaps = {name: [0] for name in engines}
     for name, eng in engines.items():
@@ -91,8 +93,9 @@ def sitting(args, seed: int, root: Path) -> dict:
     stream = train_batches(train, args.seq_len, args.micro_batch, seed=seed)
     out = {name: {} for name in engines}
     warm = 8   # (Adam state exists, the hybrid past its warmup and one whole cycle)
+    device = next(iter(engines.values())).device
     for k in range(warm + args.steps):
-        batch = [next(stream)]
+        batch = [{key: v.to(device) for key, v in next(stream).items()}]
         for name, eng in engines.items():
             phase_before = eng.phase.value
             first = phase_before == "predict" and getattr(eng, "_last_phase", None) != "predict"
@@ -115,6 +118,9 @@ def sitting(args, seed: int, root: Path) -> dict:
             out[name]["_accepted"] = st.get("predict_accepted")
             out[name]["_rolled_back"] = st.get("predict_rolled_back")
             out[name]["_offload_predict"] = st.get("offload_predict")
+    engines.clear()
+    for name in args.engines:   # (a sitting's NVMe state is not kept: about 16 GB an engine at 1B)
+        shutil.rmtree(swap_root / f"swap-{seed}-{name}", ignore_errors=True)
     return out
 
 
@@ -122,7 +128,7 @@ def summarize(sittings: list[dict]) -> dict:
     """Per engine and kind: mean seconds, cost over the same sitting's plain NVMe step (mean and
     std over sittings) and the sub-groups swapped in per step."""
     table: dict = {}
-    for name in ENGINES:
+    for name in sittings[0]:
         kinds = sorted({k for s in sittings for k in s[name] if not k.startswith("_")})
         for kind in kinds:
             costs = [statistics.fmean(s[name][kind]["seconds"]) / statistics.fmean(s["plain"]["real"]["seconds"])
@@ -139,21 +145,27 @@ def summarize(sittings: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder: the JSON and the swap folders")
+    p.add_argument("--out", required=True, help="folder: the JSON (and the swap folders, unless --swap-dir)")
+    p.add_argument("--swap-dir", default=None, help="where the NVMe engines swap (default: under --out)")
     p.add_argument("--model", default="gpt2-tiny")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=16, help="sequences a step (tiny-cpu's 16)")
     p.add_argument("--batch-fraction", type=float, default=1.0, help="predictor.gradient_batch_fraction")
     p.add_argument("--steps", type=int, default=40, help="timed steps per engine and sitting")
     p.add_argument("--sittings", type=int, default=3)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                   help="which engines to build (plain, the unit, always); fewer for a model whose swap fills the disk")
     args = p.parse_args(argv)
+    if "plain" not in args.engines:
+        p.error("--engines: plain is the unit every cost is read in; keep it")
     from ds_hybrid.dist_env import ensure_distributed_env
     from ds_hybrid.train import quiet_logs
     ensure_distributed_env()
     quiet_logs(False)
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
-    sittings = [sitting(args, seed, root) for seed in range(1, args.sittings + 1)]
+    swap_root = Path(args.swap_dir) if args.swap_dir else root
+    sittings = [sitting(args, seed, swap_root) for seed in range(1, args.sittings + 1)]
     result = {"command": "benchmarks/nvme_step_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "settings": vars(args), "machine": f"{os.uname().machine}, {len(os.sched_getaffinity(0))} cores",
               "summary": summarize(sittings), "sittings": sittings}
