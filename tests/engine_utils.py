@@ -148,6 +148,8 @@ class OneShardAccess:
     """What DevicePredict reads of a MasterAccess, for one partition in param group 0: its 16-bit
     copy ``shard`` (a Predict step's target) and, for a commit, its fp32 ``master``."""
 
+    swaps = False   # (in memory: no NVMe swap)
+
     def __init__(self, shard: torch.Tensor, master: torch.Tensor | None = None):
         from ds_hybrid.zero_access import MasterPartition
         self.shard = shard

@@ -995,7 +995,8 @@ def test_the_profile_copies_a_drift_runs_velocity_once_a_run(monkeypatch):
     from ds_hybrid import memory_paths
     from ds_hybrid.device_predict import DevicePredict
     from ds_hybrid.engine import PredictiveEngine
-    monkeypatch.setattr(memory_paths, "offload_predict_on_device", lambda setting, beside: setting != "host")
+    monkeypatch.setattr(memory_paths, "offload_predict_on_device",
+                        lambda setting, beside, swapped=False: setting != "host")
     init = DevicePredict.__init__
 
     def copying(self, *args, **kwargs):
