@@ -94,17 +94,18 @@ def sitting(args, seed: int, swap_root: Path) -> dict:
     out = {name: {} for name in engines}
     warm = 8   # (Adam state exists, the hybrid past its warmup and one whole cycle)
     device = next(iter(engines.values())).device
+    last = {name: None for name in engines}   # each engine's phase at its previous step
     for k in range(warm + args.steps):
         batch = [{key: v.to(device) for key, v in next(stream).items()}]
         for name, eng in engines.items():
             phase_before = eng.phase.value
-            first = phase_before == "predict" and getattr(eng, "_last_phase", None) != "predict"
+            first = phase_before == "predict" and last[name] != "predict"
             swaps[name][0] = 0
             t0 = time.perf_counter()
             eng.train_step(batch)
             dt = time.perf_counter() - t0
-            after_run = phase_before != "predict" and getattr(eng, "_last_phase", None) == "predict"
-            eng._last_phase = phase_before
+            after_run = phase_before != "predict" and last[name] == "predict"
+            last[name] = phase_before
             if k < warm:
                 continue
             kind = ("predict_first" if first else "predict") if phase_before == "predict" else (

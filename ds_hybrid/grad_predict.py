@@ -881,8 +881,8 @@ class GradientPredict(WorkerOwner):
     def _defer_to_step(self, jobs: dict) -> None:
         """Each ``jobs[i](part)`` runs inside DeepSpeed's next step, before sub-group ``i``'s Adam
         step (its master and moments swapped in). What the step does not reach (a skipped step:
-        the non-finite guard, an overflow) runs when the real step ends (``settle``)."""
-        self.settle()
+        the non-finite guard, an overflow) runs when the real step ends (``settle``). Called by
+        ``commit`` after its ``wait``, which settled any earlier ones."""
         self._in_step = jobs
         opt = self.access.optimizer
         if getattr(opt, "_ds_hybrid_in_step", None) is self:
