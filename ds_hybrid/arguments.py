@@ -82,10 +82,13 @@ def parse_size(text: str | int | float, flag: str = "size") -> int:
 class HelpFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to an option's help once: not when the help already says its
     default, and not for defaults that say nothing (None, False, an empty list). The
-    description and epilog keep their line breaks (each line wrapped by itself)."""
+    description and epilog keep their line breaks (each line wrapped by itself, never inside a
+    hyphenated name such as a preset's)."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(super(HelpFormatter, self)._fill_text(line, width, indent) if line.strip() else ""
+        import textwrap
+        return "\n".join(textwrap.fill(" ".join(line.split()), width, initial_indent=indent, subsequent_indent=indent,
+                                       break_on_hyphens=False, break_long_words=False) if line.strip() else ""
                          for line in text.splitlines())
 
     def _get_help_string(self, action: argparse.Action) -> str | None:

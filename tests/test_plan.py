@@ -146,6 +146,33 @@ def test_the_counted_host_bytes_are_the_measured_ones():
     assert {k: v for (k, gas), v in counted.items() if gas == 16} == {**one, "z2-offload": one["z2-offload"] + 2}
 
 
+def test_zero_infinitys_host_and_drive_bytes_are_the_counted_ones(llama7b):
+    """Under offload_optimizer: nvme the planner counts what benchmarks/offload_host_layout.py
+    counted (docs/results/offload-host-layout-nvme.json): in host memory the 16-bit gradient
+    partitions and the 16-bit weights (2 + 2 bytes a parameter, whether the weights are on NVMe
+    too, below max_in_cpu, or not) and buffer_count fp32 swap buffers of the largest sub-group;
+    on the drive the masters, moments and fp32 gradients (16 bytes a parameter), 2 more with the
+    weights there. At llama-7b on 7b-24gb-nvme, with the setup's one sub-group gradient."""
+    saved = json.loads((Path(__file__).resolve().parents[1] / "docs/results/offload-host-layout-nvme.json").read_text())
+    plain = {r["layout"]: r for r in saved["rows"] if not r["hybrid"]}
+    opt, both = plain["z3-nvme-optimizer"], plain["z3-nvme"]
+    assert opt["summary"]["host_bytes_per_param"] == both["summary"]["host_bytes_per_param"] == 2 + 2
+    assert opt["summary"]["optimizer_swap_bytes_over_largest_sub_group"] == 4 * opt["optimizer_buffer_count"]
+    assert len(opt["sub_group_numels"]) > 1   # (several sub-groups: the buffers follow the largest)
+    assert opt["summary"]["nvme_bytes_per_param"] == pytest.approx(16, abs=0.05)
+    assert both["summary"]["nvme_bytes_per_param"] == pytest.approx(16 + 2, abs=0.1)
+    (preset,) = pl.load_presets(["7b-24gb-nvme"])
+    P = llama7b.params
+    largest = max(n for g in llama7b.param_groups for n in pl._sub_groups(g, preset.sub_group_size))
+    items = pl.model_states(llama7b, preset, 1, 1, zero_init=True)
+    assert [i.bytes for i in items if i.where == "nvme"] == [16 * P]
+    assert [i.bytes for i in items if i.where == "cpu"] == [(2 + 2) * P + 4 * largest * (preset.optimizer_buffer_count + 1)]
+    # the 16-bit gradient partitions stay in host memory with the weights on NVMe too
+    (fifty,) = pl.load_presets(["50b-24gb-nvme"])
+    cpu = [i.bytes for i in pl.model_states(llama7b, fifty, 1, 1, zero_init=True) if i.where == "cpu"]
+    assert cpu[0] > 2 * P + 2 * fifty.param_max_in_cpu
+
+
 def test_a_freed_velocity_copy_counts_only_beyond_a_real_steps_activations(llama7b):
     """memory.free_velocity_copy (7b-24gb-z2): the GPU copy of the int8 velocity is counted only
     where it exceeds what a real step's buckets and activations need, since the two never
@@ -263,7 +290,13 @@ def test_plan_for_7b_on_a_24gb_gpu_needs_nvme_or_more_host_memory():
     shape = pl.model_shape("llama-7b")
     presets = pl.load_presets()
     assert pl.make_plan(shape, presets, 24 * GB, 128 * GB).picked is None
-    assert pl.make_plan(shape, presets, 24 * GB, 128 * GB, nvme=500 * GB).picked == "50b-24gb-nvme"
+    # with NVMe, the optimizer on it and the 16-bit weights in host memory (less offload than 50b-24gb-nvme's)
+    assert pl.make_plan(shape, presets, 24 * GB, 128 * GB, nvme=500 * GB).picked == "7b-24gb-nvme"
+    assert pl.make_plan(shape, [p for p in presets if p.name != "7b-24gb-nvme"], 24 * GB, 128 * GB,
+                        nvme=500 * GB).picked == "50b-24gb-nvme"
+    # a 64 GiB host: ZeRO-Infinity or nothing
+    assert pl.make_plan(shape, presets, 24 * GB, 64 * GiB).picked is None
+    assert pl.make_plan(shape, presets, 24 * GB, 64 * GiB, nvme=256 * GB).picked == "7b-24gb-nvme"
     assert pl.make_plan(shape, presets, 24 * GB, 512 * GB).picked == "7b-24gb-z2"
     assert pl.make_plan(shape, [p for p in presets if p.name != "7b-24gb-z2"], 24 * GB, 512 * GB).picked == "7b-24gb"
 
@@ -451,6 +484,29 @@ def test_the_host_layout_benchmark_counts_deepspeeds_buffers(tmp_path):
     assert plain["hybrid_host_bytes_per_param"] == 0
     assert hybrid["hybrid_host_bytes_per_param"] == pytest.approx(VELOCITY_INT8, rel=0.01)
     assert "| z3-offload-param | 1 | hybrid | 20.0 |" in saved["table"]
+
+
+@pytest.mark.skipif(not __import__("engine_utils").aio_available(),
+                    reason="DeepSpeed's async_io op cannot be built here (libaio missing)")
+def test_the_host_layout_benchmark_counts_zero_infinitys_buffers(tmp_path):
+    """benchmarks/offload_host_layout.py on ZeRO-Infinity's layout (optimizer on NVMe, 16-bit
+    weights in host memory), a two-layer Llama in sub-groups of 300K elements: 4 bytes a parameter
+    in host memory (16-bit gradient partitions and weights), 4 fp32 swap buffers of the largest
+    sub-group, no sub-group's gradient held after the steps, about 16 bytes a parameter on the
+    drive (the sub-groups under 1 MiB stay in memory), and its swap folder removed."""
+    mod = _host_layout_module()
+    out = tmp_path / "layout.json"
+    assert mod.main(["--layouts", "z3-nvme-optimizer", "--no-hybrid", "--hidden", "128", "--layers", "2",
+                     "--steps", "2", "--sub-group-size", "300000", "--swap-dir", str(tmp_path),
+                     "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    s = row["summary"]
+    assert s["host_bytes_per_param"] == 4.0 and s["optimizer_swap_bytes_over_largest_sub_group"] == 16.0
+    # (DeepSpeed rounds the buffers up to its I/O alignment, 256 fp32 values)
+    assert s["swap_buffer_bytes"] == 16 * 256 * -(-s["largest_sub_group"] // 256) and len(row["sub_group_numels"]) > 1
+    assert "fp32 gradient of one swapped sub-group (initialize_optimizer_states' gradient_buffer)" not in row["buffers"]
+    assert 15 < s["nvme_bytes_per_param"] <= 16
+    assert not list(tmp_path.glob("host-layout-swap-*"))
 
 
 def test_zero2_offload_keeps_a_16bit_accumulation_buffer_per_parameter_with_accumulation(tmp_path):

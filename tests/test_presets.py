@@ -12,7 +12,7 @@ from ds_hybrid.arguments import resolve_config
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRESETS = sorted(PRESET_DIR.glob("*.json"))
-EXPECTED = {"tiny-cpu", "gpt2-124m", "1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"}
+EXPECTED = {"tiny-cpu", "gpt2-124m", "1b-16gb", "7b-24gb", "7b-24gb-z2", "7b-24gb-nvme", "50b-24gb-nvme"}
 
 
 class _FakeDist:
@@ -84,6 +84,14 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     assert z2.zero_config.offload_param is None or z2.zero_config.offload_param.device == "none"
     assert parse_hybrid_config(json.loads((PRESET_DIR / "7b-24gb-z2.json").read_text())).memory.free_velocity_copy
 
+    # 7B on a host with 64 GB: 7b-24gb with the optimizer on NVMe (ZeRO-Infinity), the 16-bit
+    # weights in host memory (where a Predict step writes them), sub-groups of 100M elements
+    nvme = zero("7b-24gb-nvme")
+    assert nvme.zero_optimization_stage == 3 and nvme.bfloat16_config.enabled
+    assert nvme.zero_config.offload_optimizer.device == "nvme" and nvme.zero_config.offload_param.device == "cpu"
+    assert str(nvme.zero_config.offload_optimizer.nvme_path) == "/local_nvme"
+    assert nvme.zero_config.sub_group_size == 100_000_000
+
     fifty = zero("50b-24gb-nvme")
     assert fifty.zero_optimization_stage == 3 and fifty.bfloat16_config.enabled
     assert fifty.zero_config.offload_optimizer.device == "nvme" and fifty.zero_config.offload_param.device == "nvme"
@@ -95,7 +103,7 @@ def test_big_model_presets_are_what_their_names_say(monkeypatch):
     # (the planner's 50B shape: a 32000 x 8192 embedding).
     assert fifty.zero_config.offload_param.buffer_size >= 32000 * 8192
 
-    for name in ("1b-16gb", "7b-24gb", "7b-24gb-z2", "50b-24gb-nvme"):
+    for name in ("1b-16gb", "7b-24gb", "7b-24gb-z2", "7b-24gb-nvme", "50b-24gb-nvme"):
         hybrid = parse_hybrid_config(json.loads((PRESET_DIR / f"{name}.json").read_text()))
         assert hybrid.snapshot_device == "cpu", f"{name}: the snapshot of a big model belongs in host memory"
 
@@ -140,3 +148,37 @@ def test_the_train7b_stage_config_trains_on_the_cpu(tmp_path):
     assert train.main(common + ["--out", str(tmp_path / "grad")])["steps_done"] == 12
     flat = json.dumps(json.loads((tmp_path / "grad" / "summary.json").read_text()))
     assert '"predict": 4' in flat and '"gradient_nonfinite_steps": 0' in flat
+
+
+@pytest.mark.skipif(not __import__("engine_utils").aio_available(),
+                    reason="DeepSpeed's async_io op cannot be built here (libaio missing)")
+def test_the_7b_nvme_preset_trains_on_the_cpu_with_its_optimizer_swapped(tmp_path):
+    """7b-24gb-nvme as a user runs it (its nvme_path set to a folder of theirs), with a small model
+    in sub-groups DeepSpeed swaps (1 MiB and up): plain ZeRO-Infinity and the hybrid both train
+    through ds-hybrid train, the hybrid takes Predict steps on the device path ("auto" where the
+    masters swap), its swap files are on the drive, and it reports no snapshot."""
+    from engine_utils import NVME_AIO
+    from ds_hybrid import train
+    from spawn import write_corpus
+    cfg = json.loads((PRESET_DIR / "7b-24gb-nvme.json").read_text())
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["zero_optimization"]["sub_group_size"] = 300_000
+    cfg.update(NVME_AIO)
+    hybrid = cfg["hybrid_predict"]
+    hybrid.update(warmup_steps=4, full_steps=2, min_predict_steps=2, max_predict_steps=2, check="next_step",
+                  confidence_threshold=0.0,   # (a loose band: the runs are kept, so their catch-up swaps too)
+                  divergence={"rel_tolerance": 0.5, "z_threshold": 100.0, "max_loss_ratio": 10.0})
+    runs = {}
+    for arm in ("plain", "hybrid"):
+        swap = tmp_path / f"swap-{arm}"
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(swap)
+        (tmp_path / f"{arm}.json").write_text(json.dumps(cfg))
+        runs[arm] = train.main(["--config", str(tmp_path / f"{arm}.json"), "--model", "gpt2-tiny", "--seq-len", "32",
+                                "--steps", "12", "--eval-every", "12", "--val-batches", "1", "--no-progress",
+                                "--no-plot", "--data", str(write_corpus(tmp_path)), "--out", str(tmp_path / arm)]
+                               + (["--baseline"] if arm == "plain" else []))
+        assert any(f.stat().st_size > 2 ** 20 for f in swap.rglob("*.swp")), f"{arm}: nothing swapped to {swap}"
+    assert runs["plain"]["steps_done"] == runs["hybrid"]["steps_done"] == 12
+    stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())["statistics"]
+    assert stats["offload_predict"] == "device" and stats["snapshot_bytes"] == 0
+    assert stats["predict_steps"] == 4 and stats["predict_accepted"] > 0, stats

@@ -150,6 +150,7 @@ class PresetSpec:
     fold_during_run: bool = False        # hybrid_predict.memory.fold_during_run (true: its auto is off)
     pin_memory: bool = False             # zero_optimization.offload_optimizer.pin_memory
     param_pin_memory: bool = False       # zero_optimization.offload_param.pin_memory (ZeRO 3)
+    param_max_in_cpu: int = 10 ** 9      # zero_optimization.offload_param.max_in_cpu (with it on NVMe)
 
     def device_predict(self, accelerator: str) -> bool:
         """Whether Predict steps take the device path (the engine's rule; it needs the drift
@@ -259,7 +260,8 @@ def preset_spec(ds_config: dict, name: str = "config", path: str = "") -> Preset
         free_velocity_copy=bool(hybrid.memory.free_velocity_copy),
         fold_during_run=hybrid.memory.fold_during_run is True,
         pin_memory=bool(zero.offload_optimizer.pin_memory) if zero.offload_optimizer else False,
-        param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False)
+        param_pin_memory=bool(zero.offload_param.pin_memory) if zero.offload_param else False,
+        param_max_in_cpu=int(zero.offload_param.max_in_cpu) if zero.offload_param else 10 ** 9)
 
 
 def load_presets(names: Iterable[str] | None = None, overrides: list[str] | None = None) -> list[PresetSpec]:
@@ -375,24 +377,43 @@ def model_states(shape: ModelShape, preset: PresetSpec, gpus: int, nodes: int,
         items.append(Item("gpu", "weight partition", lp * P / W))
     if oo == "none":
         items.append(Item("gpu", "gradients + masters + Adam (partitions)", (lp + 4 + 4 + 8) * P / W))
+    if oo == "nvme":
+        items += _nvme_states(shape, preset, gpus, W, nodes, 0 if zero_init else build)
+        return items
     states_cpu = 0.0
     if oo == "cpu":
         states_cpu += 16 * P * gpus / W
     if op == "cpu":
         states_cpu += lp * P * gpus / W
-    nvme = 0.0
-    if oo == "nvme":
-        nvme += 16 * P / nodes   # fp32 masters, Adam moments, fp32 gradients swapped out
-        group = min(preset.sub_group_size, math.ceil(P / W))
-        states_cpu += gpus * group * 4 * (preset.optimizer_buffer_count + 1)  # swap buffers + gradient buffer
-    if op == "nvme":
-        nvme += lp * P / nodes
-        states_cpu += gpus * preset.param_buffer_count * preset.param_buffer_size * lp
-    if nvme:
-        items.append(Item("nvme", "swapped optimizer state / gradients / weights", nvme))
-    items.append(Item("cpu", "offloaded states + pinned swap buffers, or model build",
-                      max(0 if zero_init else build, states_cpu)))
+    items.append(Item("cpu", "offloaded states, or model build", max(0 if zero_init else build, states_cpu)))
     return items
+
+
+def _nvme_states(shape: ModelShape, preset: PresetSpec, gpus: int, W: int, nodes: int, build: float) -> list[Item]:
+    """ZeRO-Infinity (ZeRO 3 with ``offload_optimizer: nvme``), as DeepSpeed 0.19.8 lays it out,
+    counted buffer by buffer on its CPU accelerator (``benchmarks/offload_host_layout.py``,
+    docs/results/offload-host-layout-nvme.json). On the drive: the fp32 masters, Adam's moments
+    and their fp32 gradients (16 bytes a parameter), and with ``offload_param: nvme`` the 16-bit
+    weights. In host memory: the 16-bit gradient partitions (``grad_partitions_flat_buffer``,
+    ``lp`` bytes a parameter of the partition, whatever is swapped), the 16-bit weights
+    (``offload_param: cpu``; on NVMe up to ``max_in_cpu`` of them stay), ``buffer_count`` pinned
+    fp32 swap buffers of the largest optimizer sub-group, offload_param's swap buffers, and while
+    the optimizer is set up, the largest sub-group's fp32 gradient (read from stage3.py's
+    ``initialize_optimizer_states``; gone after it)."""
+    P, lp = shape.params, preset.lp_bytes
+    part = math.ceil(P / W)
+    groups = [[math.ceil(n / W) for n in g] for g in shape.param_groups]
+    largest = max(n for g in groups for n in _sub_groups(g, preset.sub_group_size))
+    nvme = 16 * P / nodes + (lp * P / nodes if preset.offload_param == "nvme" else 0)
+    host = lp * part                                               # 16-bit gradient partitions
+    if preset.offload_param == "cpu":
+        host += lp * part
+    elif preset.offload_param == "nvme":
+        host += lp * min(part, preset.param_max_in_cpu) + preset.param_buffer_count * preset.param_buffer_size * lp
+    host += 4 * largest * (preset.optimizer_buffer_count + 1)     # swap buffers + the setup's gradient
+    return [Item("nvme", "swapped optimizer state / gradients / weights", nvme),
+            Item("cpu", "16-bit gradient partitions and weights + pinned swap buffers (counted), or model build",
+                 max(build, gpus * host), "deepspeed 0.19.8 (counted)")]
 
 
 def _offload_host_states(P: float, gpus: int, W: int, build: float, param_bytes: int,
@@ -426,7 +447,7 @@ def _sub_groups(numels: list[int], size: int) -> list[int]:
 
 
 def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[float]:
-    """The host blocks one rank pins under ``offload_optimizer: cpu`` (DeepSpeed 0.19.8; recorded
+    """The host blocks one rank pins under ``offload_optimizer`` (DeepSpeed 0.19.8; recorded
     call by call on its CPU accelerator in ``tests/test_planner_pinned.py``):
 
     * ZeRO 1/2 with ``pin_memory`` (``stage_1_and_2.py``): each flat param group's fp32 masters,
@@ -434,7 +455,8 @@ def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -
       buffer; with ``gradient_accumulation_steps`` > 1 a 16-bit accumulation buffer per tensor
       (``accumulated_grads_in_cpu``; with several ranks counted as ``1 / W`` of the model's);
     * ZeRO 3 (``stage3.py``): with ``offload_optimizer.pin_memory`` the 16-bit gradient
-      partitions (one block) and each optimizer sub-group's fp32 gradient; with ``offload_param``
+      partitions (one block) and, in CPU memory, each optimizer sub-group's fp32 gradient (on NVMe
+      the swapper locks its own buffers, which torch does not round); with ``offload_param``
       each param group's flat 16-bit weights, and with its ``pin_memory`` every tensor's 16-bit
       partition as ``zero.Init`` made it (DeepSpeed then points the parameter into the flat
       buffer; torch's allocator keeps the block: the H200's pinned peak holds them)."""
@@ -445,7 +467,8 @@ def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -
     if preset.stage == 3:
         if preset.pin_memory:
             blocks.append(float(lp * sum(tensors)))
-            blocks += [4.0 * n for g in groups for n in _sub_groups(g, preset.sub_group_size)]
+            if preset.offload_optimizer == "cpu":   # (on NVMe: the swapper's own page-locked buffers)
+                blocks += [4.0 * n for g in groups for n in _sub_groups(g, preset.sub_group_size)]
         if preset.offload_param == "cpu":
             blocks += [float(lp * sum(g)) for g in groups]
             if preset.param_pin_memory:
@@ -513,8 +536,8 @@ def pinned_rounding(blocks: list[float], pinned_round_mb: int) -> float:
 
 def _offload_host_extras(shape: ModelShape, preset: PresetSpec, gpus: int, W: int, accelerator: str,
                          pinned_round_mb: int) -> list[Item]:
-    """What DeepSpeed holds in host memory under ``offload_optimizer: cpu`` beyond the counted
-    per-parameter buffers (``DS_OFFLOAD_HOST_BYTES``, measured at one micro-batch a step on its
+    """What DeepSpeed holds in host memory under ``offload_optimizer: cpu`` (or ``nvme``) beyond
+    the counted buffers (``DS_OFFLOAD_HOST_BYTES`` a parameter, ``_nvme_states``; counted on its
     CPU accelerator, where nothing is pinned):
 
     * ZeRO 1/2 with ``gradient_accumulation_steps`` > 1: the 16-bit accumulation buffers (2.0
@@ -590,7 +613,7 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
     dev = "cpu" if accelerator == "cpu" else "gpu"
     items = model_states(shape, preset, gpus, nodes, zero_init, accelerator)
     P, lp = shape.params, preset.lp_bytes
-    if preset.stage >= 1 and preset.offload_optimizer == "cpu":
+    if preset.stage >= 1 and preset.offload_optimizer != "none":
         items += _offload_host_extras(shape, preset, gpus, W, accelerator, pinned_round_mb)
 
     # DeepSpeed's gradient buckets and ZeRO-3's gathered weights.
@@ -835,7 +858,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("Estimates, not measurements. GPU: model states (DeepSpeed's estimators where they apply) + buckets "
                  "+ activations + ds_hybrid's snapshot and predictor + CUDA context (1 GiB, assumed) + 10% "
                  "fragmentation (assumed). CPU: per node, including building the fp32 model in each process; "
-                 "under offload_optimizer: cpu, DeepSpeed's buffers as counted on its CPU accelerator "
+                 "under offload_optimizer cpu or nvme, DeepSpeed's buffers as counted on its CPU accelerator "
                  "(benchmarks/offload_host_layout.py), not its estimator's 1.5x; also ZeRO 1/2's 16-bit accumulation "
                  "buffers (more than one micro-batch a step), ZeRO 3's pinned 16-bit partitions from zero.Init, and "
                  "torch's rounding of pinned blocks to powers of two" + (f" up to {plan.pinned_round_mb} MiB (--pinned-round-mb)" if plan.pinned_round_mb
