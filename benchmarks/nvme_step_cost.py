@@ -1,5 +1,5 @@
-"""What a gradient Predict step costs under ZeRO-Infinity's NVMe optimizer offload, and what the
-host path would cost instead, in plain DeepSpeed steps of the same layout.
+"""What a gradient (or drift) Predict step costs under ZeRO-Infinity's NVMe optimizer offload, and
+what the host path would cost instead, in plain DeepSpeed steps of the same layout.
 
 ZeRO 3 with ``offload_optimizer: nvme`` (the masters and Adam state swapped to NVMe a sub-group
 at a time; the 16-bit parameters in memory), ``tiny-cpu``'s optimizer and schedule, one process,
@@ -12,6 +12,9 @@ the same batches so that the machine's drift falls on all of them alike:
 * ``host``: the same on the host path (``offload_predict: host``: each Predict step moves the
   masters, so swaps every sub-group in and out);
 * ``plain-cpu``: plain DeepSpeed with ``offload_optimizer: cpu``: what the swap adds to a step.
+* ``drift``: the hybrid with the drift direction (an int8 velocity, no backward) on the device
+  path, the 7b-24gb-nvme preset's section: its Predict steps swap nothing, and a kept run's
+  commit goes into DeepSpeed's step (``zero_access.StepJobs``).
 
 The hybrid engines run 1 real step and 3 Predict steps in turn (``check: next_step``, every run
 kept). Each step is timed whole (``train_step``) and booked by kind: a real step after a run
@@ -22,7 +25,7 @@ repeats the whole measurement on fresh engines (other batches) for the spread.
 
     .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
         [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
-        [--swap-dir DIR] [--engines plain device host plain-cpu]
+        [--swap-dir DIR] [--engines plain device host plain-cpu drift]
 
 Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
 CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
@@ -39,7 +42,7 @@ import time
 from pathlib import Path
 
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
-ENGINES = ("plain", "device", "host", "plain-cpu")
+ENGINES = ("plain", "device", "host", "plain-cpu", "drift")
 
 
 def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
@@ -59,8 +62,10 @@ def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
         "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
         # (every run kept: the costs of a kept run's steps are what is measured here)
         "divergence": {"rel_tolerance": 10.0, "z_threshold": 1e6, "max_loss_ratio": 1e6},
-        "predictor": {"direction": "gradient", "gradient_batch_fraction": fraction},
-        "memory": {"offload_predict": "auto" if name == "device" else "host"},
+        "predictor": ({"direction": "drift"} if name == "drift" else
+                      {"direction": "gradient", "gradient_batch_fraction": fraction}),
+        "memory": ({"velocity_dtype": "int8", "offload_predict": "auto"} if name == "drift" else
+                   {"offload_predict": "auto" if name == "device" else "host"}),
         "dynamics": {"progress_every": 0}}
     return cfg
 

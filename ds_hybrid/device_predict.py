@@ -61,7 +61,7 @@ from . import host_kernels, kernels
 from .host_worker import HostWorker, WorkerOwner
 from .quant import BLOCK, CompactBuffer, scratch
 from .staging import Stager, side_stream
-from .zero_access import MasterAccess, VelocityBuffers, _flat, _scale_of
+from .zero_access import MasterAccess, StepJobs, VelocityBuffers, _flat, _scale_of
 
 
 def unsupported(access: MasterAccess, direction: str) -> str | None:
@@ -122,6 +122,8 @@ class DevicePredict(WorkerOwner):
         # pass (host_kernels.shift), bit for bit the torch ops below
         self.host_kernel = False
         self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
+        # Under ZeRO-Infinity's NVMe swap: a kept run's commit by sub-group, inside DeepSpeed's next step
+        self._in_step = StepJobs(access)
 
     def _device_velocity(self, vel: VelocityBuffers, always_copy: bool = False) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -278,11 +280,19 @@ class DevicePredict(WorkerOwner):
             return
         steps, self.pending = self.pending, []
         self.kept_runs += 1
-        parts = self._parts()   # read DeepSpeed's optimizer here, not on the thread
         bufs = self._run_velocity(vel)
         after = self._ready(bufs)
         self._release()   # (the copies stay untouched until the next hold, which waits for this commit)
-        if background and not self.access.swaps:   # (the worker has its own work buffers)
+        if self.access.swaps:
+            # ZeRO-Infinity: each sub-group's additions just before its Adam step, in this real
+            # step's DeepSpeed step (swapped in there anyway), not through a swap of their own
+            if first is not None:
+                first()
+            self._in_step.defer({i: (lambda part, i=i: self._add_one(i, part, bufs, steps, after))
+                                 for i in range(len(bufs)) if bufs[i] is not None})
+            return
+        parts = self._parts()   # read DeepSpeed's optimizer here, not on the thread
+        if background:   # (the worker has its own work buffers)
             def job() -> None:
                 if first is not None:
                     first()
@@ -295,8 +305,9 @@ class DevicePredict(WorkerOwner):
 
     def _parts(self):
         """The partitions for the masters' additions: listed here (a commit on a host thread reads
-        no DeepSpeed structure), or under ZeRO-Infinity's NVMe swap (``access.swaps``)
-        ``partitions()`` itself, each swapped in for its additions only, on this thread."""
+        no DeepSpeed structure), or under ZeRO-Infinity's NVMe swap (``access.swaps``: a rejected
+        run's verified steps) ``partitions()`` itself, each swapped in for its additions only, on
+        this thread."""
         return self.access.partitions() if self.access.swaps else list(self.access.partitions())
 
     def take_commit(self, vel: VelocityBuffers) -> tuple[list[list[float]], list] | None:
@@ -317,8 +328,17 @@ class DevicePredict(WorkerOwner):
         return steps, bufs
 
     def wait(self) -> None:
-        """Join a commit running in the background, re-raising its error."""
+        """Join a commit running in the background, re-raising its error, and add what a commit
+        deferred into DeepSpeed's step has not added yet (``settle``)."""
+        self.settle()
         self._worker.wait()
+
+    def settle(self) -> None:
+        """The parts of a commit deferred into DeepSpeed's step (under NVMe swap) that no step has
+        taken, now, each sub-group swapped in for its own: the engine calls it when a real step
+        ends, so that after it the masters hold the run whether DeepSpeed stepped or skipped (a
+        non-finite gradient), and ``wait`` calls it before anything reads them."""
+        self._in_step.settle()
 
     def _run_velocity(self, vel: VelocityBuffers) -> list:
         """What the pending run moved along: the held copy, else the velocity itself (``copy_down``:
@@ -382,15 +402,18 @@ class DevicePredict(WorkerOwner):
         partition); a buffer on another device comes down a chunk at a time (``after``: the
         event its copies wait for)."""
         for part_i, part in enumerate(parts):
-            gi = part.group_index
-            if part_i >= len(bufs) or bufs[part_i] is None or part.master.numel() == 0:
-                continue
-            master, buf = _flat(part.master), bufs[part_i]
-            coefs = [c[gi] for c in steps]
-            if buf.device != master.device or self.stage_commit:
-                self._add_staged(master, buf, coefs, after)
-            else:
-                self._add(master, buf, coefs)
+            self._add_one(part_i, part, bufs, steps, after)
+
+    def _add_one(self, part_i: int, part, bufs: list, steps: list[list[float]], after=None) -> None:
+        """``_add_to_masters`` for one partition (``part_i``: its index in ``bufs``)."""
+        if part_i >= len(bufs) or bufs[part_i] is None or part.master.numel() == 0:
+            return
+        master, buf = _flat(part.master), bufs[part_i]
+        coefs = [c[part.group_index] for c in steps]
+        if buf.device != master.device or self.stage_commit:
+            self._add_staged(master, buf, coefs, after)
+        else:
+            self._add(master, buf, coefs)
 
     def _add(self, master: torch.Tensor, buf: CompactBuffer, coefs: list[float]) -> None:
         """``master += c * v`` for each ``c`` in order, ``buf`` on the master's device."""

@@ -550,8 +550,9 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             self._guard.record_loss(loss)
             self.backward(loss)
             self.step()
-        if self._gradient is not None:
-            self._gradient.settle()   # (a kept run's commit deferred into the step: what a skipped step left)
+        for run in (self._gradient, self._device_predict):
+            if run is not None:
+                run.settle()   # (a kept run's commit deferred into the step: what a skipped step left)
 
     def _cut_at(self, block: int | None):
         return self._cut.active(block) if (self._cut is not None and block is not None) else contextlib.nullcontext()
@@ -613,6 +614,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             if capture or stash:
                 self._wait_fold()     # (it reads the masters these overwrite)
                 self._wait_commit()   # both read the masters
+                if self._device_predict is not None:
+                    self._device_predict.settle()   # (a commit deferred into the step: these read it now)
             if capture:
                 # The masters before the step (into the snapshot buffer, free outside Predict
                 # runs): the update per unit LR feeds the velocity, and for predicted groups it is

@@ -50,7 +50,7 @@ from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .quant import worker_scratch
 from .staging import QueuedDownloads, Stager, side_stream
-from .zero_access import MasterAccess, MasterPartition, _flat
+from .zero_access import MasterAccess, MasterPartition, StepJobs, _flat
 
 Timer = Callable[[str], ContextManager]
 
@@ -159,8 +159,8 @@ class GradientPredict(WorkerOwner):
         self.moments: CompactMoments | None = None
         self._beta1: dict = {}   # each parameter's Adam beta1 (its group's), for the compact fold
         self._commit_streams: dict = {}   # a compact run's commit behind the next step: its side stream per GPU
-        # Under NVMe swap: a kept run's commit by sub-group, taken inside DeepSpeed's next step (_defer_to_step)
-        self._in_step: dict = {}
+        # Under NVMe swap: a kept run's commit by sub-group, taken inside DeepSpeed's next step
+        self._in_step = StepJobs(access)
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -873,40 +873,18 @@ class GradientPredict(WorkerOwner):
             _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
 
     # ------------------------------------------------- the commit inside DeepSpeed's NVMe step
-    # Under ZeRO-Infinity's offload_optimizer: nvme a kept run's commit on its own would swap every
-    # sub-group in and out once more, beside the real step's own swap. Instead each sub-group's part
-    # of it waits for DeepSpeed's step to swap that sub-group in, and runs just before its Adam
-    # step: the same copies and additions on the same values (benchmarks/nvme_step_cost.py: the
-    # real step that keeps a run then costs what a plain step does).
+    # (zero_access.StepJobs: benchmarks/nvme_step_cost.py measures the real step that keeps a run
+    # at what a plain step costs)
     def _defer_to_step(self, jobs: dict) -> None:
         """Each ``jobs[i](part)`` runs inside DeepSpeed's next step, before sub-group ``i``'s Adam
-        step (its master and moments swapped in). What the step does not reach (a skipped step:
-        the non-finite guard, an overflow) runs when the real step ends (``settle``). Called by
-        ``commit`` after its ``wait``, which settled any earlier ones."""
-        self._in_step = jobs
-        opt = self.access.optimizer
-        if getattr(opt, "_ds_hybrid_in_step", None) is self:
-            return
-        inner = opt._optimizer_step
-
-        def sub_group_step(sub_group_id, *args, **kwargs):
-            job = self._in_step.pop(sub_group_id, None)
-            if job is not None:
-                job(self.access.partition(sub_group_id))
-            return inner(sub_group_id, *args, **kwargs)
-        opt._optimizer_step, opt._ds_hybrid_in_step = sub_group_step, self
+        step. Called by ``commit`` after its ``wait``, which settled any earlier ones."""
+        self._in_step.defer(jobs)
 
     def settle(self) -> None:
         """The parts of a deferred commit no step has taken, now (each sub-group swapped in): the
         engine calls it when a real step ends, so that after it the masters and moments hold the
         run whether DeepSpeed stepped or skipped (a non-finite gradient)."""
-        jobs, self._in_step = self._in_step, {}
-        if not jobs:
-            return
-        for i, part in enumerate(self.access.partitions()):
-            job = jobs.get(i)
-            if job is not None:
-                job(part)
+        self._in_step.settle()
 
     @staticmethod
     def _crosses(parts: list, shards: list) -> bool:

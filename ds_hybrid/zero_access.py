@@ -509,6 +509,51 @@ class _Zero3Access(MasterAccess):
         opt.checkpoint_event_epilogue()
 
 
+
+class StepJobs:
+    """A kept run's commit into the masters, by sub-group, taken inside DeepSpeed's next ZeRO 3
+    step under ZeRO-Infinity's NVMe swap (``access.swaps``).
+
+    A commit of its own would swap every sub-group in and out once more, beside the real step's
+    own swap. Instead ``defer`` hands each sub-group's part to the step: it runs just before that
+    sub-group's Adam step (``_optimizer_step``), when DeepSpeed has swapped its master and moments
+    in, and so makes the same additions on the same values. What the step does not reach (a
+    skipped step: the non-finite guard, an overflow) runs at ``settle``, which the owner calls when
+    the real step ends and before anything else reads the masters."""
+
+    def __init__(self, access: MasterAccess) -> None:
+        self.access = access
+        self.jobs: dict = {}   # sub-group index -> job(part)
+        self._hooked = False
+
+    def defer(self, jobs: dict) -> None:
+        """Each ``jobs[i](part)`` runs in DeepSpeed's next step, before sub-group ``i``'s Adam step
+        (the caller has settled any earlier ones)."""
+        self.jobs = jobs
+        if self._hooked:
+            return
+        opt = self.access.optimizer
+        inner = opt._optimizer_step
+
+        def sub_group_step(sub_group_id, *args, **kwargs):
+            job = self.jobs.pop(sub_group_id, None)
+            if job is not None:
+                job(self.access.partition(sub_group_id))
+            return inner(sub_group_id, *args, **kwargs)
+        opt._optimizer_step = sub_group_step   # (once per owner; an owner's wrapper calls the one before it)
+        self._hooked = True
+
+    def settle(self) -> None:
+        """The jobs no step has taken, now (each sub-group swapped in for its own)."""
+        jobs, self.jobs = self.jobs, {}
+        if not jobs:
+            return
+        for i, part in enumerate(self.access.partitions()):
+            job = jobs.get(i)
+            if job is not None:
+                job(part)
+
+
 def master_access(engine: Any) -> MasterAccess:
     """Pick the accessor for ``engine.optimizer`` (a DeepSpeed engine after init)."""
     opt = engine.optimizer

@@ -52,6 +52,19 @@ def aio_available() -> bool:
         return False
 
 
+def count_swap_ins(engine) -> list[int]:
+    """Count the optimizer sub-groups DeepSpeed's ZeRO 3 swaps in from NVMe: the returned
+    one-item list goes up by one at each swap-in (the caller resets it)."""
+    swapped = [0]
+    swap_in = engine.optimizer._optimizer_states_and_gradient_swap_in
+
+    def counted(*args, **kwargs):
+        swapped[0] += 1
+        return swap_in(*args, **kwargs)
+    engine.optimizer._optimizer_states_and_gradient_swap_in = counted
+    return swapped
+
+
 # DeepSpeed's NVMe swap with small blocks (the tests' sub-groups are a few MiB)
 NVME_AIO = {"aio": {"block_size": 262144, "queue_depth": 4, "single_submit": False, "overlap_events": True}}
 

@@ -8,8 +8,8 @@ import torch
 
 import ds_hybrid.zero_access as za
 from ds_hybrid import Phase
-from engine_utils import (NVME_AIO, EAGER, BackwardCounter, Batches, aio_available, ds_config, full_params, make_engine,
-                          master_copies)
+from engine_utils import (NVME_AIO, EAGER, BackwardCounter, Batches, aio_available, count_swap_ins, ds_config,
+                          full_params, make_engine, master_copies)
 
 SETUPS = {
     "z0-fp32": dict(stage=0),
@@ -292,6 +292,60 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
         phases.append(rn.phase)
     st = nvme.statistics()
     assert phases.count("predict") >= 6 and st["predict_accepted"] >= 2 and st["predict_rolled_back"] >= 2
+
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_a_kept_drift_run_goes_into_deepspeeds_nvme_step(tmp_path):
+    """The drift direction's device path under ``offload_optimizer: nvme`` (the 7b-24gb-nvme
+    preset's): a kept run's additions to the masters go into the real step's DeepSpeed step, each
+    sub-group's just before its Adam step, so that step swaps what a plain step does (not each
+    sub-group once more, through a commit of its own), and a Predict step swaps nothing. The
+    weights, masters and moments stay bit for bit ``offload_optimizer: cpu``'s, also where the step
+    that keeps a run is skipped on a NaN gradient (its additions are then made when it ends)."""
+    hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": "drift"},
+                  memory={"offload_predict": "device", "fold_in_step": False})
+
+    def build(device: str):
+        cfg = ds_config(stage=3, offload_opt=device, nvme_path=str(tmp_path), hybrid=hybrid, **NVME_AIO)
+        cfg["zero_optimization"]["sub_group_size"] = 300_000
+        return make_engine(cfg, model="gpt2-tiny")
+
+    def nan_gradient(engine, batch):   # (a finite loss whose gradient is NaN: d/dz sqrt(z) at z = 0, times 0)
+        out = engine(**batch)
+        z = out.logits.float().sum()
+        return out.loss + 0.0 * torch.sqrt(z - z.detach())
+
+    def moments(engine):
+        return [p.state[k].detach().clone() for p in engine._masters.partitions() for k in ("exp_avg", "exp_avg_sq")]
+    ram, nvme = build("cpu"), build("nvme")
+    swappable = sum(nvme.optimizer._swappable_optimizer_subgroup(i) for i in range(nvme._masters._count()))
+    assert swappable == 2 and nvme.statistics()["offload_predict"] == "device"
+    swapped = count_swap_ins(nvme)
+    br, bn = Batches(seed=3), Batches(seed=3)
+    rows = []   # per step: phase, a run checked (and kept), skipped on NaN, sub-groups swapped in
+    for _ in range(18):
+        swapped[0] = 0
+        checks = sum(1 for r in rows if r[1])
+        poison = nvme._check_groups is not None and checks == 1   # (the second run's check: a NaN gradient)
+        loss_fn = nan_gradient if poison else None
+        rr, rn = ram.train_step(br.step(), loss_fn=loss_fn), nvme.train_step(bn.step(), loss_fn=loss_fn)
+        assert (rr.phase, rr.loss, rr.checked, rr.rolled_back_steps) == (rn.phase, rn.loss, rn.checked,
+                                                                          rn.rolled_back_steps)
+        rows.append((rn.phase, rn.checked and not rn.rolled_back_steps, poison, swapped[0]))
+        assert all(torch.equal(a, c) for a, c in zip(full_params(ram), full_params(nvme)))
+        if rn.phase != "predict":
+            assert all(torch.equal(a, c) for a, c in zip(master_copies(ram), master_copies(nvme)))
+            assert all(torch.equal(a, c) for a, c in zip(moments(ram), moments(nvme)))
+    # A plain real step swaps each sub-group in twice: DeepSpeed's step, then the fold, which reads
+    # the moments after it. The one that keeps a run, the same.
+    plain = {n for phase, k, poisoned, n in rows if phase in ("warmup", "full") and not k and not poisoned}
+    kept = [n for _, k, poisoned, n in rows if k and not poisoned]
+    assert plain == {2 * swappable} and len(kept) >= 2 and set(kept) == plain, rows
+    assert {n for phase, _, _, n in rows if phase == "predict"} == {0}, rows
+    # the skipped step: DeepSpeed swaps nothing in, and the run's additions swap each sub-group once
+    assert [n for _, k, poisoned, n in rows if poisoned] == [swappable] and nvme.statistics()["skipped_steps"] == 1
 
 
 def test_scalars_reach_deepspeeds_monitor(tmp_path):

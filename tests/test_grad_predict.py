@@ -11,8 +11,8 @@ from ds_hybrid.config import ConfigError
 from ds_hybrid.engine import default_loss
 from ds_hybrid.grad_predict import batch_share
 from ds_hybrid.phases import Phase
-from engine_utils import (NVME_AIO, EAGER, MICRO, Batches, aio_available, commit_and_check, ds_config, full_params,
-                          make_engine, master_copies, steps_alike)
+from engine_utils import (NVME_AIO, EAGER, MICRO, Batches, aio_available, commit_and_check, count_swap_ins, ds_config,
+                          full_params, make_engine, master_copies, steps_alike)
 
 GRAD = dict(EAGER, check="next_step", predictor={"direction": "gradient"})
 SETUPS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2), "z2-offload": dict(stage=2, offload_opt="cpu"),
@@ -743,13 +743,7 @@ def test_masters_and_adam_state_on_nvme_take_the_same_steps_as_in_host_memory(wh
             return check(loss * 10 if len(seen) == 2 and engine._check_groups is not None else loss, batch, out)
         engine._check_predicted_update = judged
         rejected.append(seen)
-    swapped = [0]   # sub-groups swapped in by the NVMe engine since the count was reset
-    swap_in = nvme.optimizer._optimizer_states_and_gradient_swap_in
-
-    def counted(*args, **kwargs):
-        swapped[0] += 1
-        return swap_in(*args, **kwargs)
-    nvme.optimizer._optimizer_states_and_gradient_swap_in = counted
+    swapped = count_swap_ins(nvme)   # sub-groups swapped in by the NVMe engine since the count was reset
     br, bn = Batches(seed=3), Batches(seed=3)
     phases, kept, swaps = [], [], []   # per step of the NVMe engine: phase, a run kept, sub-groups swapped in
     for _ in range(16):
