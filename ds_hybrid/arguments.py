@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import textwrap
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,6 @@ class HelpFormatter(argparse.HelpFormatter):
     hyphenated name such as a preset's)."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        import textwrap
         return "\n".join(textwrap.fill(" ".join(line.split()), width, initial_indent=indent, subsequent_indent=indent,
                                        break_on_hyphens=False, break_long_words=False) if line.strip() else ""
                          for line in text.splitlines())

@@ -509,7 +509,6 @@ class _Zero3Access(MasterAccess):
         opt.checkpoint_event_epilogue()
 
 
-
 class StepJobs:
     """A kept run's commit into the masters, by sub-group, taken inside DeepSpeed's next ZeRO 3
     step under ZeRO-Infinity's NVMe swap (``access.swaps``).

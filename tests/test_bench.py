@@ -902,9 +902,10 @@ def test_the_profile_times_zenflows_own_steps(tmp_path):
     prof = bench_profile.profile_steps(suite, 2e-3, bench.resolve_data(suite.data), None, reps=2,
                                        ds_arms={"zenflow": 4e-3, "zenflow-overlap": 2e-3})
     assert prof["cost"]["plain"] == 1.0 and prof["cost"]["deepspeed"] > 0
-    # (each timed 8 steps at a time: a step's mean, not 8 steps')
+    # (each timed 8 steps at a time: a step's mean, not 8 steps'. The bound sits between the two:
+    # ZenFlow's own step measured 0.99x-4.08x a plain one on a busy 2-core machine, 8 steps' would be 8x)
     for kind in ("zenflow", "zenflow-overlap"):
-        assert 0 < prof["cost"][kind] < 4 and prof["seconds"][kind] > 0
+        assert 0 < prof["cost"][kind] < 6 and prof["seconds"][kind] > 0
     # The overlapped one's optimizer process takes a share of the cores, and its training thread the
     # rest, in its own steps only: the other kinds ran on every core the profile started with.
     assert prof["feature_cores"]["zenflow"] == prof["cores"] and prof["narrowed_kinds"] == []
