@@ -106,8 +106,8 @@ def count_buffers(opt, stage: int) -> dict[str, int]:
     if swapper is not None:   # offload_optimizer: nvme
         out["fp32 optimizer swap buffers (optimizer_swapper, buffer_count x largest sub-group)"] = sum(
             _nbytes(t) for t in swapper.swap_buffer_manager.all_buffers)
-        params = [p for g in opt.fp16_groups for p in g]
-        param_swapper = getattr(params[0], "nvme_swapper", None) if params else None
+        first = next((p for g in opt.fp16_groups for p in g), None)
+        param_swapper = getattr(first, "nvme_swapper", None)
         if param_swapper is not None:
             out["16-bit weight swap buffers (offload_param: nvme, buffer_count x buffer_size)"] = \
                 _nbytes(param_swapper.buffers)
@@ -232,8 +232,7 @@ def summarise(r: dict) -> dict:
     swap = sum(v for k, v in r["buffers"].items() if k in SWAP_SIZED)
     out = {"host_bytes_per_param": round(host, 3), "gpu_bytes_per_param": round(gpu, 3),
            "hybrid_host_bytes_per_param": round(extra, 3),
-           "counted_over_rss_peak": round((host + gpu + extra) * p / r["rss_peak_above_start"] + swap
-                                          / r["rss_peak_above_start"], 3)}
+           "counted_over_rss_peak": round(((host + gpu + extra) * p + swap) / r["rss_peak_above_start"], 3)}
     if "nvme_bytes" in r:   # (DeepSpeed's estimators do not count NVMe layouts)
         largest = max(r["sub_group_numels"])
         return {**out, "swap_buffer_bytes": swap, "largest_sub_group": largest,
