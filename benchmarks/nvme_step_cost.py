@@ -13,8 +13,11 @@ the same batches so that the machine's drift falls on all of them alike:
   masters, so swaps every sub-group in and out);
 * ``plain-cpu``: plain DeepSpeed with ``offload_optimizer: cpu``: what the swap adds to a step.
 * ``drift``: the hybrid with the drift direction (an int8 velocity, no backward) on the device
-  path, the 7b-24gb-nvme preset's section: its Predict steps swap nothing, and a kept run's
-  commit goes into DeepSpeed's step (``zero_access.StepJobs``).
+  path, the 7b-24gb-nvme preset's section: its Predict steps swap nothing, a kept run's commit
+  goes into DeepSpeed's step (``zero_access.StepJobs``), and so does each real step's fold
+  (``memory.fold_in_step``, ``swap_fold.py``);
+* ``drift-after``: the same with ``memory.fold_in_step: false``: the fold after DeepSpeed's step,
+  which swaps every sub-group in again to read the masters and moments it left.
 
 The hybrid engines run 1 real step and 3 Predict steps in turn (``check: next_step``, every run
 kept). Each step is timed whole (``train_step``) and booked by kind: a real step after a run
@@ -25,7 +28,7 @@ repeats the whole measurement on fresh engines (other batches) for the spread.
 
     .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
         [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
-        [--swap-dir DIR] [--engines plain device host plain-cpu drift]
+        [--swap-dir DIR] [--engines plain device host plain-cpu drift drift-after]
 
 Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
 CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
@@ -42,7 +45,7 @@ import time
 from pathlib import Path
 
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
-ENGINES = ("plain", "device", "host", "plain-cpu", "drift")
+ENGINES = ("plain", "device", "host", "plain-cpu", "drift", "drift-after")
 
 
 def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
@@ -57,15 +60,16 @@ def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
     if name.startswith("plain"):
         cfg["hybrid_predict"] = dict(cfg["hybrid_predict"], enabled=False)
         return cfg
+    drift = name.startswith("drift")
     cfg["hybrid_predict"] = {
         "enabled": True, "warmup_steps": 4, "full_steps": 1, "min_predict_steps": 3, "max_predict_steps": 3,
         "confidence_threshold": 0.0, "correction_steps": 0, "check": "next_step",
         # (every run kept: the costs of a kept run's steps are what is measured here)
         "divergence": {"rel_tolerance": 10.0, "z_threshold": 1e6, "max_loss_ratio": 1e6},
-        "predictor": ({"direction": "drift"} if name == "drift" else
+        "predictor": ({"direction": "drift"} if drift else
                       {"direction": "gradient", "gradient_batch_fraction": fraction}),
-        "memory": ({"velocity_dtype": "int8", "offload_predict": "auto"} if name == "drift" else
-                   {"offload_predict": "auto" if name == "device" else "host"}),
+        "memory": ({"velocity_dtype": "int8", "offload_predict": "auto", "fold_in_step": name == "drift"} if drift
+                   else {"offload_predict": "auto" if name == "device" else "host"}),
         "dynamics": {"progress_every": 0}}
     return cfg
 

@@ -518,8 +518,9 @@ class MemoryConfig(_Section):
     ``true`` refuses, naming the key, setups whose every-step statistics are read at that step
     (``group_predict``, ``predictor.type: rssm``, ``dynamics.trajectory_path``), the ``snapshot``
     fold source, and NVMe optimizer offload (the fold would swap on its thread beside
-    DeepSpeed's swapper). ``auto``: on where it can be, the masters are in host memory beside a
-    GPU (on DeepSpeed's CPU accelerator the thread would take the forward's cores) and
+    DeepSpeed's swapper; ``fold_in_step`` folds inside its step there). ``auto``: on where it
+    can be, the masters are in host memory beside a GPU (on DeepSpeed's CPU accelerator the
+    thread would take the forward's cores) and
     ``fold_in_step`` is off (its one pass inside the step is cheaper there: 1044 against 1172 ms
     a real step with llama-1b on an H200)."""
 
@@ -560,9 +561,16 @@ class MemoryConfig(_Section):
     goes into the step (the fold is the GPU's). ``statistics()``: ``fold_in_step`` and
     ``bookkeeping_seconds.fold_in_step`` (the passes' time inside the step; in one pass it
     holds DeepSpeed's update of those values too) and ``commit_in_step`` (the commit's, where it
-    ran apart). ``true`` refuses, naming the key, setups
-    without DeepSpeed's CPU Adam (or with NVMe optimizer offload), the drift velocity, the
-    optimizer-state fold source or the C++ kernels, and with ``fold_overlap``,
+    ran apart). Under ``offload_optimizer: nvme`` (ZeRO-Infinity; ``ds_hybrid/swap_fold.py``) the
+    fold runs inside DeepSpeed's ZeRO 3 step instead, each sub-group's just after its Adam step
+    while it is swapped in (from the moments with ``fold_source: optimizer_state``, from a copy of
+    the sub-group taken just before its step with ``snapshot``: the largest sub-group's fp32 size
+    in host memory), bit for bit the fold after the step, which swaps every sub-group in once
+    more to read them: a real step then swaps what a plain one does (a kept run's commit goes
+    into the step either way). ``true`` refuses, naming the key, setups
+    without DeepSpeed's CPU Adam, the drift velocity, the
+    optimizer-state fold source or the C++ kernels (under NVMe: without the drift velocity, or
+    with ``fold_source: weights16``), and with ``fold_overlap``,
     ``fold_during_run`` or ``commit_overlap`` set true. ``auto``: on where it can be and none of
     those is set true (then ``fold_overlap``'s ``auto`` is off). Measured: on DeepSpeed's CPU
     accelerator the one pass takes 2.21x DeepSpeed's step alone where the step and the fold after

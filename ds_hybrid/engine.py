@@ -58,6 +58,7 @@ from .noise_scale import NoiseScale
 from .phases import Phase, PhaseController
 from .predictor import AdamDirectionPredictor
 from .shard_fold import ShardFold
+from .swap_fold import SwapFold
 from .wall_clock import WallClockBreakdown
 
 LossFn = Callable[["PredictiveEngine", Any], torch.Tensor]
@@ -242,6 +243,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         self._fusion: step_fusion.FusedCpuAdam | None = None   # memory.fold_in_step: DeepSpeed's CPU Adam, wrapped
         self._step_commit: tuple | None = None   # ... a kept run's commit, for the coming optimizer step
         self._fold_in_step = False               # ... this step's fold goes into the optimizer step
+        # ... under ZeRO-Infinity's NVMe swap: the fold inside DeepSpeed's sub-group steps instead
+        self._swap_fold: SwapFold | None = None
         self._step_jobs: list | None = None      # ... the jobs the last optimizer step was armed with
         self._free_velocity_copy = False   # memory.free_velocity_copy: the velocity's GPU copy only during a run
         self._gradient: GradientPredict | None = None   # predictor.direction: gradient
@@ -295,6 +298,7 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                     self._gradient.host_kernel = host_kernels.resolve(mem.host_kernels)   # (the commit's catch-up)
                 self._gradient.prefetch_host = self._host_masters_beside_an_accelerator()
         self._fusion = self._resolve_fold_in_step()
+        self._swap_fold = self._resolve_swap_fold()
         # memory.cpu_step_behind: a real step that may precede a gradient run defers DeepSpeed's CPU
         # Adam calls (_deferred); a run covers them on the GPU and they run behind it
         self._cpu_step_behind = self._resolve_cpu_step_behind()
@@ -471,7 +475,9 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             out["fold_overlap"] = self._folds is not None
             out["fold_background_seconds"] = self._folds.background_seconds if self._folds is not None else 0.0
             out["fold_during_run"] = self._fold_during_run
-            out["fold_in_step"] = self._fusion is not None
+            out["fold_in_step"] = self._fusion is not None or self._swap_fold is not None
+            if self._swap_fold is not None:   # (fold_source: snapshot under NVMe: one sub-group's masters)
+                out["fold_in_step_copy_bytes"] = self._swap_fold.copy_bytes()
             if self._fusion is not None:   # partitions stepped in one pass, and through DeepSpeed's op in chunks
                 out["fold_in_step_passes"] = dict(self._fusion.passes)
             out["free_velocity_copy"] = self._free_velocity_copy
@@ -609,7 +615,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                 self._gradient.commit()   # (a run kept without a check: the optimizer takes its first moment)
             if self._device_predict is not None and self._device_predict.pending:
                 self._commit_run(into_step=True)   # (a run kept without a check: its masters catch up here)
-            capture = predicted or (drift and not self._fold_from_state and self._shards is None)
+            capture = predicted or (drift and not self._fold_from_state and self._shards is None
+                                    and self._swap_fold is None)
             stash = not capture and probe and not drift
             if capture or stash:
                 self._wait_fold()     # (it reads the masters these overwrite)
@@ -632,7 +639,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         # (memory.cpu_step_behind: a whole step that a run may follow; Warmup never precedes one)
         self._defer_step = self._cpu_step_behind and not predicted and phase is not Phase.WARMUP
         # (fold_source: weights16 folds on the shards' device: only a kept run's commit goes into the step)
-        self._fold_in_step = self._fusion is not None and drift and not predicted and self._shards is None
+        self._fold_in_step = ((self._fusion is not None or self._swap_fold is not None) and drift and not predicted
+                              and self._shards is None)
         self._capture_shards = self._shards is not None and drift
         if self._capture_shards:
             self._kept_runs_at_start = self._device_predict.kept_runs
@@ -645,9 +653,12 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         applied = self.was_step_applied()
         fold_behind = drift and applied and self._folds is not None and not predicted
         in_step, self._step_jobs = self._step_jobs, None
+        swapped = self._finish_swap_fold()
         if in_step is not None and drift and applied:
             # memory.fold_in_step: folded inside the optimizer step
             groups = self._fused_fold_sums(in_step, lrs)
+        elif swapped is not None and drift and applied:
+            groups = swapped   # ... inside ZeRO-Infinity's sub-group steps, each swapped in once
         elif drift and applied and self._shards is not None:
             # memory.fold_source: weights16: from the shards DeepSpeed's step just wrote, on their
             # device (none where this step committed a kept run: shard_fold.py says why)
@@ -1218,6 +1229,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                         self._shards.capture(committed=self._device_predict.kept_runs != self._kept_runs_at_start)
                 if self._fusion is not None:
                     return self._fused_model_step(lr_kwargs)
+                if self._swap_fold is not None and self._fold_in_step:
+                    self._arm_swap_fold()
                 if self._defer_step:
                     # (and without DeepSpeed's copy of the masters, not yet stepped, into the weights:
                     # the cover steps the weights as they are, _settle_cpu_step copies the stepped ones)
@@ -1302,6 +1315,27 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             if fold and int(self.global_steps) != step:
                 raise RuntimeError(f"ds_hybrid: memory.fold_in_step folded step {step}, but DeepSpeed's step "
                                    f"count is {int(self.global_steps)}")
+
+    def _arm_swap_fold(self) -> None:
+        """This step's fold into DeepSpeed's ZeRO 3 step, a sub-group at a time while it is swapped
+        in (``memory.fold_in_step`` under NVMe swap, ``swap_fold.py``)."""
+        copied = self._velocity_copied()
+        if copied is not None:
+            copied.synchronize()   # (the last upload has read the host velocity the fold writes)
+        lrs = [float(g["lr"]) for g in self._masters.base.param_groups]   # (the scheduler steps after it)
+        self._swap_fold.arm(lrs, self.hybrid_config.predictor.drift_beta, int(self.global_steps) + 1,
+                            self._learns_from_every_step())
+
+    def _finish_swap_fold(self) -> torch.Tensor | None:
+        """The direction statistics of the fold the last optimizer step took inside its sub-group
+        steps (None: none), its time booked as ``fold_in_step``."""
+        if self._swap_fold is None:
+            return None
+        out = self._swap_fold.finish()
+        if out is not None:
+            b = self._stats.bookkeeping_seconds
+            b["fold_in_step"] = b.get("fold_in_step", 0.0) + self._swap_fold.seconds
+        return out
 
     def _settle_cpu_step(self) -> None:
         """``memory.cpu_step_behind``, after a real step that deferred DeepSpeed's CPU Adam calls:

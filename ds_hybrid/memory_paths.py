@@ -1,9 +1,10 @@
 """Which memory paths a ``PredictiveEngine`` takes, chosen once at set-up.
 
 ``hybrid_predict.memory`` and ``predictor`` name paths (the fold's source, the device-side
-Predict run, the gradient direction's state, the fold behind the step or inside CPU Adam, the
-fold during a run, the freed velocity copy, the CPU step deferred behind a gradient run) that
-only some ZeRO layouts, optimizers and devices allow. Each method here resolves one setting against what DeepSpeed built: the path to take,
+Predict run, the gradient direction's state, the fold behind the step, inside CPU Adam or inside
+ZeRO-Infinity's sub-group steps, the fold during a run, the freed velocity copy, the CPU step
+deferred behind a gradient run) that only some ZeRO layouts, optimizers and devices allow. Each
+method here resolves one setting against what DeepSpeed built: the path to take,
 ``auto``'s choice with the measurement behind it, or a config error naming the key and what this
 setup lacks. ``PredictiveEngine.__init__`` calls them in order, each after the paths it depends
 on; the step loop only reads what they chose.
@@ -21,6 +22,7 @@ from .device_predict import DevicePredict
 from .device_predict import unsupported as device_unsupported
 from .grad_predict import GradientPredict
 from .shard_fold import ShardFold
+from .swap_fold import SwapFold
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +176,8 @@ class MemoryPaths:
         kept runs commit) inside its step, or None."""
         mem = self.hybrid_config.memory
         setting = mem.fold_in_step
-        if setting is False:
-            return None
+        if setting is False or offload_devices(self._config._param_dict)[0] == "nvme":
+            return None   # (under NVMe swap the fold goes into DeepSpeed's sub-group steps: _resolve_swap_fold)
         base = self._masters.base
         behind = [k for k in ("fold_overlap", "fold_during_run", "commit_overlap") if getattr(mem, k) is True]
         why = None
@@ -187,8 +189,6 @@ class MemoryPaths:
         elif type(base).__name__ != "DeepSpeedCPUAdam":
             why = (f"the optimizer is {type(base).__name__}, not DeepSpeed's CPU Adam "
                    "(zero_optimization.offload_optimizer.device: cpu)")
-        elif offload_devices(self._config._param_dict)[0] == "nvme":
-            why = "zero_optimization.offload_optimizer.device is nvme (DeepSpeed swaps the partitions in for its step)"
         elif not self._fold_from_state and self._shards is None:
             why = "memory.fold_source is snapshot (the fold reads a copy of the masters from before the step)"
         elif not self._host_kernel:
@@ -202,6 +202,23 @@ class MemoryPaths:
         # auto takes it beside a GPU too: there it made the real steps cheaper than the fold behind
         # the step (H200, llama-1b, 2026-11-27: 1044 against 1172 ms; gpu_run.sh grad1b).
         return step_fusion.install(base)
+
+    def _resolve_swap_fold(self) -> "SwapFold | None":
+        """``memory.fold_in_step`` under ZeRO-Infinity's NVMe optimizer swap: real steps fold inside
+        DeepSpeed's sub-group steps (``swap_fold.py``), or None."""
+        setting = self.hybrid_config.memory.fold_in_step
+        if setting is False or not self._masters.swaps:
+            return None
+        why = None
+        if self._velocity is None:
+            why = "predictor.direction is not drift (there is no velocity to fold)"
+        elif self._shards is not None:
+            why = "memory.fold_source is weights16 (the fold is on the shards' device, after the step)"
+        if why is not None:
+            if setting is True:
+                raise ConfigError(f"hybrid_predict.memory.fold_in_step: true, but {why}")
+            return None
+        return SwapFold(self._masters, self._velocity, self._fold_from_state, self._host_kernel)
 
     def _resolve_fold_during_run(self) -> bool:
         """``memory.fold_during_run``: whether a drift run holds a copy of the velocity from before

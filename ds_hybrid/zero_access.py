@@ -510,40 +510,43 @@ class _Zero3Access(MasterAccess):
 
 
 class StepJobs:
-    """A kept run's commit into the masters, by sub-group, taken inside DeepSpeed's next ZeRO 3
-    step under ZeRO-Infinity's NVMe swap (``access.swaps``).
+    """One owner's work on each sub-group inside DeepSpeed's next ZeRO 3 step under
+    ZeRO-Infinity's NVMe swap (``access.swaps``), while DeepSpeed has the sub-group swapped in.
 
-    A commit of its own would swap every sub-group in and out once more, beside the real step's
-    own swap. Instead ``defer`` hands each sub-group's part to the step: it runs just before that
-    sub-group's Adam step (``_optimizer_step``), when DeepSpeed has swapped its master and moments
-    in, and so makes the same additions on the same values. What the step does not reach (a
-    skipped step: the non-finite guard, an overflow) runs at ``settle``, which the owner calls when
-    the real step ends and before anything else reads the masters."""
+    ``jobs`` run just before a sub-group's Adam step (``_optimizer_step``): a kept run's commit
+    into the masters makes there the same additions on the same values as a commit of its own,
+    which would swap every sub-group in and out once more beside the step's own swap. ``after``
+    jobs run just after it, before DeepSpeed copies the sub-group into the 16-bit weights and
+    swaps it out: a real step's fold (``swap_fold.py``), which would otherwise swap every
+    sub-group in again to read the masters and moments the step left.
 
-    def __init__(self, access: MasterAccess) -> None:
+    The owners of one optimizer share one wrapper of its ``_optimizer_step``: every owner's
+    ``jobs`` run, ``late`` owners' last (the fold's copy of a sub-group before its step comes
+    after a commit's additions, so that it folds the step's own move), then DeepSpeed's step,
+    then every owner's ``after`` jobs. What a step does not reach (a skipped step: the
+    non-finite guard, an overflow): ``jobs`` run at ``settle``, which the owner calls when the
+    real step ends and before anything else reads the masters; ``after`` jobs are the owner's
+    to drop or finish (``take_after``)."""
+
+    def __init__(self, access: MasterAccess, late: bool = False) -> None:
         self.access = access
-        self.jobs: dict = {}   # sub-group index -> job(part)
+        self.late = late
+        self.jobs: dict = {}    # sub-group index -> job(part), before its Adam step
+        self.after: dict = {}   # sub-group index -> job(part), after it
         self._hooked = False
 
-    def defer(self, jobs: dict) -> None:
-        """Each ``jobs[i](part)`` runs in DeepSpeed's next step, before sub-group ``i``'s Adam step
-        (the caller has settled any earlier ones)."""
-        self.jobs = jobs
-        if self._hooked:
-            return
-        opt = self.access.optimizer
-        inner = opt._optimizer_step
-
-        def sub_group_step(sub_group_id, *args, **kwargs):
-            job = self.jobs.pop(sub_group_id, None)
-            if job is not None:
-                job(self.access.partition(sub_group_id))
-            return inner(sub_group_id, *args, **kwargs)
-        opt._optimizer_step = sub_group_step   # (once per owner; an owner's wrapper calls the one before it)
-        self._hooked = True
+    def defer(self, jobs: dict, after: "dict | None" = None) -> None:
+        """Each ``jobs[i](part)`` runs in DeepSpeed's next step before sub-group ``i``'s Adam step,
+        each ``after[i](part)`` after it (the caller has settled or dropped any earlier ones)."""
+        self.jobs, self.after = jobs, dict(after or {})
+        if not self._hooked:
+            owners = _sub_group_owners(self.access.optimizer)
+            owners.append(self)
+            owners.sort(key=lambda owner: owner.late)   # (stable: the others in the order they came)
+            self._hooked = True
 
     def settle(self) -> None:
-        """The jobs no step has taken, now (each sub-group swapped in for its own)."""
+        """The ``jobs`` no step has taken, now (each sub-group swapped in for its own)."""
         jobs, self.jobs = self.jobs, {}
         if not jobs:
             return
@@ -551,6 +554,35 @@ class StepJobs:
             job = jobs.get(i)
             if job is not None:
                 job(part)
+
+    def take_after(self) -> dict:
+        """The ``after`` jobs no step has taken (and no ``jobs`` left either: dropped)."""
+        after, self.after, self.jobs = self.after, {}, {}
+        return after
+
+
+def _sub_group_owners(opt: Any) -> list:
+    """The ``StepJobs`` sharing ``opt``'s wrapped ``_optimizer_step`` (wrapped on first use)."""
+    owners = getattr(opt, "_ds_hybrid_step_jobs", None)
+    if owners is not None:
+        return owners
+    owners = []
+    inner = opt._optimizer_step
+
+    def sub_group_step(sub_group_id, *args, **kwargs):
+        for owner in owners:
+            job = owner.jobs.pop(sub_group_id, None)
+            if job is not None:
+                job(owner.access.partition(sub_group_id))
+        out = inner(sub_group_id, *args, **kwargs)
+        for owner in owners:
+            job = owner.after.pop(sub_group_id, None)
+            if job is not None:
+                job(owner.access.partition(sub_group_id))
+        return out
+    opt._optimizer_step = sub_group_step   # (on the instance, once per optimizer)
+    opt._ds_hybrid_step_jobs = owners
+    return owners
 
 
 def master_access(engine: Any) -> MasterAccess:
@@ -888,7 +920,8 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
                      lrs: Sequence[float], beta: float, step: int, groups: "set[int] | None" = None,
                      keep: bool = False, moments: bool = True, host_kernel: bool = False,
                      parts: "list[MasterPartition] | None" = None, only: "set[int] | None" = None,
-                     count: bool = True, shards: bool = False, backend: str = "torch") -> torch.Tensor:
+                     count: bool = True, shards: bool = False, backend: str = "torch",
+                     pairs: "list[tuple[int, MasterPartition]] | None" = None) -> torch.Tensor:
     """After a real step: fold its update per unit LR into the velocity, and return the
     per-group sums of ``DIRECTION_STATS`` comparing it with the velocity before the fold
     (``old`` = the direction a Predict step would have taken, ``new`` = the real update
@@ -915,7 +948,9 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
     ``parts``: ``access.partitions()`` listed beforehand (a fold on a host thread reads
     DeepSpeed's optimizer structures on the main thread, ``fold_overlap.py``). ``only``: fold
     only these partitions (by index); ``count=False``: leave ``vel.updates`` to the caller (both
-    for ``memory.fold_in_step``, which folds the others inside the optimizer step).
+    for ``memory.fold_in_step``, which folds the others inside the optimizer step). ``pairs``:
+    fold these partitions, each with its index (one sub-group inside DeepSpeed's step under NVMe
+    swap, ``swap_fold.py``).
 
     ``shards`` (``memory.fold_source: weights16``): the update is the difference of the 16-bit
     shards (``access.device_shard``) after the step and ``before`` (``capture_shards``), taken
@@ -930,7 +965,7 @@ def fold_real_update(access: MasterAccess, before: PartitionBuffers | None, vel:
         return out
     from .quant import scratch
     first, folded = vel.updates == 0, False
-    for i, part in enumerate(access.partitions() if parts is None else parts):
+    for i, part in pairs if pairs is not None else enumerate(access.partitions() if parts is None else parts):
         lr = float(lrs[part.group_index])
         if part.master.numel() == 0 or lr <= 0 or (not from_state and i >= len(before.buffers)):
             continue

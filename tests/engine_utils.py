@@ -141,6 +141,15 @@ def full_params(engine) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+def same_velocity(a, b) -> bool:
+    """The two engines' drift velocities hold the same values (and count the same updates)."""
+    va, vb = a._velocity, b._velocity
+    if va.updates != vb.updates or len(va.buffers) != len(vb.buffers):
+        return False
+    return all((x is None) == (y is None) and (x is None or (torch.equal(x.data, y.data) and (
+        getattr(x, "scale", None) is None or torch.equal(x.scale, y.scale)))) for x, y in zip(va.buffers, vb.buffers))
+
+
 def master_copies(engine) -> list[torch.Tensor]:
     return [p.master.detach().clone() for p in engine._masters.partitions()]
 

@@ -9,7 +9,7 @@ import torch
 import ds_hybrid.zero_access as za
 from ds_hybrid import Phase
 from engine_utils import (NVME_AIO, EAGER, BackwardCounter, Batches, aio_available, count_swap_ins, ds_config,
-                          full_params, make_engine, master_copies)
+                          full_params, make_engine, master_copies, same_velocity)
 
 SETUPS = {
     "z0-fp32": dict(stage=0),
@@ -258,13 +258,16 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
     run) masters as ``offload_optimizer: cpu``, bit for bit, through kept runs and a rejected one.
     On the drift direction's device path the commit adds each run to the masters one sub-group at
     a time, each swapped in for its additions (listed beforehand, they would be swapped out and
-    empty, and the run lost at the next real step)."""
-    # (fold_in_step off: NVMe refuses it, and its fold from inside the step differs from the
-    # fold read back from the moments by fp32 rounding)
-    hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": direction},
-                  memory={"offload_predict": where, "fold_in_step": False} if direction == "drift" else {})
-
+    empty, and the run lost at the next real step). Under NVMe the drift fold runs inside
+    DeepSpeed's sub-group steps (``memory.fold_in_step``, ``swap_fold.py``): the host path's from a
+    copy of each sub-group before its step (its fold source is the snapshot), the device path's
+    from the moments; with ``offload_optimizer: cpu`` the fold after the step (``fold_in_step``
+    off: on in host memory its fold from inside CPU Adam's step differs from the fold read back
+    from the moments by fp32 rounding), with the velocity bit for bit the same."""
     def build(device: str):
+        memory = {"offload_predict": where, "fold_in_step": "auto" if device == "nvme" else False}
+        hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": direction},
+                      memory=memory if direction == "drift" else {})
         cfg = ds_config(stage=3, offload_opt=device, nvme_path=str(tmp_path), hybrid=hybrid, **NVME_AIO)
         cfg["zero_optimization"]["sub_group_size"] = 300_000
         engine = make_engine(cfg, model="gpt2-tiny")
@@ -279,7 +282,9 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
     ram, nvme = build("cpu"), build("nvme")
     assert nvme._masters.swaps and nvme.optimizer._swappable_optimizer_subgroup(0)
     if direction == "drift":
-        assert nvme.statistics()["offload_predict"] == where
+        st = nvme.statistics()
+        assert st["offload_predict"] == where and st["fold_in_step"] is True
+        assert st["fold_source"] == ("optimizer_state" if where == "device" else "snapshot")
     br, bn = Batches(seed=3), Batches(seed=3)
     phases = []
     for _ in range(16):
@@ -289,10 +294,31 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
         assert all(torch.equal(a, c) for a, c in zip(full_params(ram), full_params(nvme))), phases + [rn.phase]
         if rn.phase != "predict":
             assert all(torch.equal(a, c) for a, c in zip(master_copies(ram), master_copies(nvme)))
+        if direction == "drift":
+            assert same_velocity(ram, nvme)
         phases.append(rn.phase)
     st = nvme.statistics()
     assert phases.count("predict") >= 6 and st["predict_accepted"] >= 2 and st["predict_rolled_back"] >= 2
+    if direction == "drift":
+        assert st["bookkeeping_seconds"]["fold_in_step"] > 0 and ram._velocity.updates >= 8
+        # (the snapshot source's copy: one sub-group's fp32 masters, the largest; none from the moments)
+        largest = max(nvme._masters.numel(i) for i in range(nvme._masters._count()))
+        assert st["fold_in_step_copy_bytes"] == (0 if where == "device" else 4 * largest)
 
+
+
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_fold_in_step_under_nvme_refuses_what_it_cannot_fold(tmp_path):
+    """``memory.fold_in_step: true`` under ``offload_optimizer: nvme`` with no velocity to fold (the
+    adam direction): a config error naming the key and why; ``auto`` is off there."""
+    def build(fold_in_step):
+        hybrid = dict(EAGER, predictor={"direction": "adam"}, memory={"fold_in_step": fold_in_step})
+        cfg = ds_config(stage=3, offload_opt="nvme", nvme_path=str(tmp_path), hybrid=hybrid, **NVME_AIO)
+        return make_engine(cfg, model="gpt2-tiny")
+    with pytest.raises(ValueError, match="memory.fold_in_step: true, but predictor.direction is not drift"):
+        build(True)
+    st = build("auto").statistics()
+    assert st["fold_in_step"] is False and "fold_in_step_copy_bytes" not in st
 
 
 @pytest.mark.slow
@@ -300,15 +326,18 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
 def test_a_kept_drift_run_goes_into_deepspeeds_nvme_step(tmp_path):
     """The drift direction's device path under ``offload_optimizer: nvme`` (the 7b-24gb-nvme
     preset's): a kept run's additions to the masters go into the real step's DeepSpeed step, each
-    sub-group's just before its Adam step, so that step swaps what a plain step does (not each
-    sub-group once more, through a commit of its own), and a Predict step swaps nothing. The
-    weights, masters and moments stay bit for bit ``offload_optimizer: cpu``'s, also where the step
-    that keeps a run is skipped on a NaN gradient (its additions are then made when it ends)."""
-    hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": "drift"},
-                  memory={"offload_predict": "device", "fold_in_step": False})
-
-    def build(device: str):
-        cfg = ds_config(stage=3, offload_opt=device, nvme_path=str(tmp_path), hybrid=hybrid, **NVME_AIO)
+    sub-group's just before its Adam step, and the real step's fold goes in too, each sub-group's
+    just after its Adam step (``memory.fold_in_step``: ``swap_fold.py``), so that every real step
+    swaps what a plain step does (not each sub-group once more for the fold, nor for a commit of
+    its own), and a Predict step swaps nothing. The weights, masters, moments and velocity stay bit
+    for bit ``offload_optimizer: cpu``'s (its fold after the step), also where the step that keeps
+    a run is skipped on a NaN gradient (its additions are then made when it ends).
+    ``fold_in_step: false`` under NVMe: the fold after the step, swapping each sub-group again."""
+    def build(device: str, fold_in_step="auto"):
+        hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": "drift"},
+                      memory={"offload_predict": "device", "fold_in_step": fold_in_step if device == "nvme" else False})
+        cfg = ds_config(stage=3, offload_opt=device, nvme_path=str(tmp_path / f"{device}-{fold_in_step}"),
+                        hybrid=hybrid, **NVME_AIO)
         cfg["zero_optimization"]["sub_group_size"] = 300_000
         return make_engine(cfg, model="gpt2-tiny")
 
@@ -319,33 +348,39 @@ def test_a_kept_drift_run_goes_into_deepspeeds_nvme_step(tmp_path):
 
     def moments(engine):
         return [p.state[k].detach().clone() for p in engine._masters.partitions() for k in ("exp_avg", "exp_avg_sq")]
-    ram, nvme = build("cpu"), build("nvme")
+    ram, nvme, after = build("cpu"), build("nvme"), build("nvme", fold_in_step=False)
     swappable = sum(nvme.optimizer._swappable_optimizer_subgroup(i) for i in range(nvme._masters._count()))
     assert swappable == 2 and nvme.statistics()["offload_predict"] == "device"
-    swapped = count_swap_ins(nvme)
-    br, bn = Batches(seed=3), Batches(seed=3)
-    rows = []   # per step: phase, a run checked (and kept), skipped on NaN, sub-groups swapped in
+    assert nvme.statistics()["fold_in_step"] is True and after.statistics()["fold_in_step"] is False
+    swapped, swapped_after = count_swap_ins(nvme), count_swap_ins(after)
+    br, bn, ba = Batches(seed=3), Batches(seed=3), Batches(seed=3)
+    rows = []   # per step: phase, a run checked (and kept), skipped on NaN, sub-groups swapped in (in step, after)
     for _ in range(18):
-        swapped[0] = 0
+        swapped[0] = swapped_after[0] = 0
         checks = sum(1 for r in rows if r[1])
         poison = nvme._check_groups is not None and checks == 1   # (the second run's check: a NaN gradient)
         loss_fn = nan_gradient if poison else None
         rr, rn = ram.train_step(br.step(), loss_fn=loss_fn), nvme.train_step(bn.step(), loss_fn=loss_fn)
+        ra = after.train_step(ba.step(), loss_fn=loss_fn)
         assert (rr.phase, rr.loss, rr.checked, rr.rolled_back_steps) == (rn.phase, rn.loss, rn.checked,
                                                                           rn.rolled_back_steps)
-        rows.append((rn.phase, rn.checked and not rn.rolled_back_steps, poison, swapped[0]))
+        assert (ra.phase, ra.loss) == (rn.phase, rn.loss)
+        rows.append((rn.phase, rn.checked and not rn.rolled_back_steps, poison, swapped[0], swapped_after[0]))
         assert all(torch.equal(a, c) for a, c in zip(full_params(ram), full_params(nvme)))
+        assert same_velocity(ram, nvme) and same_velocity(ram, after)
         if rn.phase != "predict":
             assert all(torch.equal(a, c) for a, c in zip(master_copies(ram), master_copies(nvme)))
             assert all(torch.equal(a, c) for a, c in zip(moments(ram), moments(nvme)))
-    # A plain real step swaps each sub-group in twice: DeepSpeed's step, then the fold, which reads
-    # the moments after it. The one that keeps a run, the same.
-    plain = {n for phase, k, poisoned, n in rows if phase in ("warmup", "full") and not k and not poisoned}
-    kept = [n for _, k, poisoned, n in rows if k and not poisoned]
-    assert plain == {2 * swappable} and len(kept) >= 2 and set(kept) == plain, rows
-    assert {n for phase, _, _, n in rows if phase == "predict"} == {0}, rows
+    # A real step swaps each sub-group in once, for DeepSpeed's step, which also takes the fold;
+    # the one that keeps a run, the same. With the fold after the step, twice.
+    plain = {n for phase, k, poisoned, n, _ in rows if phase in ("warmup", "full") and not k and not poisoned}
+    kept = [n for _, k, poisoned, n, _ in rows if k and not poisoned]
+    assert plain == {swappable} and len(kept) >= 2 and set(kept) == plain, rows
+    assert {m for phase, k, poisoned, _, m in rows if phase != "predict" and not poisoned} == {2 * swappable}, rows
+    assert {n for phase, _, _, n, _ in rows if phase == "predict"} == {0}, rows
     # the skipped step: DeepSpeed swaps nothing in, and the run's additions swap each sub-group once
-    assert [n for _, k, poisoned, n in rows if poisoned] == [swappable] and nvme.statistics()["skipped_steps"] == 1
+    assert [n for _, k, poisoned, n, _ in rows if poisoned] == [swappable] and nvme.statistics()["skipped_steps"] == 1
+    assert ram._velocity.updates >= 8
 
 
 def test_scalars_reach_deepspeeds_monitor(tmp_path):

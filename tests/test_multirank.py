@@ -238,6 +238,31 @@ def test_gradient_predict_with_the_optimizer_on_nvme_keeps_the_ranks_together(tm
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_drift_with_the_optimizer_on_nvme_folds_inside_the_step_on_every_rank(tmp_path):
+    """predictor.direction: drift on the device path, ZeRO 3 with offload_optimizer: nvme, 2 ranks,
+    with the faults: each rank folds its own sub-group inside DeepSpeed's step (memory.fold_in_step,
+    swap_fold.py) and the direction statistics are shared after it, so both ranks take the same
+    steps, bit for bit those of offload_optimizer: cpu with the fold after the step."""
+    runs = {}
+    for where in ("cpu", "nvme"):
+        (tmp_path / where).mkdir()
+        nvme = ["--nvme", str(tmp_path / "swap"), "--fold-in-step", "true"] if where == "nvme" else [
+            "--fold-in-step", "false"]
+        runs[where] = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "16", "--faults", "--tiny",
+                                                        "--offload-predict", "device", "--direction", "drift",
+                                                        *nvme], 2, tmp_path / where)
+    _runs_alike(runs, "cpu")
+    for where, ranks in runs.items():
+        for rep in ranks:
+            st = rep["statistics"]
+            assert st["offload_predict"] == "device" and st["fold_in_step"] is (where == "nvme")
+            assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+            assert rep["swapped_sub_groups"] == ([True] if where == "nvme" else [])
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, offload_param, behind", [(1, False, False), (2, False, False), (3, False, False),
                                                            (3, True, False), (2, False, True), (3, False, True)])
 def test_a_compact_gradient_state_keeps_the_ranks_together(stage, offload_param, behind, tmp_path):

@@ -19,12 +19,14 @@ def test_a_short_sitting_books_each_step_kind_with_its_swaps(tmp_path):
     assert table["device:real_after_run"]["swapped_in_per_step"] == 1.0
     assert table["host:predict"]["swapped_in_per_step"] == 2.0   # (the update and the propagation)
     assert table["plain-cpu:real"]["swapped_in_per_step"] == 0.0
-    # (drift: a Predict step swaps nothing; the real step that keeps a run, what its real steps do,
-    # its own step's swap and the fold's, which reads the moments after it: no swap of the commit's)
+    # (drift: a Predict step swaps nothing; the real step that keeps a run, what a plain step does:
+    # the commit and the fold go into its DeepSpeed step; with the fold after that step, once more)
     assert table["drift:predict"]["swapped_in_per_step"] == 0.0
-    assert table["drift:real_after_run"]["swapped_in_per_step"] == 2.0
+    assert table["drift:real_after_run"]["swapped_in_per_step"] == 1.0
+    assert table["drift-after:real_after_run"]["swapped_in_per_step"] == 2.0
     assert not list(tmp_path.glob("swap-*"))   # (each sitting's swap folders removed after it)
     for sitting in out["sittings"]:
         assert sitting["device"]["_offload_predict"] == "device" and sitting["host"]["_offload_predict"] == "host"
         assert sitting["device"]["_rolled_back"] == 0 and sitting["device"]["_accepted"] > 0
-        assert sitting["drift"]["_offload_predict"] == "device" and sitting["drift"]["_accepted"] > 0
+        for drift in ("drift", "drift-after"):
+            assert sitting[drift]["_offload_predict"] == "device" and sitting[drift]["_accepted"] > 0
