@@ -8,7 +8,10 @@ the same batches so that the machine's drift falls on all of them alike:
 
 * ``plain``: plain DeepSpeed (the hybrid's engine with ``hybrid_predict.enabled: false``);
 * ``device``: the hybrid, ``predictor.direction: gradient`` on the device path
-  (``memory.offload_predict: auto`` takes it here: the masters swap);
+  (``memory.offload_predict: auto`` takes it here: the masters swap); the real step before a run
+  makes the run's copies of the moments inside its DeepSpeed step (``memory.gradient_prefetch``);
+* ``device-noprefetch``: the same with ``memory.gradient_prefetch: false``: the run's first step
+  swaps every sub-group in (and out) for those copies;
 * ``host``: the same on the host path (``offload_predict: host``: each Predict step moves the
   masters, so swaps every sub-group in and out);
 * ``plain-cpu``: plain DeepSpeed with ``offload_optimizer: cpu``: what the swap adds to a step.
@@ -28,7 +31,7 @@ repeats the whole measurement on fresh engines (other batches) for the spread.
 
     .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
         [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
-        [--swap-dir DIR] [--engines plain device host plain-cpu drift drift-after]
+        [--swap-dir DIR] [--engines plain device device-noprefetch host plain-cpu drift drift-after]
 
 Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
 CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
-ENGINES = ("plain", "device", "host", "plain-cpu", "drift", "drift-after")
+ENGINES = ("plain", "device", "device-noprefetch", "host", "plain-cpu", "drift", "drift-after")
 
 
 def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
@@ -69,7 +72,8 @@ def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
         "predictor": ({"direction": "drift"} if drift else
                       {"direction": "gradient", "gradient_batch_fraction": fraction}),
         "memory": ({"velocity_dtype": "int8", "offload_predict": "auto", "fold_in_step": name == "drift"} if drift
-                   else {"offload_predict": "auto" if name == "device" else "host"}),
+                   else {"offload_predict": "host"} if name == "host"
+                   else {"offload_predict": "auto", "gradient_prefetch": name == "device"}),
         "dynamics": {"progress_every": 0}}
     return cfg
 

@@ -103,32 +103,47 @@ class CompactMoments:
         ``key``'s draws), the second from its ``exp_avg_sq`` (factored where it lies, the means
         copied here). ``all_reduce`` sums the per-parameter ``sum v`` over the ranks (collective).
         ``first`` False: the first moment is left as allocated (a resume loads it: ``load_state_dict``)."""
-        self.parts, self.by_param = [], {}
+        self.start()
         for i, part in enumerate(parts):
-            if "exp_avg" not in part.state or part.master.numel() == 0:
-                self.parts.append(None)
-                continue
-            m_src, v_src = part.state["exp_avg"].view(-1), part.state["exp_avg_sq"].view(-1)
-            slices = []
-            for k, (p, ps, ms, n) in enumerate(self._slices[i]):
-                cols, head, rows = _layout(p, ps, n)
-                s = SliceMoments(p, ps, ms, n, CompactBuffer(n, self.dtype, self.device), cols, head, rows)
-                if first:
-                    self._store_m(s, m_src[ms:ms + n], _mix(key, i, k))
-                v = v_src[ms:ms + n]
-                body = v[head:head + rows * cols].view(rows, cols) if rows else None
-                dense = torch.cat([v[:head], v[head + rows * cols:]]) if rows else v
-                s.dense_v = dense.to(self.device, torch.float32, copy=True)
-                s.v_sum = float(dense.sum(dtype=torch.float64))
-                if body is not None:
-                    r = body.mean(dim=1, dtype=torch.float32)
-                    s.r, s.c = r.to(self.device), body.mean(dim=0, dtype=torch.float32).to(self.device)
-                    s.r_mean = float(r.mean(dtype=torch.float64))
-                    s.v_sum += float(r.sum(dtype=torch.float64)) * cols
-                slices.append(s)
-                self.by_param.setdefault(p, []).append(s)
-            self.parts.append(slices)
-        # The run's first step clips each parameter to its share of the norm v expects.
+            self.build_one(i, part, key, first)
+        self.finish(all_reduce)
+
+    def start(self) -> None:
+        """``build`` a partition at a time: ``start``, ``build_one`` for each partition in order
+        (under NVMe swap, each inside DeepSpeed's step while it is swapped in), then ``finish``."""
+        self.parts, self.by_param = [], {}
+
+    @torch.no_grad()
+    def build_one(self, i: int, part, key: int, first: bool = True) -> None:
+        """Partition ``i``'s slices (the partitions before it built already)."""
+        if len(self.parts) != i:
+            raise RuntimeError(f"CompactMoments.build_one: partition {i} after {len(self.parts)} built")
+        if "exp_avg" not in part.state or part.master.numel() == 0:
+            self.parts.append(None)
+            return
+        m_src, v_src = part.state["exp_avg"].view(-1), part.state["exp_avg_sq"].view(-1)
+        slices = []
+        for k, (p, ps, ms, n) in enumerate(self._slices[i]):
+            cols, head, rows = _layout(p, ps, n)
+            s = SliceMoments(p, ps, ms, n, CompactBuffer(n, self.dtype, self.device), cols, head, rows)
+            if first:
+                self._store_m(s, m_src[ms:ms + n], _mix(key, i, k))
+            v = v_src[ms:ms + n]
+            body = v[head:head + rows * cols].view(rows, cols) if rows else None
+            dense = torch.cat([v[:head], v[head + rows * cols:]]) if rows else v
+            s.dense_v = dense.to(self.device, torch.float32, copy=True)
+            s.v_sum = float(dense.sum(dtype=torch.float64))
+            if body is not None:
+                r = body.mean(dim=1, dtype=torch.float32)
+                s.r, s.c = r.to(self.device), body.mean(dim=0, dtype=torch.float32).to(self.device)
+                s.r_mean = float(r.mean(dtype=torch.float64))
+                s.v_sum += float(r.sum(dtype=torch.float64)) * cols
+            slices.append(s)
+            self.by_param.setdefault(p, []).append(s)
+        self.parts.append(slices)
+
+    def finish(self, all_reduce) -> None:
+        """The run's first step clips each parameter to its share of the norm v expects (collective)."""
         self.shares = self._v_shares(all_reduce)
 
     def _v_shares(self, all_reduce) -> dict:

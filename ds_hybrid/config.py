@@ -458,6 +458,12 @@ class MemoryConfig(_Section):
     beside the real step's backward, whose gradient copies and fp32 accumulation are host work
     under ZeRO-Offload. The same copies either way, so the same run bit for bit. Where nothing
     crosses to another device (DeepSpeed's CPU accelerator) no copy is made ahead either way.
+    Under ZeRO-Infinity's NVMe swap (``offload_optimizer: nvme``) the run's state (the copies,
+    or the compact moments of ``gradient_state_dtype``) is made inside the DeepSpeed step of
+    every real step that ends a Full or Correct phase (a run may follow it), each sub-group's
+    just after its Adam step while it is swapped in, on every accelerator: the run's first step
+    then swaps nothing, where it swapped every sub-group in and out for its moments (dropped at
+    the next real step where no run came: ``gradient_prefetch_stale``).
     (On an H200 with llama-1b the gradient arm's real steps took 410 ms in their backward, with
     these copies and a kept run's commit on host threads beside it, against plain ZeRO-Offload's
     349: memory-bench's ``grad-device-noprefetch`` and ``grad-device-inline`` say how much of

@@ -559,6 +559,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         for run in (self._gradient, self._device_predict):
             if run is not None:
                 run.settle()   # (a kept run's commit deferred into the step: what a skipped step left)
+        if self._gradient is not None:
+            self._gradient.finish_staging()   # (the next run's state made inside the step, under NVMe swap)
 
     def _cut_at(self, block: int | None):
         return self._cut.active(block) if (self._cut is not None and block is not None) else contextlib.nullcontext()
@@ -587,6 +589,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             # and its check and commit read the masters it writes
             with self._timed("cpu_step_wait"):
                 self._gradient.behind.wait()
+        if self._gradient is not None:
+            self._gradient.drop_staged()   # (made inside the last real step for a run that did not come)
         if self._free_velocity_copy:
             # The run (if one came before) is over: its check, commit or rollback read the host
             # velocity, so its GPU copy goes before this step's forward and backward need the memory.
@@ -1231,6 +1235,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
                     return self._fused_model_step(lr_kwargs)
                 if self._swap_fold is not None and self._fold_in_step:
                     self._arm_swap_fold()
+                if self._stages_next_run():
+                    self._gradient.stage_in_step(int(self.global_steps) + 1)
                 if self._defer_step:
                     # (and without DeepSpeed's copy of the masters, not yet stepped, into the weights:
                     # the cover steps the weights as they are, _settle_cpu_step copies the stepped ones)
@@ -1315,6 +1321,14 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             if fold and int(self.global_steps) != step:
                 raise RuntimeError(f"ds_hybrid: memory.fold_in_step folded step {step}, but DeepSpeed's step "
                                    f"count is {int(self.global_steps)}")
+
+    def _stages_next_run(self) -> bool:
+        """``memory.gradient_prefetch`` under NVMe swap: this whole real step makes the state of a
+        gradient run that may follow it inside its DeepSpeed step (``GradientPredict.stage_in_step``);
+        the same answer on every rank (the config and the phase)."""
+        g = self._gradient
+        return (g is not None and g.on_device and self._masters.swaps and self.hybrid_config.memory.gradient_prefetch
+                and self.controller.may_predict_next())
 
     def _arm_swap_fold(self) -> None:
         """This step's fold into DeepSpeed's ZeRO 3 step, a sub-group at a time while it is swapped

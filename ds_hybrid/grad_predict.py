@@ -161,6 +161,10 @@ class GradientPredict(WorkerOwner):
         self._commit_streams: dict = {}   # a compact run's commit behind the next step: its side stream per GPU
         # Under NVMe swap: a kept run's commit by sub-group, taken inside DeepSpeed's next step
         self._in_step = StepJobs(access)
+        # ... and the next run's state, made inside the real step before it (stage_in_step): what
+        # is being made, then (finish_staging) kept in _next for the run's first step
+        self._stage_jobs = StepJobs(access)
+        self._staging: dict | None = None
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -336,9 +340,13 @@ class GradientPredict(WorkerOwner):
         """The run's compact moments, built from the optimizer's (collective: the shares' sums);
         ``first`` False: the first moment left for a resume to load."""
         self.wait()
-        device = self._shard(0).device
-        self.moments = CompactMoments(self._slices, self.params, device, self.compact)
-        self.moments.build(self._parts(), key, self._all_reduce, first=first)
+        staged = self._take_staged() if first else self.drop_staged()
+        if staged is not None:
+            self.moments = staged[0]
+        else:
+            device = self._shard(0).device
+            self.moments = CompactMoments(self._slices, self.params, device, self.compact)
+            self.moments.build(self._parts(), key, self._all_reduce, first=first)
         # (read at each run: a momentum schedule such as DeepSpeed's OneCycle moves a group's betas)
         self._beta1 = {}
         for i, part in enumerate(self.access.partitions(resident=False)):
@@ -532,7 +540,8 @@ class GradientPredict(WorkerOwner):
         self.wait()
         shards = [self._shard(i) for i in range(self.access._count())] if self.on_device else []
         if self.access.swaps:   # (each partition swapped in for its copies only; no prefetch runs here)
-            self.m, self.v = self._state_copies(self.access.partitions(), shards)
+            staged = self._take_staged()
+            self.m, self.v = staged if staged is not None else self._state_copies(self.access.partitions(), shards)
             return
         parts = list(self.access.partitions())
         ready, self._next = self._next, None
@@ -703,6 +712,78 @@ class GradientPredict(WorkerOwner):
         self._next = None
         self._prefetching = True
         self._worker.start(job)
+
+    # -------------------------------------- the next run's state inside the real step (NVMe swap)
+    def stage_in_step(self, step: int) -> None:
+        """Under ZeRO-Infinity's NVMe swap, in a real step a run may follow (the last of a Full or
+        Correct phase): make the run's state inside DeepSpeed's step, each sub-group's just after
+        its Adam step while DeepSpeed has it swapped in (``zero_access.StepJobs``), instead of at
+        the run's first step through a swap-in and swap-out of every sub-group of its own. The same
+        state as that step would make from the same moments: the copies of the moments beside the
+        16-bit partitions, or the compact moments (``step``: the step count DeepSpeed's step makes,
+        the first moment's rounding key, as the run's first step reads it). ``finish_staging``
+        after the step keeps it for the run; the next real step drops it where no run came."""
+        self.drop_staged()
+        count = self.access._count()
+        staging: dict = {"reached": set()}
+        if self.compact:
+            moments = CompactMoments(self._slices, self.params, self._shard(0).device, self.compact)
+            moments.start()
+            key = _round_key(self.seed, step, 0, salt=0x7F4A7C15)
+            staging["state"] = (moments,)
+
+            def make(i: int, part: MasterPartition) -> None:
+                moments.build_one(i, part, key)
+        else:
+            ms: list = [None] * count
+            vs: list = [None] * count
+            staging["state"] = (ms, vs)
+
+            def make(i: int, part: MasterPartition) -> None:
+                ms[i], vs[i], f = self._state_buffer(part, self._shard(i))
+                self._fill_one(part, ms[i], vs[i], f)
+
+        def job(i: int, part: MasterPartition) -> None:
+            make(i, part)
+            staging["reached"].add(i)
+        self._staging = staging
+        self._stage_jobs.defer({}, {i: (lambda part, i=i: job(i, part)) for i in range(count)})
+
+    def finish_staging(self) -> None:
+        """After the real step: the state ``stage_in_step`` made, kept for the run's first step
+        (``_begin``), or nothing where DeepSpeed's step reached no sub-group (a skipped step, the
+        same on every rank). Collective with the compact state (its second moment's sums)."""
+        staging, self._staging = self._staging, None
+        left = self._stage_jobs.take_after()
+        if staging is None or not staging["reached"]:
+            return
+        missed = [i for i in left if self.access.numel(i)]
+        if missed:
+            raise RuntimeError(f"ds_hybrid: memory.gradient_prefetch: DeepSpeed's ZeRO 3 step stepped sub-groups "
+                               f"{sorted(staging['reached'])} and not {missed}; set memory.gradient_prefetch to "
+                               "false and report it")
+        if self.compact:
+            staging["state"][0].finish(self._all_reduce)
+        self._next = (self._state_key(list(self.access.partitions(resident=False))), *staging["state"])
+
+    def drop_staged(self) -> None:
+        """Under NVMe swap: forget the state made for a run that did not come (its memory back
+        before a real step's forward and backward; ``gradient_prefetch_stale`` counts it)."""
+        if self.access.swaps and self._next is not None:
+            self._next = None
+            self.prefetched[1] += 1
+
+    def _take_staged(self) -> tuple | None:
+        """The run's state ``stage_in_step`` made (``_begin``: the copies ``(m, v)``; the compact
+        path: ``(moments,)``), where the optimizer has not stepped since; else None."""
+        if not self.access.swaps or self._next is None:
+            return None
+        ready, self._next = self._next, None
+        if ready[0] != self._state_key(list(self.access.partitions(resident=False))):
+            self.prefetched[1] += 1
+            return None
+        self.prefetched[0] += 1
+        return ready[1:]
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, order: bool = True) -> None:
         """``dst.copy_(src)``; between host memory and a GPU through the stager (the cast on the

@@ -61,6 +61,11 @@ class PhaseController:
         k = self.predict_index + 1
         return k % self.cfg.verify_every == 0 or k == self.horizon
 
+    def may_predict_next(self) -> bool:
+        """Whether the step about to run ends a Full or Correct phase, so that a Predict run may
+        follow it (the decision is made after it, from what the step shows)."""
+        return self.phase in (Phase.FULL, Phase.CORRECT) and self.remaining == 1
+
     # -- transitions ---------------------------------------------------------
     def end_step(self, decide: Decision, rolled_back: bool = False) -> None:
         """Account for the step that just ran and choose the next phase."""

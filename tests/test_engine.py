@@ -174,10 +174,14 @@ def test_lr_schedule_and_counters_follow_plain_run():
 def test_phase_cycle_and_statistics():
     engine = make_engine(ds_config(stage=2, hybrid=EAGER))
     b = Batches()
-    phases = [engine.train_step(b.step()).phase for _ in range(13)]
+    phases, may = [], []   # (may: the step ends a Full or Correct phase, so a run may follow it)
+    for _ in range(13):
+        may.append(engine.controller.may_predict_next())
+        phases.append(engine.train_step(b.step()).phase)
     # warmup 3, full 2, predict 2, correct 1, predict 2, correct 1, predict 2
     assert phases == (["warmup"] * 3 + ["full"] * 2 + ["predict"] * 2 + ["correct"]
                       + ["predict"] * 2 + ["correct"] + ["predict"] * 2)
+    assert [k for k, m in enumerate(may) if m] == [4, 7, 10]
     s = engine.statistics()
     assert s["steps_per_phase"] == {"warmup": 3, "full": 2, "predict": 6, "correct": 2, "partial": 0}
     assert s["backward_skipped"] == 6 and s["backward_passes"] == 7

@@ -765,13 +765,17 @@ def test_masters_and_adam_state_on_nvme_take_the_same_steps_as_in_host_memory(wh
     st = nvme.statistics()
     assert phases.count("predict") >= 6 and st["predict_accepted"] >= 4 and st["predict_rolled_back"] >= 2
     assert st["gradient_second_moment"] == second and len(rejected[1]) >= 3 and st["skipped_steps"] == 1
-    # Each of the 2 swapped sub-groups in: on the device path once at a run's first step (the run's
-    # copies of the moments) and never at its later steps; on the host path at every step for the
-    # update and the propagation, and at the first also for the copies and the snapshot.
+    # Each of the 2 swapped sub-groups in: on the device path never in a run (its copies of the
+    # moments, or its compact moments, are made inside the DeepSpeed step of the real step before
+    # it, each sub-group's while it is swapped in: memory.gradient_prefetch); on the host path at
+    # every step for the update and the propagation, and at the first also for the copies and the
+    # snapshot.
     firsts = [n for k, (p, n) in enumerate(zip(phases, swaps)) if p == "predict" and phases[k - 1] != "predict"]
     later = [n for k, (p, n) in enumerate(zip(phases, swaps)) if p == "predict" and phases[k - 1] == "predict"]
-    assert set(firsts) == ({2} if where == "device" else {8}) and later
+    assert set(firsts) == ({0} if where == "device" else {8}) and later
     assert set(later) == ({0} if where == "device" else {4})
+    if where == "device":   # (the real step before each run made its state: memory.gradient_prefetch)
+        assert st["gradient_prefetched_runs"] == len(firsts) and st["gradient_prefetch_stale"] == 0
     # A real step that keeps a run swaps each sub-group in once: the commit goes into DeepSpeed's
     # step, before each sub-group's Adam step, not through a swap of its own.
     assert {n for n, k in zip(swaps, kept) if k} == {2}
@@ -785,6 +789,30 @@ def test_masters_and_adam_state_on_nvme_take_the_same_steps_as_in_host_memory(wh
         resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="mid")
     assert "no Adam state after DeepSpeed's load (zero_optimization.offload_optimizer.device: nvme)" in caplog.text
     assert not resumed._gradient.pending
+
+
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_a_run_state_made_in_the_nvme_step_for_a_run_that_does_not_come_is_dropped(tmp_path):
+    """``memory.gradient_prefetch`` under NVMe swap: the last real step of a Full phase makes the
+    next run's state inside its DeepSpeed step; where the decision then takes another Full phase,
+    the next real step drops it (its memory back before that step's forward and backward), and a
+    real step no run may follow makes none."""
+    cfg = ds_config(stage=3, offload_opt="nvme", nvme_path=str(tmp_path), hybrid=dict(GRAD, correction_steps=0),
+                    **NVME_AIO)
+    cfg["zero_optimization"]["sub_group_size"] = 300_000
+    engine = make_engine(cfg, model="gpt2-tiny")
+    assert engine._masters.swaps and engine.statistics()["offload_predict"] == "device"
+    engine._decide = lambda: (False, 0)   # (no run comes)
+    b = Batches(seed=3)
+    made = []   # per step: a run may follow it, the state is held after it
+    for _ in range(9):
+        ends = engine.controller.may_predict_next()
+        engine.train_step(b.step())
+        made.append((ends, engine._gradient._next is not None))
+        assert engine.phase is not Phase.PREDICT
+    assert all(ends == held for ends, held in made) and sum(ends for ends, _ in made) == 3, made
+    st = engine.statistics()
+    assert st["gradient_prefetch_stale"] == 2 and st["gradient_prefetched_runs"] == 0
 
 
 def test_zero3_shares_from_a_gpu_are_queued_and_added_on_a_host_thread_bit_for_bit():

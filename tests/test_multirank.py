@@ -215,18 +215,21 @@ def test_gradient_predict_under_offload_keeps_the_ranks_together_on_both_paths(s
 
 @pytest.mark.slow
 @pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
-def test_gradient_predict_with_the_optimizer_on_nvme_keeps_the_ranks_together(tmp_path):
+@pytest.mark.parametrize("state", ["auto", "int8-factored"])
+def test_gradient_predict_with_the_optimizer_on_nvme_keeps_the_ranks_together(state, tmp_path):
     """predictor.direction: gradient on the device path, ZeRO 3 with offload_optimizer: nvme, 2
     ranks (gpt2-tiny: each rank's partition, one sub-group, really is swapped): the same steps,
     losses and weights on both ranks, bit for bit those of offload_optimizer: cpu, through rank 0's
-    NaN Predict gradient and rank 1's spike that rolls a run back on both."""
+    NaN Predict gradient and rank 1's spike that rolls a run back on both. Under NVMe each run's
+    state is made inside the real step before it (memory.gradient_prefetch; the compact state's
+    sums shared after that step on both ranks)."""
     runs = {}
     for where in ("cpu", "nvme"):
         (tmp_path / where).mkdir()
         nvme = ["--nvme", str(tmp_path / "swap")] if where == "nvme" else []
         runs[where] = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "16", "--faults", "--tiny",
                                                         "--offload-predict", "device", "--direction", "gradient",
-                                                        *nvme], 2, tmp_path / where)
+                                                        "--gradient-state-dtype", state, *nvme], 2, tmp_path / where)
     _runs_alike(runs, "cpu")
     for where, ranks in runs.items():
         for rep in ranks:
@@ -234,6 +237,7 @@ def test_gradient_predict_with_the_optimizer_on_nvme_keeps_the_ranks_together(tm
             assert st["offload_predict"] == "device" and st["gradient_nonfinite_steps"] == 1
             assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
             assert rep["swapped_sub_groups"] == ([True] if where == "nvme" else [])
+            assert (st["gradient_prefetched_runs"] > 0) is (where == "nvme")
     assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
 
 

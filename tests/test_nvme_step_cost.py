@@ -16,6 +16,9 @@ def test_a_short_sitting_books_each_step_kind_with_its_swaps(tmp_path):
     assert table["plain:real"]["cost_mean"] == 1.0 and table["plain:real"]["swapped_in_per_step"] == 1.0
     # (the device path swaps nothing in a run's later steps; the real step that keeps it, only its own step's)
     assert table["device:predict"]["swapped_in_per_step"] == 0.0 and table["device:predict"]["steps"] == 8
+    # (nor at a run's first step: the real step before it made the run's moments inside its DeepSpeed step)
+    assert table["device:predict_first"]["swapped_in_per_step"] == 0.0
+    assert table["device-noprefetch:predict_first"]["swapped_in_per_step"] == 1.0   # (memory.gradient_prefetch: false)
     assert table["device:real_after_run"]["swapped_in_per_step"] == 1.0
     assert table["host:predict"]["swapped_in_per_step"] == 2.0   # (the update and the propagation)
     assert table["plain-cpu:real"]["swapped_in_per_step"] == 0.0
