@@ -164,7 +164,7 @@ class GradientPredict(WorkerOwner):
         # ... and the next run's state, made inside the real step before it (stage_in_step): what
         # is being made, then (finish_staging) kept in _next for the run's first step
         self._stage_jobs = StepJobs(access)
-        self._staging: dict | None = None
+        self._staging: tuple | None = None
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -565,10 +565,15 @@ class GradientPredict(WorkerOwner):
         ms: list = []
         vs: list = []
         for i, part in enumerate(parts):
-            m, v, f = self._state_buffer(part, shards[i] if shards else None)
-            self._fill_one(part, m, v, f)
+            m, v = self._state_copy(part, shards[i] if shards else None)
             ms.append(m), vs.append(v)
         return ms, vs
+
+    def _state_copy(self, part: MasterPartition, shard: torch.Tensor | None) -> tuple:
+        """A partition's moments for the run, allocated and copied now."""
+        m, v, f = self._state_buffer(part, shard)
+        self._fill_one(part, m, v, f)
+        return m, v
 
     def _state_buffers(self, parts: list, shards: list) -> tuple[list, list, list]:
         """``_state_buffer`` of each partition, as three lists."""
@@ -725,46 +730,33 @@ class GradientPredict(WorkerOwner):
         after the step keeps it for the run; the next real step drops it where no run came."""
         self.drop_staged()
         count = self.access._count()
-        staging: dict = {"reached": set()}
         if self.compact:
             moments = CompactMoments(self._slices, self.params, self._shard(0).device, self.compact)
             moments.start()
             key = _round_key(self.seed, step, 0, salt=0x7F4A7C15)
-            staging["state"] = (moments,)
+            self._staging = (moments,)
 
             def make(i: int, part: MasterPartition) -> None:
                 moments.build_one(i, part, key)
         else:
             ms: list = [None] * count
             vs: list = [None] * count
-            staging["state"] = (ms, vs)
+            self._staging = (ms, vs)
 
             def make(i: int, part: MasterPartition) -> None:
-                ms[i], vs[i], f = self._state_buffer(part, self._shard(i))
-                self._fill_one(part, ms[i], vs[i], f)
-
-        def job(i: int, part: MasterPartition) -> None:
-            make(i, part)
-            staging["reached"].add(i)
-        self._staging = staging
-        self._stage_jobs.defer({}, {i: (lambda part, i=i: job(i, part)) for i in range(count)})
+                ms[i], vs[i] = self._state_copy(part, self._shard(i))
+        self._stage_jobs.defer({}, {i: (lambda part, i=i: make(i, part)) for i in range(count)})
 
     def finish_staging(self) -> None:
         """After the real step: the state ``stage_in_step`` made, kept for the run's first step
         (``_begin``), or nothing where DeepSpeed's step reached no sub-group (a skipped step, the
         same on every rank). Collective with the compact state (its second moment's sums)."""
         staging, self._staging = self._staging, None
-        left = self._stage_jobs.take_after()
-        if staging is None or not staging["reached"]:
+        if not self._stage_jobs.finish_after("gradient_prefetch") or staging is None:
             return
-        missed = [i for i in left if self.access.numel(i)]
-        if missed:
-            raise RuntimeError(f"ds_hybrid: memory.gradient_prefetch: DeepSpeed's ZeRO 3 step stepped sub-groups "
-                               f"{sorted(staging['reached'])} and not {missed}; set memory.gradient_prefetch to "
-                               "false and report it")
         if self.compact:
-            staging["state"][0].finish(self._all_reduce)
-        self._next = (self._state_key(list(self.access.partitions(resident=False))), *staging["state"])
+            staging[0].finish(self._all_reduce)
+        self._next = (self._state_key(list(self.access.partitions(resident=False))), *staging)
 
     def drop_staged(self) -> None:
         """Under NVMe swap: forget the state made for a run that did not come (its memory back

@@ -49,7 +49,6 @@ class SwapFold:
         self._before = za.PartitionBuffers()
         self._copy: torch.Tensor | None = None
         self._out: torch.Tensor | None = None   # the armed step's direction statistics
-        self._reached: set[int] = set()
 
     def copy_bytes(self) -> int:
         """Host bytes of the copy buffer (``fold_source: snapshot``; 0 from the optimizer state)."""
@@ -61,7 +60,7 @@ class SwapFold:
         ``fold_real_update``'s."""
         count = self.access._count()
         self._out = torch.zeros(self.access.num_groups(), len(za.DIRECTION_STATS), dtype=torch.float64)
-        self._reached, self.seconds = set(), 0.0
+        self.seconds = 0.0
         self._before.buffers = [torch.empty(0)] * count
         self._before.holds = "weights"
         before = None if self.from_state else self._before
@@ -72,7 +71,6 @@ class SwapFold:
                                              moments=moments, host_kernel=self.host_kernel, count=False,
                                              pairs=[(i, part)])
             self._before.buffers[i] = torch.empty(0)
-            self._reached.add(i)
             self.seconds += time.perf_counter() - t0
 
         copies = {} if self.from_state else {i: (lambda part, i=i: self._copy_before(i, part)) for i in range(count)}
@@ -92,15 +90,9 @@ class SwapFold:
         """After DeepSpeed's step: the direction statistics of the fold it took (the velocity
         counts one more update where it moved), or None where it took none (a skipped step, or
         not armed)."""
-        left = self._jobs.take_after()
         out, self._out = self._out, None
         self._before.buffers = []
-        if out is None or not self._reached:
+        if not self._jobs.finish_after("fold_in_step") or out is None:
             return None
-        missed = [i for i in left if self.access.numel(i)]
-        if missed:
-            raise RuntimeError(f"ds_hybrid: hybrid_predict.memory.fold_in_step: DeepSpeed's ZeRO 3 step stepped "
-                               f"sub-groups {sorted(self._reached)} and not {missed}; the fold inside it cannot "
-                               "mix two steps (set memory.fold_in_step to false and report it)")
         self.vel.updates += int(bool(out[:, 6].sum() > 0))
         return out

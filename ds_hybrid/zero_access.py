@@ -525,20 +525,21 @@ class StepJobs:
     after a commit's additions, so that it folds the step's own move), then DeepSpeed's step,
     then every owner's ``after`` jobs. What a step does not reach (a skipped step: the
     non-finite guard, an overflow): ``jobs`` run at ``settle``, which the owner calls when the
-    real step ends and before anything else reads the masters; ``after`` jobs are the owner's
-    to drop or finish (``take_after``)."""
+    real step ends and before anything else reads the masters; ``after`` jobs are dropped by
+    ``finish_after``, which says whether the step took them."""
 
     def __init__(self, access: MasterAccess, late: bool = False) -> None:
         self.access = access
         self.late = late
         self.jobs: dict = {}    # sub-group index -> job(part), before its Adam step
         self.after: dict = {}   # sub-group index -> job(part), after it
+        self.ran: set[int] = set()   # the sub-groups whose after job the step ran
         self._hooked = False
 
     def defer(self, jobs: dict, after: "dict | None" = None) -> None:
         """Each ``jobs[i](part)`` runs in DeepSpeed's next step before sub-group ``i``'s Adam step,
         each ``after[i](part)`` after it (the caller has settled or dropped any earlier ones)."""
-        self.jobs, self.after = jobs, dict(after or {})
+        self.jobs, self.after, self.ran = jobs, dict(after or {}), set()
         if not self._hooked:
             owners = _sub_group_owners(self.access.optimizer)
             owners.append(self)
@@ -555,10 +556,19 @@ class StepJobs:
             if job is not None:
                 job(part)
 
-    def take_after(self) -> dict:
-        """The ``after`` jobs no step has taken (and no ``jobs`` left either: dropped)."""
-        after, self.after, self.jobs = self.after, {}, {}
-        return after
+    def finish_after(self, key: str) -> bool:
+        """After the step: whether it ran this owner's ``after`` jobs (False: none, a skipped step).
+        A ZeRO 3 step steps every sub-group or none: one that ran some and left others raises,
+        naming ``memory.<key>``. What is left (and any ``jobs``) is dropped."""
+        left, ran = self.after, self.ran
+        self.jobs, self.after, self.ran = {}, {}, set()
+        if not ran:
+            return False
+        missed = [i for i in left if self.access.numel(i)]
+        if missed:
+            raise RuntimeError(f"ds_hybrid: hybrid_predict.memory.{key}: DeepSpeed's ZeRO 3 step stepped sub-groups "
+                               f"{sorted(ran)} and not {missed}; set memory.{key} to false and report it")
+        return True
 
 
 def _sub_group_owners(opt: Any) -> list:
@@ -579,6 +589,7 @@ def _sub_group_owners(opt: Any) -> list:
             job = owner.after.pop(sub_group_id, None)
             if job is not None:
                 job(owner.access.partition(sub_group_id))
+                owner.ran.add(sub_group_id)
         return out
     opt._optimizer_step = sub_group_step   # (on the instance, once per optimizer)
     opt._ds_hybrid_step_jobs = owners
