@@ -20,7 +20,17 @@ the same batches so that the machine's drift falls on all of them alike:
   goes into DeepSpeed's step (``zero_access.StepJobs``), and so does each real step's fold
   (``memory.fold_in_step``, ``swap_fold.py``);
 * ``drift-after``: the same with ``memory.fold_in_step: false``: the fold after DeepSpeed's step,
-  which swaps every sub-group in again to read the masters and moments it left.
+  which swaps every sub-group in again to read the masters and moments it left;
+* ``drift-host``: the drift direction on the host path (``offload_predict: host``): each Predict
+  step adds to the masters (every sub-group swapped in and out) and propagates them (again), and
+  each run starts with a snapshot of the masters in host memory.
+
+``--params-on nvme``: the 16-bit parameters on NVMe too (``offload_param: nvme``, ``max_in_cpu: 0``:
+the 50b-24gb-nvme preset's layout; ``plain-cpu`` keeps its optimizer in host memory and its
+parameters on NVMe), where the device path reads each sub-group's 16-bit partitions from the drive
+at a Predict step and writes them back, in bf16 (as the preset). DeepSpeed swaps a parameter of
+1 MiB and up only, so use a model with matrices that big: ``--model llama-tiny --model-set hidden_size=384
+intermediate_size=1536 num_hidden_layers=2``.
 
 The hybrid engines run 1 real step and 3 Predict steps in turn (``check: next_step``, every run
 kept). Each step is timed whole (``train_step``) and booked by kind: a real step after a run
@@ -31,7 +41,8 @@ repeats the whole measurement on fresh engines (other batches) for the spread.
 
     .venv/bin/python benchmarks/nvme_step_cost.py --out runs/nvme-step-cost [--micro-batch 16]
         [--steps 40] [--sittings 3] [--model gpt2-tiny] [--seq-len 128] [--batch-fraction 1.0]
-        [--swap-dir DIR] [--engines plain device device-noprefetch host plain-cpu drift drift-after]
+        [--swap-dir DIR] [--engines plain device device-noprefetch host plain-cpu drift drift-after drift-host]
+        [--params-on memory|nvme] [--model-set KEY=VALUE ...]
 
 Writes ``<out>/nvme_step_cost.json`` and prints a table. Times are this machine's (DeepSpeed's
 CPU accelerator here): ratios only; a GPU's are owed (docs/offload.md).
@@ -48,18 +59,24 @@ import time
 from pathlib import Path
 
 AIO = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
-ENGINES = ("plain", "device", "device-noprefetch", "host", "plain-cpu", "drift", "drift-after")
+ENGINES = ("plain", "device", "device-noprefetch", "host", "plain-cpu", "drift", "drift-after", "drift-host")
 
 
-def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
+def _config(name: str, swap: str, micro: int, fraction: float, params_on: str = "memory") -> dict:
     from ds_hybrid.arguments import resolve_config
     cfg, _ = resolve_config("tiny-cpu")
     cfg["train_micro_batch_size_per_gpu"] = micro
     device = "cpu" if name == "plain-cpu" else "nvme"
     cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": device, **(
         {"nvme_path": swap} if device == "nvme" else {})}}
-    if device == "nvme":
+    if device == "nvme" or params_on == "nvme":
         cfg["aio"] = dict(AIO)
+    if params_on == "nvme":   # (all of them: 50b-24gb-nvme's max_in_cpu; buffers for the bench's models)
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0,
+                                                     "buffer_count": 6, "buffer_size": 2_000_000}
+        # bf16 as the preset (with fp32 weights on CPU DeepSpeed 0.19.8 swaps a parameter in as bf16
+        # and the forward's matmul fails on the mixed dtypes)
+        cfg["bf16"] = {"enabled": True}
     if name.startswith("plain"):
         cfg["hybrid_predict"] = dict(cfg["hybrid_predict"], enabled=False)
         return cfg
@@ -71,7 +88,8 @@ def _config(name: str, swap: str, micro: int, fraction: float) -> dict:
         "divergence": {"rel_tolerance": 10.0, "z_threshold": 1e6, "max_loss_ratio": 1e6},
         "predictor": ({"direction": "drift"} if drift else
                       {"direction": "gradient", "gradient_batch_fraction": fraction}),
-        "memory": ({"velocity_dtype": "int8", "offload_predict": "auto", "fold_in_step": name == "drift"} if drift
+        "memory": ({"velocity_dtype": "int8", "offload_predict": "host" if name == "drift-host" else "auto",
+                    "fold_in_step": name != "drift-after"} if drift
                    else {"offload_predict": "host"} if name == "host"
                    else {"offload_predict": "auto", "gradient_prefetch": name == "device"}),
         "dynamics": {"progress_every": 0}}
@@ -89,8 +107,9 @@ def sitting(args, seed: int, swap_root: Path) -> dict:
     engines = {}
     for name in args.engines:
         torch.manual_seed(0)
-        model = build_model(args.model, vocab_size=256, seq_len=args.seq_len)
-        cfg = _config(name, str(swap_root / f"swap-{seed}-{name}"), args.micro_batch, args.batch_fraction)
+        model = build_model(args.model, vocab_size=256, seq_len=args.seq_len, **args.model_overrides)
+        cfg = _config(name, str(swap_root / f"swap-{seed}-{name}"), args.micro_batch, args.batch_fraction,
+                      args.params_on)
         engines[name] = ds_hybrid.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     swaps = {name: [0] for name in engines}
     for name, eng in engines.items():
@@ -167,11 +186,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-fraction", type=float, default=1.0, help="predictor.gradient_batch_fraction")
     p.add_argument("--steps", type=int, default=40, help="timed steps per engine and sitting")
     p.add_argument("--sittings", type=int, default=3)
+    p.add_argument("--params-on", choices=["memory", "nvme"], default="memory",
+                   help="the 16-bit parameters: in memory (7b-24gb-nvme's layout) or on NVMe (50b-24gb-nvme's)")
+    p.add_argument("--model-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="the model config's own keys (integers), e.g. hidden_size=384")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
                    help="which engines to build (plain, the unit, always); fewer for a model whose swap fills the disk")
     args = p.parse_args(argv)
     if "plain" not in args.engines:
         p.error("--engines: plain is the unit every cost is read in; keep it")
+    gradient = [e for e in args.engines if e in ("device", "device-noprefetch", "host")]
+    if args.params_on == "nvme" and gradient:
+        p.error(f"--params-on nvme: the gradient direction refuses offload_param: nvme; leave out {gradient}")
+    try:
+        args.model_overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.model_set)}
+    except ValueError:
+        p.error(f"--model-set: KEY=VALUE with an integer value each, got {args.model_set}")
     from ds_hybrid.dist_env import ensure_distributed_env
     from ds_hybrid.train import quiet_logs
     ensure_distributed_env()

@@ -268,16 +268,18 @@ def offload_predict_on_device(setting: str, host_masters_beside_accelerator: boo
                               masters_swapped: bool = False) -> bool:
     """``memory.offload_predict``: ``device`` and ``host`` as said; ``auto`` is the device path
     where the masters live in host memory beside an accelerator (ZeRO-Offload on a GPU), or on
-    NVMe with the 16-bit parameters in memory (``masters_swapped``: ZeRO-Infinity's
-    ``offload_optimizer: nvme`` without ``offload_param: nvme``, on any accelerator), where the
-    host path would swap every sub-group in and out at every Predict step. (The engine then
-    checks the setup can take it; the planner estimates with the same rule.)"""
+    NVMe (``masters_swapped``: ZeRO-Infinity's ``offload_optimizer: nvme``, on any accelerator,
+    the 16-bit parameters in memory or on NVMe too), where the host path would swap every
+    sub-group in and out at every Predict step. (The engine then checks the setup can take it;
+    the planner estimates with the same rule.)"""
     return setting == "device" or (setting == "auto" and (host_masters_beside_accelerator or masters_swapped))
 
 
-def masters_swapped(offload_optimizer_device: str, offload_param_device: str) -> bool:
-    """``offload_predict_on_device``'s ``masters_swapped`` from a ds_config's two offload devices."""
-    return offload_optimizer_device == "nvme" and offload_param_device != "nvme"
+def masters_swapped(offload_optimizer_device: str) -> bool:
+    """``offload_predict_on_device``'s ``masters_swapped`` from a ds_config's optimizer offload device
+    (with ``offload_param: nvme`` too, the device path reads and writes the 16-bit partitions on
+    NVMe: ``device_predict.py``)."""
+    return offload_optimizer_device == "nvme"
 
 
 def compact_state_refusal(gradient_state_dtype: str, device_path: bool) -> str | None:
@@ -421,11 +423,13 @@ class MemoryConfig(_Section):
     moments beside them (``gradient_state_dtype``), made once per run; the masters take the
     16-bit weights plus their own sub-16-bit residual (with fp32 weights bit for bit the host
     path's). With ZeRO 3's ``offload_param: cpu`` the 16-bit partitions, and so the run's
-    state, are in host memory. ``auto``: ``device`` where the masters are in host memory
-    beside a GPU, or on NVMe (``offload_optimizer.device: nvme`` with ``offload_param`` not on
-    NVMe, on any accelerator: the host path would swap every sub-group in and out at every
-    Predict step; the device path swaps each in once where a run begins, and a kept run's commit
-    goes into DeepSpeed's step)."""
+    state, are in host memory; with ``offload_param: nvme`` (drift only) each Predict step reads
+    a sub-group's 16-bit partitions from the drive into one host buffer, adds the step there and
+    writes them back (2 bytes a parameter each way in bf16). ``auto``: ``device`` where the
+    masters are in host memory beside a GPU, or on NVMe (``offload_optimizer.device: nvme``, on
+    any accelerator: the host path would swap every sub-group in and out at every Predict step
+    and keep a 4-byte-a-parameter snapshot; the device path swaps none for drift and each once
+    where a gradient run begins, and a kept run's commit goes into DeepSpeed's step)."""
 
     gradient_state_dtype: Literal["auto", "fp32", "bf16", "int8-factored", "int4-factored"] = "auto"
     """``predictor.direction: gradient`` on the device path (``offload_predict``): the dtype

@@ -36,6 +36,13 @@ parameters per Predict step, plus a host snapshot per run. Here instead:
   once per run into pinned host buffers (``copy_down``: at the run's first step, on a side stream
   while the run's Predict steps keep the GPU busy), so the masters take the run from host memory,
   inside DeepSpeed's CPU Adam step with ``memory.fold_in_step`` (``take_commit``).
+* **16-bit parameters on NVMe** (ZeRO-Infinity's ``offload_param: nvme``, past ``max_in_cpu``):
+  a sub-group with no 16-bit partition in memory is read from the drive into one host buffer at
+  each Predict step, takes the step there (``host_kernels.shift``, the same additions) and is
+  written back as DeepSpeed's own step writes it (``MasterAccess.read_swapped_shard`` /
+  ``write_swapped_shard``): 2 bytes a parameter each way for bf16, where the host path would swap
+  each sub-group's masters and Adam state (16 bytes a parameter) in and out twice and keep a
+  4-byte-a-parameter snapshot in host memory for the rollback.
 * **Checkpoint in the middle of a run**: the masters (the last good point), the
   coefficients and a held velocity copy are saved; on load the 16-bit copies are propagated
   from the masters and the run's updates re-applied (``replay``), bit for bit.
@@ -71,13 +78,15 @@ def unsupported(access: MasterAccess, direction: str) -> str | None:
                 "velocity (the Adam direction lives with the moments in host memory)")
     if access.kind not in ("zero1-2", "zero3"):
         return f"the optimizer is not a ZeRO 1-3 one ({access.kind}); there are no host masters to keep off"
-    for i, part in enumerate(access.partitions()):
+    for i in range(access._count()):
         shard = access.device_shard(i)
         if shard is None:
-            return ("ZeRO 3 keeps this rank's 16-bit partition on NVMe (offload_param: nvme); device-side Predict "
-                    "steps need it in memory")
-        if shard.numel() != part.master.numel():
-            return (f"the 16-bit partition of master {i} has {shard.numel()} values, the master {part.master.numel()}"
+            if access.shard_swapped(i):
+                continue   # (on NVMe: each step reads it into host memory and writes it back)
+            return (f"master {i} has no 16-bit partition in memory nor on NVMe (a DeepSpeed layout ds_hybrid does "
+                    "not know)")
+        if shard.numel() != access.numel(i):
+            return (f"the 16-bit partition of master {i} has {shard.numel()} values, the master {access.numel(i)}"
                     " (a DeepSpeed layout ds_hybrid does not know)")
     return None
 
@@ -124,6 +133,8 @@ class DevicePredict(WorkerOwner):
         self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
         # Under ZeRO-Infinity's NVMe swap: a kept run's commit by sub-group, inside DeepSpeed's next step
         self._in_step = StepJobs(access)
+        # Under offload_param: nvme, the host buffer a sub-group's 16-bit partition passes through
+        self._swap_flat: torch.Tensor | None = None
 
     def _device_velocity(self, vel: VelocityBuffers, always_copy: bool = False) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -246,19 +257,50 @@ class DevicePredict(WorkerOwner):
 
     def _add_to_shards(self, vel: VelocityBuffers, steps: list[list[float]]) -> None:
         dev_v = self._device_velocity(vel)
+        released = False
         for i, gi in enumerate(self.access.group_indices()):
             if i >= len(dev_v) or dev_v[i] is None:
+                continue
+            coefs = [step[gi] for step in steps]
+            if self.access.shard_swapped(i):
+                if not released:   # (a partition still swapped in would be released unwritten)
+                    self.access.partition_all()
+                    released = True
+                self._shift_swapped(i, dev_v[i], coefs)
                 continue
             shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
             if shard.numel() == 0:
                 continue
-            # the host path's additions in its order; a 16-bit shard rounded after every step, as
-            # the weights were (host_kernels.shift / kernels.drift_shift, or their torch ops)
-            coefs = [step[gi] for step in steps]
-            if self._on_host(shard):   # ZeRO 3's offload_param: cpu, or DeepSpeed's CPU accelerator
-                host_kernels.shift(shard, buf, coefs)
-            else:
-                kernels.drift_shift(shard, buf, coefs, backend=self.backend)
+            self._shift(shard, buf, coefs)
+
+    def _shift(self, shard: torch.Tensor, buf: CompactBuffer, coefs: list[float]) -> None:
+        # the host path's additions in its order; a 16-bit shard rounded after every step, as
+        # the weights were (host_kernels.shift / kernels.drift_shift, or their torch ops)
+        if self._on_host(shard):   # ZeRO 3's offload_param: cpu, or DeepSpeed's CPU accelerator
+            host_kernels.shift(shard, buf, coefs)
+        else:
+            kernels.drift_shift(shard, buf, coefs, backend=self.backend)
+
+    def _shift_swapped(self, i: int, buf: CompactBuffer, coefs: list[float]) -> None:
+        """ZeRO-Infinity's ``offload_param: nvme``: sub-group ``i``'s 16-bit partition comes from the
+        drive into one host buffer, takes the steps as a partition in memory would, and goes back
+        (2 bytes a parameter each way, for bf16; the masters and the Adam state are not swapped).
+        The buffer, as long as the largest such sub-group, is kept from step to step."""
+        n = self.access.numel(i)
+        dtype = self.access.optimizer.dtype   # (DeepSpeed's 16-bit dtype: the parameters')
+        if self._swap_flat is None or self._swap_flat.numel() < n or self._swap_flat.dtype != dtype:
+            self._swap_flat = torch.empty(n, dtype=dtype)
+        flat = self._swap_flat[:n]
+        self.access.read_swapped_shard(i, flat)
+        if buf.device != flat.device:   # (the velocity beside no shard stays in host memory; never here)
+            raise RuntimeError(f"DevicePredict: sub-group {i}'s velocity is on {buf.device}, its swapped partition "
+                               "in host memory")
+        self._shift(flat, buf, coefs)
+        self.access.write_swapped_shard(i, flat)
+
+    def swap_buffer_bytes(self) -> int:
+        """Bytes of the host buffer a sub-group's 16-bit partition on NVMe passes through."""
+        return 0 if self._swap_flat is None else self._swap_flat.numel() * self._swap_flat.element_size()
 
     def _on_host(self, t: torch.Tensor) -> bool:
         return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()

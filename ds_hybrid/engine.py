@@ -265,7 +265,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
         self._fold_from_state = self._resolve_fold_source()
         self._shards = self._resolve_shard_fold()
         if self._device_predict is not None:   # its work is on the 16-bit shards: time it there
-            self._masters_on_cuda = any(self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
+            self._masters_on_cuda = any(s is not None and s.is_cuda   # (None: on NVMe, through host memory)
+                                        for s in map(self._masters.device_shard, range(self._masters._count())))
         mem = self.hybrid_config.memory
         # direction: drift keeps the running average of the real updates (one buffer per
         # parameter of this rank's partition); adam reads the optimizer's moments instead.
@@ -483,6 +484,8 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             out["free_velocity_copy"] = self._free_velocity_copy
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
+                # (offload_param: nvme: the host buffer a sub-group's 16-bit partition takes its steps in)
+                out["shard_swap_buffer_bytes"] = self._device_predict.swap_buffer_bytes()
             if self._device_path():
                 out["commit_overlap"] = self._commit_overlap
                 out["commit_background_seconds"] = (self._device_predict or self._gradient).background_seconds

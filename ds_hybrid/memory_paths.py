@@ -44,7 +44,7 @@ class MemoryPaths:
     def _offload_predict_on_device(self, setting: str) -> bool:
         """``memory.offload_predict`` resolved for this setup (``config.offload_predict_on_device``)."""
         return offload_predict_on_device(setting, self._host_masters_beside_an_accelerator(),
-                                         masters_swapped(*offload_devices(self._config._param_dict)))
+                                         masters_swapped(offload_devices(self._config._param_dict)[0]))
 
     def _resolve_fold_source(self) -> bool:
         """``memory.fold_source``: True where real steps read their update back from the Adam
@@ -72,6 +72,9 @@ class MemoryPaths:
                    "with zero_optimization.offload_optimizer beside a GPU): the shards would hold each run")
         elif cfg.group_predict.enabled:
             why = "group_predict is on (a layer-group step's fold keeps its snapshot: its rollback point)"
+        elif any(map(self._masters.shard_swapped, range(self._masters._count()))):
+            why = ("zero_optimization.offload_param.device is nvme: some 16-bit partitions are on the drive, with "
+                   "no shard in memory to read the real step's update from")
         else:
             between = cfg.correction_steps if cfg.correction_steps > 0 else cfg.full_steps
             key = "correction_steps" if cfg.correction_steps > 0 else "full_steps"
@@ -255,7 +258,7 @@ class MemoryPaths:
                               "the velocity itself lives beside the shards (there is no copy to free); set one of the "
                               "two otherwise")
         return self._device_predict.copy_always or all(
-            self._masters.device_shard(i).is_cuda for i in range(self._masters._count()))
+            s is not None and s.is_cuda for s in map(self._masters.device_shard, range(self._masters._count())))
 
     def _resolve_cpu_step_behind(self) -> bool:
         """``memory.cpu_step_behind``: on, or a config error naming what this setup lacks."""

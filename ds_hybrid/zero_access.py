@@ -171,6 +171,12 @@ class MasterAccess(abc.ABC):
         in place and then calls ``gather_device_shards``."""
         return None
 
+    def shard_swapped(self, i: int) -> bool:
+        """Entry ``i``'s low-precision copy is on NVMe with DeepSpeed's parameter swapper (ZeRO 3's
+        ``offload_param: nvme`` past ``offload_param.max_in_cpu``): ``device_shard`` is None and
+        ``read_swapped_shard`` / ``write_swapped_shard`` move it through host memory."""
+        return False
+
     def gather_device_shards(self) -> None:
         """After the ``device_shard`` tensors were written in place: what DeepSpeed does after its own
         step to make every rank's parameters see them (an all-gather). Collective."""
@@ -466,6 +472,36 @@ class _Zero3Access(MasterAccess):
     def device_shard(self, i):
         return self.optimizer.fp16_partitioned_groups_flat[i]   # None: swapped out to NVMe
 
+    def shard_swapped(self, i):
+        opt = self.optimizer   # (DeepSpeed gives a sub-group no flat buffer past max_in_cpu)
+        return opt.fp16_partitioned_groups_flat[i] is None and bool(getattr(opt, "params_in_nvme_and_cpu", False))
+
+    def read_swapped_shard(self, i: int, out: torch.Tensor) -> None:
+        """Sub-group ``i``'s 16-bit partition into ``out`` (flat, its length, the parameters'
+        dtype): each parameter's partition swapped in from NVMe and released again, or copied
+        where the swapper keeps it in memory (below its smallest tensor). DeepSpeed's own read
+        of an NVMe sub-group (``_swap_in_sub_group_to_flat_buffer``)."""
+        self.optimizer._swap_in_sub_group_to_flat_buffer(out, i)
+
+    def write_swapped_shard(self, i: int, flat: torch.Tensor) -> None:
+        """``flat`` (``read_swapped_shard``'s layout) back as sub-group ``i``'s 16-bit partition:
+        what DeepSpeed's step does from the masters (``_partitioned_params_swap_out``), from these
+        values. The partitions on NVMe are written through the swap-out buffer DeepSpeed reserves
+        for the largest sub-group (synchronously); those it keeps in memory are copied."""
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+        opt = self.optimizer
+        params, sources, offset = [], [], 0
+        for param, part in zip(opt.fp16_groups[i], opt.fp16_partitioned_groups[i]):
+            src = flat.narrow(0, offset, part.ds_numel)
+            if part.status == PartitionedParamStatus.AVAILABLE:
+                part.data.copy_(src)
+            else:
+                params.append(param)
+                sources.append(src)
+            offset += part.ds_numel
+        if params:
+            params[0].nvme_swapper.swap_out_partitioned_params(dst_fp16_params=params, src_fp32_params=sources)
+
     def trained_params(self):
         return [p for sub_group in self.optimizer.fp16_groups for p in sub_group]
 
@@ -505,8 +541,15 @@ class _Zero3Access(MasterAccess):
         opt = self.optimizer
         opt.checkpoint_event_prologue()
         for i in range(self._count()):
-            opt._unflatten_partitioned_parameters(i)
+            if opt.fp16_partitioned_groups_flat[i] is not None:   # (else on NVMe: the next fetch reads it)
+                opt._unflatten_partitioned_parameters(i)
         opt.checkpoint_event_epilogue()
+
+    def partition_all(self) -> None:
+        """Every gathered parameter back to its partition (DeepSpeed's prologue to a checkpoint or a
+        step): a swapped-in partition is released first, so what ``write_swapped_shard`` writes to
+        NVMe is what the next fetch reads."""
+        self.optimizer.checkpoint_event_prologue()
 
 
 class StepJobs:
@@ -896,12 +939,13 @@ class VelocityBuffers:
             raise ValueError(f"the checkpoint's drift velocity is {sd['dtype']}, this run's "
                              f"hybrid_predict.memory.velocity_dtype is {self.dtype}")
         self.updates = sd["updates"]
-        parts = list(access.partitions())
-        for i, saved in enumerate(sd["buffers"]):
-            if saved is None or i >= len(parts):
+        saved_buffers = sd["buffers"]
+        # (each partition while it is in use: under NVMe swap a listed master is empty past its turn)
+        for i, part in enumerate(access.partitions()):
+            if i >= len(saved_buffers) or saved_buffers[i] is None:
                 continue
-            like = access.device_shard(i) if self.beside_shards else parts[i].master
-            self.buffer(i, like).load_state_dict(saved)
+            like = access.device_shard(i) if self.beside_shards else part.master
+            self.buffer(i, like).load_state_dict(saved_buffers[i])
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

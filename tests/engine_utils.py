@@ -68,6 +68,25 @@ def count_swap_ins(engine) -> list[int]:
 # DeepSpeed's NVMe swap with small blocks (the tests' sub-groups are a few MiB)
 NVME_AIO = {"aio": {"block_size": 262144, "queue_depth": 4, "single_submit": False, "overlap_events": True}}
 
+# A Llama whose MLP matrices (384 x 1536, 1.1 MiB in bf16) are above the smallest tensor DeepSpeed's
+# parameter swapper puts on NVMe (1 MiB), in about five sub-groups of 1M values: with offload_param:
+# nvme and max_in_cpu 1.5M, the first sub-group's 16-bit partition stays in host memory and the
+# others have none there, each holding partitions both on the drive and kept in memory (the smaller
+# ones). DeepSpeed 0.19.8's NVMe prefetch assigns a parameter a second swap buffer at the second
+# forward and fails where max_in_cpu splits the model so (and where GPT-2 ties its embedding to its
+# head: Llama's are not tied); stage3_prefetch_bucket_size 0 turns that prefetch off.
+SWAPPED_LLAMA = dict(model="llama-tiny", hidden_size=384, intermediate_size=1536, num_hidden_layers=2)
+
+
+def swap_params(cfg: dict) -> dict:
+    """``cfg`` (ZeRO 3, bf16, ``offload_param: nvme``) with SWAPPED_LLAMA's sub-groups, the
+    parameter swapper's buffers sized for it and DeepSpeed's prefetch off."""
+    zo = cfg["zero_optimization"]
+    zo["sub_group_size"] = 1_000_000
+    zo["stage3_prefetch_bucket_size"] = 0
+    zo["offload_param"].update(max_in_cpu=1_500_000, buffer_size=600_000, buffer_count=6)
+    return cfg
+
 
 # Predict as soon as possible: short warmup, no confidence gate, a lenient band.
 EAGER = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predict_steps": 2,
@@ -75,12 +94,13 @@ EAGER = {"warmup_steps": 3, "full_steps": 2, "min_predict_steps": 2, "max_predic
          "divergence": {"rel_tolerance": 0.5, "z_threshold": 10.0, "max_loss_ratio": 3.0}}
 
 
-def make_engine(cfg: dict, seed: int = 0, plain: bool = False, groups: int = 0, model: str = "gpt2-test"):
+def make_engine(cfg: dict, seed: int = 0, plain: bool = False, groups: int = 0, model: str = "gpt2-test",
+                **overrides):
     """An engine on a tiny model; ``groups``: that many layer groups (models.layer_groups)
-    as the optimizer's param groups, else one."""
+    as the optimizer's param groups, else one. ``overrides``: the model config's own keys."""
     from ds_hybrid.models import layer_groups
     torch.manual_seed(seed)
-    net = build_model(model, vocab_size=256, seq_len=SEQ)
+    net = build_model(model, vocab_size=256, seq_len=SEQ, **overrides)
     init = deepspeed.initialize if plain else ds_hybrid.initialize
     params = layer_groups(net, groups) if groups else net.parameters()
     engine, *_ = init(model=net, model_parameters=params, config=copy.deepcopy(cfg))

@@ -25,7 +25,9 @@ import torch.distributed as dist
 from ds_hybrid import Phase
 from ds_hybrid.data import train_batches
 from ds_hybrid.engine import default_loss
-from engine_utils import NVME_AIO, EAGER, MICRO, SEQ, ds_config, full_params, make_engine
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from engine_utils import (NVME_AIO, EAGER, MICRO, SEQ, SWAPPED_LLAMA, ds_config, full_params, make_engine,
+                          swap_params)
 
 NAN_LOSS_STEP = 2   # 1-based step numbers (global_steps after the step)
 NAN_GRAD_STEP = 3
@@ -76,6 +78,10 @@ parser.add_argument("--offload-param", action="store_true",
                     help="with --stage 3 --offload-predict: offload_param: cpu too (the 16-bit partitions in host memory)")
 parser.add_argument("--nvme", default=None,
                     help="with --offload-predict: offload_optimizer: nvme swapping into this folder (ZeRO 3)")
+parser.add_argument("--params-on", choices=["cpu", "nvme"], default=None,
+                    help="with --nvme: SWAPPED_LLAMA (its MLP twice as wide: each rank's share of a matrix above "
+                         "DeepSpeed's smallest swappable tensor) in bf16, offload_param on cpu or on nvme "
+                         "(swap_params)")
 parser.add_argument("--tiny", action="store_true",
                     help="gpt2-tiny in sub-groups of 600k values (on 2 ranks each rank's partition is one, above "
                          "DeepSpeed's smallest swappable tensor, so --nvme swaps it)")
@@ -117,14 +123,22 @@ if args.offload_predict:
     offload = {"offload_opt": "cpu", **({"offload_param": "cpu"} if args.offload_param else {})}
     if args.nvme:
         offload.update(offload_opt="nvme", nvme_path=args.nvme, **NVME_AIO)
-cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16, hybrid=hybrid, **offload)
+model = dict(model="gpt2-tiny" if args.tiny else "gpt2-test")
+if args.params_on:
+    offload["offload_param"] = args.params_on
+    model = dict(SWAPPED_LLAMA, intermediate_size=3072)
+cfg = ds_config(stage=args.stage, gas=args.gas, bf16=args.bf16 or bool(args.params_on), hybrid=hybrid, **offload)
+if args.params_on == "nvme":
+    swap_params(cfg)
+if args.params_on:   # (the same sub-groups either way: the int8 velocity's blocks and noise follow them)
+    cfg["zero_optimization"]["sub_group_size"] = 1_000_000
 if args.tiny:
     cfg["zero_optimization"]["sub_group_size"] = 600_000
 if args.stage == 3 and args.direction == "gradient":
     # every parameter released after its forward and gathered again for its backward (the test
     # model's are all below DeepSpeed's default persistence threshold)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-engine = make_engine(cfg, groups=4 if args.group_predict else 0, model="gpt2-tiny" if args.tiny else "gpt2-test")
+engine = make_engine(cfg, groups=4 if args.group_predict else 0, **model)
 if args.checkpointing:
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 if args.no_room_rank == rank:
@@ -233,6 +247,9 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
                "swapped_sub_groups": [bool(engine.optimizer._swappable_optimizer_subgroup(i))
                                       for i in range(len(engine.optimizer.fp16_partitioned_groups_flat_numel))]
                if getattr(engine.optimizer, "swap_optimizer", False) else [],
+               "shards_swapped": [engine._masters.shard_swapped(i) for i in range(engine._masters._count())],
+               "shards_on_drive": sum(getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme
+                                      for p in engine.module.parameters() if hasattr(p, "ds_tensor")),
                "statistics": {k: v for k, v in engine.statistics().items() if k != "predictor_details"},
                # (JSON: the RSSM's state and the difficulty counts hold tensors; compared elsewhere)
                "hybrid_state": json_state(engine.hybrid_state_dict())}, f)

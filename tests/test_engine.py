@@ -8,8 +8,9 @@ import torch
 
 import ds_hybrid.zero_access as za
 from ds_hybrid import Phase
-from engine_utils import (NVME_AIO, EAGER, BackwardCounter, Batches, aio_available, count_swap_ins, ds_config,
-                          full_params, make_engine, master_copies, same_velocity)
+from engine_utils import (NVME_AIO, EAGER, SWAPPED_LLAMA, BackwardCounter, Batches, aio_available, count_swap_ins,
+                          ds_config, full_params, make_engine, master_copies, resumed_in_a_run, same_velocity,
+                          swap_params)
 
 SETUPS = {
     "z0-fp32": dict(stage=0),
@@ -309,6 +310,105 @@ def test_zero3_optimizer_state_on_nvme_trains_as_in_host_memory(direction, where
         largest = max(nvme._masters.numel(i) for i in range(nvme._masters._count()))
         assert st["fold_in_step_copy_bytes"] == (0 if where == "device" else 4 * largest)
 
+
+
+def _swapped_params_engine(param: str, path, **memory):
+    """ZeRO 3, bf16, ``offload_optimizer: nvme`` on SWAPPED_LLAMA, the 16-bit parameters in host
+    memory (``param`` cpu) or on NVMe (nvme, past max_in_cpu): the drift direction, each second
+    checked run rejected (its check's loss times 10)."""
+    hybrid = dict(EAGER, correction_steps=0, check="next_step", predictor={"direction": "drift"}, memory=memory)
+    cfg = ds_config(stage=3, bf16=True, offload_opt="nvme", offload_param=param, nvme_path=str(path), hybrid=hybrid,
+                    **NVME_AIO)
+    if param == "nvme":
+        swap_params(cfg)
+    cfg["zero_optimization"]["sub_group_size"] = 1_000_000
+    engine = make_engine(cfg, **SWAPPED_LLAMA)
+    check, seen = engine._check_predicted_update, []
+
+    def judged(loss, batch, out):
+        if engine._check_groups is not None:
+            seen.append(float(loss))
+        return check(loss * 10 if len(seen) % 2 == 0 and engine._check_groups is not None else loss, batch, out)
+    engine._check_predicted_update = judged
+    return engine
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_drift_predict_with_the_weights_on_nvme_stays_off_the_masters(tmp_path):
+    """ZeRO-Infinity with both offloads on NVMe (the 50b-24gb-nvme preset's layout): ``auto`` takes
+    the device path, whose Predict step reads each sub-group's 16-bit partition from the drive
+    into one host buffer, adds the step and writes it back, with no snapshot and no swap of the
+    masters or Adam state; a kept run goes into the next real step's DeepSpeed step, a rejected
+    one is rolled back by writing the 16-bit partitions from the untouched masters. Phases,
+    losses, weights, masters (outside a run) and velocity are bit for bit the same run with the
+    16-bit weights in host memory (``offload_param: cpu``, whose device path adds in place). The
+    host path (``offload_predict: host``) keeps its fp32 snapshot."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    ram, nvme = _swapped_params_engine("cpu", tmp_path / "ram"), _swapped_params_engine("nvme", tmp_path / "nvme")
+    host = _swapped_params_engine("nvme", tmp_path / "host", offload_predict="host")
+    access, opt = nvme._masters, nvme.optimizer
+    swapped = [i for i in range(access._count()) if access.shard_swapped(i)]
+    assert 0 < len(swapped) < access._count()   # (the first sub-group's partition in host memory)
+    on_drive = [i for i in swapped if any(p.ds_tensor.final_location == OffloadDeviceEnum.nvme
+                                          for p in opt.fp16_groups[i])]
+    kept = [i for i in swapped if any(p.ds_tensor.final_location != OffloadDeviceEnum.nvme for p in opt.fp16_groups[i])]
+    assert on_drive and kept   # partitions really on the drive, and small ones kept in memory beside them
+    st = nvme.statistics()
+    assert st["offload_predict"] == "device" and host.statistics()["offload_predict"] == "host"
+    optimizer_swaps = count_swap_ins(nvme)
+    writes = [0]
+    swapper = opt.fp16_groups[on_drive[0]][0].nvme_swapper
+    write = swapper.swap_out_partitioned_params
+
+    def counted(*args, **kwargs):
+        writes[0] += 1
+        return write(*args, **kwargs)
+    swapper.swap_out_partitioned_params = counted
+    br, bn, bh = Batches(seed=3), Batches(seed=3), Batches(seed=3)
+    phases = []
+    for _ in range(16):
+        optimizer_swaps[0] = writes[0] = 0
+        rr, rn, rh = ram.train_step(br.step()), nvme.train_step(bn.step()), host.train_step(bh.step())
+        assert (rr.phase, rr.loss, rr.checked, rr.rolled_back_steps) == (rn.phase, rn.loss, rn.checked,
+                                                                          rn.rolled_back_steps)
+        assert rh.phase == rn.phase
+        assert all(torch.equal(a, c) for a, c in zip(full_params(ram), full_params(nvme))), phases + [rn.phase]
+        if rn.phase != "predict":
+            assert all(torch.equal(a, c) for a, c in zip(master_copies(ram), master_copies(nvme)))
+        else:   # no optimizer sub-group swapped; each partition on the drive written once
+            assert optimizer_swaps[0] == 0 and writes[0] == len(on_drive), (optimizer_swaps[0], writes[0])
+        assert same_velocity(ram, nvme)
+        phases.append(rn.phase)
+    st = nvme.statistics()
+    assert phases.count("predict") >= 6 and st["predict_accepted"] >= 2 and st["predict_rolled_back"] >= 2
+    assert st["snapshot_bytes"] == 0 and host.statistics()["snapshot_bytes"] == 4 * sum(map(access.numel, range(
+        access._count())))
+    assert st["shard_swap_buffer_bytes"] == 2 * max(access.numel(i) for i in swapped)
+
+
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_the_shard_fold_refuses_16_bit_partitions_on_nvme(tmp_path):
+    """``memory.fold_source: weights16`` reads the real step's update from the 16-bit shards: with
+    some on the drive, a config error naming the key and why."""
+    with pytest.raises(ValueError, match="fold_source: weights16, but zero_optimization.offload_param.device is nvme"):
+        _swapped_params_engine("nvme", tmp_path, fold_source="weights16", offload_predict="device")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_a_checkpoint_in_a_run_with_the_weights_on_nvme_loads_the_run_and_its_velocity(tmp_path):
+    """Saved after the first Predict step of a run whose 16-bit weights are on NVMe: the load gives
+    the new engine the run's coefficients and the drift velocity, bit for bit (each velocity
+    buffer sized from its sub-group while that is swapped in). The masters and Adam state are
+    DeepSpeed's to load, which under ``offload_optimizer: nvme`` 0.19.8 does not do
+    (docs/deepspeed-parity.md, ``benchmarks/nvme_resume_check.py``)."""
+    ref = _swapped_params_engine("nvme", tmp_path / "ref")
+    resumed, _ = resumed_in_a_run(ref, Batches(seed=3), tmp_path / "ckpt", lambda: _swapped_params_engine(
+        "nvme", tmp_path / "resumed"))
+    assert resumed._device_predict.pending == ref._device_predict.pending and len(ref._device_predict.pending) == 1
+    assert same_velocity(ref, resumed) and ref._velocity.updates >= 2
+    assert resumed.controller.phase.value == "predict"
 
 
 @pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")

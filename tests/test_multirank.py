@@ -179,6 +179,17 @@ def test_the_shard_fold_keeps_the_ranks_together(stage, tmp_path):
     assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0 and st["skipped_steps"] == 2
 
 
+def _cpu_and_nvme_runs(tmp_path, args) -> dict:
+    """The worker on 2 ranks with ``args("cpu")`` and with ``args("nvme")``, each in its own folder;
+    every rank of both took the same steps (``_runs_alike``)."""
+    runs = {}
+    for where in ("cpu", "nvme"):
+        (tmp_path / where).mkdir()
+        runs[where] = run_ranks("multirank_worker.py", args(where), 2, tmp_path / where)
+    _runs_alike(runs, "cpu")
+    return runs
+
+
 def _runs_alike(runs: dict, ref: str) -> None:
     """Every rank of every run took the steps of ``ref``'s rank 0: phases, losses and checks."""
     cols = ("phase", "loss", "accepted", "rolled_back", "skipped", "checked")
@@ -223,14 +234,9 @@ def test_gradient_predict_with_the_optimizer_on_nvme_keeps_the_ranks_together(st
     NaN Predict gradient and rank 1's spike that rolls a run back on both. Under NVMe each run's
     state is made inside the real step before it (memory.gradient_prefetch; the compact state's
     sums shared after that step on both ranks)."""
-    runs = {}
-    for where in ("cpu", "nvme"):
-        (tmp_path / where).mkdir()
-        nvme = ["--nvme", str(tmp_path / "swap")] if where == "nvme" else []
-        runs[where] = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "16", "--faults", "--tiny",
-                                                        "--offload-predict", "device", "--direction", "gradient",
-                                                        "--gradient-state-dtype", state, *nvme], 2, tmp_path / where)
-    _runs_alike(runs, "cpu")
+    runs = _cpu_and_nvme_runs(tmp_path, lambda where: [
+        "--stage", "3", "--steps", "16", "--faults", "--tiny", "--offload-predict", "device", "--direction", "gradient",
+        "--gradient-state-dtype", state, *(["--nvme", str(tmp_path / "swap")] if where == "nvme" else [])])
     for where, ranks in runs.items():
         for rep in ranks:
             st = rep["statistics"]
@@ -248,21 +254,37 @@ def test_drift_with_the_optimizer_on_nvme_folds_inside_the_step_on_every_rank(tm
     with the faults: each rank folds its own sub-group inside DeepSpeed's step (memory.fold_in_step,
     swap_fold.py) and the direction statistics are shared after it, so both ranks take the same
     steps, bit for bit those of offload_optimizer: cpu with the fold after the step."""
-    runs = {}
-    for where in ("cpu", "nvme"):
-        (tmp_path / where).mkdir()
-        nvme = ["--nvme", str(tmp_path / "swap"), "--fold-in-step", "true"] if where == "nvme" else [
-            "--fold-in-step", "false"]
-        runs[where] = run_ranks("multirank_worker.py", ["--stage", "3", "--steps", "16", "--faults", "--tiny",
-                                                        "--offload-predict", "device", "--direction", "drift",
-                                                        *nvme], 2, tmp_path / where)
-    _runs_alike(runs, "cpu")
+    runs = _cpu_and_nvme_runs(tmp_path, lambda where: [
+        "--stage", "3", "--steps", "16", "--faults", "--tiny", "--offload-predict", "device", "--direction", "drift",
+        *(["--nvme", str(tmp_path / "swap"), "--fold-in-step", "true"] if where == "nvme" else
+          ["--fold-in-step", "false"])])
     for where, ranks in runs.items():
         for rep in ranks:
             st = rep["statistics"]
             assert st["offload_predict"] == "device" and st["fold_in_step"] is (where == "nvme")
             assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
             assert rep["swapped_sub_groups"] == ([True] if where == "nvme" else [])
+    assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+def test_drift_with_the_weights_on_nvme_takes_the_same_steps_on_every_rank(tmp_path):
+    """The device path with offload_param: nvme too (the 50b-24gb-nvme layout), 2 ranks, with the
+    faults: each rank reads, steps and writes back its own 16-bit partitions on the drive, and both
+    take the same steps, bit for bit those of offload_param: cpu."""
+    runs = _cpu_and_nvme_runs(tmp_path, lambda where: [
+        "--stage", "3", "--steps", "16", "--faults", "--offload-predict", "device", "--direction", "drift",
+        "--nvme", str(tmp_path / f"swap-{where}"), "--params-on", where])
+    for where, ranks in runs.items():
+        for rep in ranks:
+            st = rep["statistics"]
+            assert st["offload_predict"] == "device" and st["snapshot_bytes"] == 0
+            assert st["predict_accepted"] > 0 and st["predict_rolled_back"] > 0
+            if where == "nvme":   # (some of each rank's partitions on the drive)
+                assert rep["shards_on_drive"] > 0 and True in rep["shards_swapped"]
+            else:
+                assert rep["shards_on_drive"] == 0 and True not in rep["shards_swapped"]
     assert len({rep["weights_sha256"] for ranks in runs.values() for rep in ranks}) == 1
 
 

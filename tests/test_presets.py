@@ -182,3 +182,88 @@ def test_the_7b_nvme_preset_trains_on_the_cpu_with_its_optimizer_swapped(tmp_pat
     stats = json.loads((tmp_path / "hybrid" / "summary.json").read_text())["statistics"]
     assert stats["offload_predict"] == "device" and stats["snapshot_bytes"] == 0
     assert stats["predict_steps"] == 4 and stats["predict_accepted"] > 0, stats
+
+
+def _fifty_on_cpu(tmp_path, arm: str, max_in_cpu: "int | None" = None, live: int = 2_000_000) -> dict:
+    """50b-24gb-nvme's ds_config for SWAPPED_LLAMA on the CPU: its ZeRO settings and DeepSpeed's
+    prefetch, with sub-groups, swap buffers and the parameters DeepSpeed keeps gathered scaled
+    down with the model (buffers of 3e8 values to 6e5, so the live and reused values from 1e9 to
+    2e6: as many parameters held as swap buffers hold), its nvme paths a folder of the test's,
+    micro-batches of the engine tests, and an eager Predict cycle."""
+    from engine_utils import MICRO, NVME_AIO
+    cfg = json.loads((PRESET_DIR / "50b-24gb-nvme.json").read_text())
+    cfg.update(NVME_AIO, gradient_accumulation_steps=1, train_micro_batch_size_per_gpu=MICRO)
+    zo = cfg["zero_optimization"]
+    zo["sub_group_size"] = 1_000_000
+    zo["offload_param"]["buffer_size"] = 600_000
+    zo["stage3_max_live_parameters"] = zo["stage3_max_reuse_distance"] = live
+    if max_in_cpu is not None:
+        zo["offload_param"]["max_in_cpu"] = max_in_cpu
+    for key in ("offload_optimizer", "offload_param"):
+        zo[key]["nvme_path"] = str(tmp_path / f"swap-{arm}")
+    cfg["hybrid_predict"].update(warmup_steps=3, full_steps=2, min_predict_steps=2, max_predict_steps=2,
+                                 check="next_step", confidence_threshold=0.0, correction_steps=0,
+                                 divergence={"rel_tolerance": 0.5, "z_threshold": 100.0, "max_loss_ratio": 10.0})
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("engine_utils").aio_available(),
+                    reason="DeepSpeed's async_io op cannot be built here (libaio missing)")
+def test_the_50b_nvme_preset_trains_on_the_cpu_with_its_weights_swapped(tmp_path):
+    """50b-24gb-nvme (both offloads on NVMe) on a model whose MLP matrices DeepSpeed swaps: plain
+    ZeRO-Infinity and the hybrid train through Predict runs with DeepSpeed's prefetch on, the 16-bit
+    weights on the drive, and the hybrid's Predict steps on the device path (no snapshot)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from engine_utils import SWAPPED_LLAMA, Batches, make_engine
+    for arm in ("plain", "hybrid"):
+        engine = make_engine(_fifty_on_cpu(tmp_path, arm), plain=arm == "plain", **SWAPPED_LLAMA)
+        assert engine.zero_optimization_stage() == 3
+        on_drive = [p for p in engine.module.parameters() if p.ds_tensor.final_location == OffloadDeviceEnum.nvme]
+        assert on_drive and all(engine.optimizer.fp16_partitioned_groups_flat[i] is None
+                                for i in range(len(engine.optimizer.fp16_groups)))   # (max_in_cpu 0)
+        batches, phases = Batches(seed=3), []
+        for _ in range(12):
+            if arm == "plain":
+                loss = engine(**batches.micro()).loss
+                engine.backward(loss)
+                engine.step()
+            else:
+                phases.append(engine.train_step(batches.step()).phase)
+        if arm == "hybrid":
+            st = engine.statistics()
+            assert st["offload_predict"] == "device" and st["snapshot_bytes"] == 0 and phases.count("predict") >= 4
+            assert st["shard_swap_buffer_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("engine_utils").aio_available(),
+                    reason="DeepSpeed's async_io op cannot be built here (libaio missing)")
+@pytest.mark.parametrize("max_in_cpu", [1_500_000, 0], ids=["split", "all-on-nvme"])
+def test_why_the_50b_nvme_preset_keeps_no_weights_in_host_memory(max_in_cpu, tmp_path):
+    """The preset's ``offload_param.max_in_cpu`` is 0. Where a value splits the model (part of the
+    16-bit weights in host memory, the rest on NVMe; at 50B the old 1e9 did), plain DeepSpeed
+    0.19.8 can fail at its second forward: its NVMe prefetch gives a parameter a second swap buffer
+    (here with DeepSpeed's defaults for the parameters it keeps gathered, SWAPPED_LLAMA in six
+    swap buffers). The same engine with every 16-bit partition on NVMe trains."""
+    import deepspeed
+    from engine_utils import NVME_AIO, SWAPPED_LLAMA, Batches, ds_config, make_engine
+    cfg = ds_config(stage=3, bf16=True, offload_opt="nvme", offload_param="nvme", nvme_path=str(tmp_path), **NVME_AIO)
+    cfg["zero_optimization"]["sub_group_size"] = 1_000_000
+    cfg["zero_optimization"]["offload_param"].update(max_in_cpu=max_in_cpu, buffer_size=600_000, buffer_count=6)
+    engine = make_engine(cfg, plain=True, **SWAPPED_LLAMA)
+    flats = engine.optimizer.fp16_partitioned_groups_flat
+    assert None in flats and (any(f is not None for f in flats) if max_in_cpu else all(f is None for f in flats))
+    batches = Batches(seed=3)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            engine.backward(engine(**batches.micro()).loss)
+            engine.step()
+    if max_in_cpu:
+        with pytest.raises(AssertionError, match="already assigned swap buffer id"):
+            steps(2)
+        assert deepspeed.__version__.startswith("0.19.")
+    else:
+        steps(3)
+        assert engine.global_steps == 3

@@ -159,7 +159,7 @@ class PresetSpec:
         beside = self.offload_optimizer != "none" and accelerator != "cpu"
         takes = (self.stage >= 1) if self.gradient else (bool(self.velocity_bytes_per_value) and self.stage >= 1)
         return takes and offload_predict_on_device(self.offload_predict, beside,
-                                                   masters_swapped(self.offload_optimizer, self.offload_param))
+                                                   masters_swapped(self.offload_optimizer))
 
     def shards_on_gpu(self, accelerator: str) -> bool:
         """Whether this rank's 16-bit partitions are in GPU memory (not with ZeRO 3's ``offload_param``)."""
