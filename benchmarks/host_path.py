@@ -86,6 +86,9 @@ class _OnePartition:
     def device_shard(self, i):
         return self.shard
 
+    def shard_swapped(self, i):
+        return False   # (in memory: not on NVMe)
+
 
 def measure(n: int, velocity_dtype: str, repeat: int, cpp: bool) -> dict:
     torch.manual_seed(0)

@@ -9,7 +9,10 @@ loaded weights equal the saved ones and which Adam state keys the loaded optimiz
 
     .venv/bin/python benchmarks/nvme_resume_check.py [--json out.json]
 
-docs/deepspeed-parity.md cites its result (DeepSpeed 0.19.8: the NVMe run does not resume).
+docs/deepspeed-parity.md cites its result (DeepSpeed 0.19.8: the NVMe run does not resume). The load is
+in the same process, whose second engine numbers its parameters on from the first: DeepSpeed's
+NVMe files, named by those ids, then load nothing, not even the masters. A fresh process loads the
+masters but not the Adam state (tests/test_nvme_resume.py, which also checks ds_hybrid's mend).
 """
 from __future__ import annotations
 

@@ -57,6 +57,8 @@ from typing import Any, Callable, Iterator
 import torch
 import xxhash
 
+from . import nvme_resume
+
 logger = logging.getLogger(__name__)
 
 STATE_KEY = "ds_hybrid"
@@ -622,6 +624,12 @@ def load_verified(engine: Any, deepspeed_load: Callable[..., Any], load_dir: str
                               f"{err})") from err
     if load_path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed found no model-states file in this checkpoint")
+    if (nvme_resume.needs_restore(engine) and load_kwargs.get("load_optimizer_states", True)
+            and not load_kwargs.get("load_module_only")):
+        try:   # (DeepSpeed's NVMe load restores the masters, not the Adam state: nvme_resume.py)
+            nvme_resume.restore_adam_state(engine, tag_dir)
+        except nvme_resume.NvmeResumeError as err:
+            raise CheckpointError(f"{tag_dir}: {err}") from err
     reseat_cpu_adam_kernels(engine.optimizer)
     if not params_finite(engine):
         raise CheckpointError(f"{tag_dir}: holds non-finite weights (NaN or Inf) on rank {engine.global_rank}; "

@@ -206,6 +206,9 @@ class OneShardAccess:
     def device_shard(self, i):
         return self.shard
 
+    def shard_swapped(self, i):
+        return False   # (in memory: not on NVMe)
+
     def partitions(self):
         return self.parts
 

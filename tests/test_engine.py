@@ -9,8 +9,7 @@ import torch
 import ds_hybrid.zero_access as za
 from ds_hybrid import Phase
 from engine_utils import (NVME_AIO, EAGER, SWAPPED_LLAMA, BackwardCounter, Batches, aio_available, count_swap_ins,
-                          ds_config, full_params, make_engine, master_copies, resumed_in_a_run, same_velocity,
-                          swap_params)
+                          ds_config, full_params, make_engine, master_copies, same_velocity, swap_params)
 
 SETUPS = {
     "z0-fp32": dict(stage=0),
@@ -393,22 +392,6 @@ def test_the_shard_fold_refuses_16_bit_partitions_on_nvme(tmp_path):
     some on the drive, a config error naming the key and why."""
     with pytest.raises(ValueError, match="fold_source: weights16, but zero_optimization.offload_param.device is nvme"):
         _swapped_params_engine("nvme", tmp_path, fold_source="weights16", offload_predict="device")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
-def test_a_checkpoint_in_a_run_with_the_weights_on_nvme_loads_the_run_and_its_velocity(tmp_path):
-    """Saved after the first Predict step of a run whose 16-bit weights are on NVMe: the load gives
-    the new engine the run's coefficients and the drift velocity, bit for bit (each velocity
-    buffer sized from its sub-group while that is swapped in). The masters and Adam state are
-    DeepSpeed's to load, which under ``offload_optimizer: nvme`` 0.19.8 does not do
-    (docs/deepspeed-parity.md, ``benchmarks/nvme_resume_check.py``)."""
-    ref = _swapped_params_engine("nvme", tmp_path / "ref")
-    resumed, _ = resumed_in_a_run(ref, Batches(seed=3), tmp_path / "ckpt", lambda: _swapped_params_engine(
-        "nvme", tmp_path / "resumed"))
-    assert resumed._device_predict.pending == ref._device_predict.pending and len(ref._device_predict.pending) == 1
-    assert same_velocity(ref, resumed) and ref._velocity.updates >= 2
-    assert resumed.controller.phase.value == "predict"
 
 
 @pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
