@@ -39,7 +39,9 @@ def test_plain_deepspeed_resumes_the_masters_but_not_the_adam_state(tmp_path):
 def test_a_fresh_process_resumes_a_drift_run_from_its_middle(params, tmp_path):
     """Saved one Predict step into a drift run on the device path: the resumed run finishes that
     run, is checked by the same real step and goes on, bit for bit. ``nvme``: the 16-bit weights
-    on NVMe too (the 50b-24gb-nvme layout), where the run's step is added again through the drive."""
+    on NVMe too (the 50b-24gb-nvme layout), where the run's step is added again through the drive;
+    SWAPPED_LLAMA's last optimizer sub-group is below DeepSpeed's smallest swappable tensor, so it
+    stays in host memory and its masters and moments come from the ZeRO file."""
     saved, resumed = _save_and_resume(tmp_path, "--hybrid", "--after", "6",
                                       *(["--params-nvme"] if params == "nvme" else []))
     assert saved["pending"] == resumed["pending"] == 1
