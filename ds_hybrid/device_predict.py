@@ -257,15 +257,14 @@ class DevicePredict(WorkerOwner):
 
     def _add_to_shards(self, vel: VelocityBuffers, steps: list[list[float]]) -> None:
         dev_v = self._device_velocity(vel)
-        released = False
+        swapped = [self.access.shard_swapped(i) for i in range(len(dev_v))]
+        if any(swapped):   # (a partition still swapped in would be released unwritten)
+            self.access.partition_all()
         for i, gi in enumerate(self.access.group_indices()):
             if i >= len(dev_v) or dev_v[i] is None:
                 continue
             coefs = [step[gi] for step in steps]
-            if self.access.shard_swapped(i):
-                if not released:   # (a partition still swapped in would be released unwritten)
-                    self.access.partition_all()
-                    released = True
+            if swapped[i]:
                 self._shift_swapped(i, dev_v[i], coefs)
                 continue
             shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
@@ -292,10 +291,7 @@ class DevicePredict(WorkerOwner):
             self._swap_flat = torch.empty(n, dtype=dtype)
         flat = self._swap_flat[:n]
         self.access.read_swapped_shard(i, flat)
-        if buf.device != flat.device:   # (the velocity beside no shard stays in host memory; never here)
-            raise RuntimeError(f"DevicePredict: sub-group {i}'s velocity is on {buf.device}, its swapped partition "
-                               "in host memory")
-        self._shift(flat, buf, coefs)
+        self._shift(flat, buf, coefs)   # (the velocity of a sub-group with no shard stays in host memory)
         self.access.write_swapped_shard(i, flat)
 
     def swap_buffer_bytes(self) -> int:
