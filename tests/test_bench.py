@@ -1,6 +1,5 @@
 """ds-hybrid bench: the frontier scoring on constructed curves, the report, and a CI-sized end-to-end run."""
 import json
-import math
 
 import pytest
 
@@ -865,13 +864,13 @@ def test_quick_bench_end_to_end(tmp_path):
     assert prof["cost"]["deepspeed"] > 0   # DeepSpeed's own engine timed beside the unit
     # a Predict step with its own forward and backward costs more than one without them
     assert prof["cost"]["predict_gradient"] > prof["cost"]["predict"]
-    # and so does one in the middle of a run; a step that begins and keeps one (the moments' copies in
-    # and out) is on this tiny model within the profile's own timing noise of it (CI 2026-12-06: 0.27 ±
-    # 0.15 against 0.54 ± 0.35 beside another test worker, so no tighter ratio is asserted)
+    # and so does one in the middle of a run. How the two compare is a timing the bench reports, not a
+    # test's claim: beside another test worker they came out within noise (CI 2026-12-06: 0.27 ± 0.15
+    # against 0.54 ± 0.35) and apart (CI of d2248e3: 0.67 ± 0.04 against 1.09 ± 0.09)
     cost, se = prof["cost"], prof["cost_se"]
     assert cost["predict_gradient_run"] > cost["predict"]
-    assert abs(cost["predict_gradient"] - cost["predict_gradient_run"]) \
-        <= 3 * math.hypot(se["predict_gradient"], se["predict_gradient_run"])
+    # every kind timed has its standard error beside its cost (the unit's none: it is the unit)
+    assert set(se) == set(cost) and se["plain"] == 0.0 and se["predict_gradient_run"] > 0
     grad = saved["analysis"]["arms"]["predict-gradient"]
     assert grad["aggregate"]["full_budget"]["backward_skipped"]["mean"] == 0   # (its Predict steps run a backward)
     assert set(grad["per_seed"]["1"]["optimizer_steps"]) == {"target", "target+1%", "target+2%"}
