@@ -28,7 +28,8 @@ the same batches so that the machine's drift falls on all of them alike:
 ``--params-on nvme``: the 16-bit parameters on NVMe too (``offload_param: nvme``, ``max_in_cpu: 0``:
 the 50b-24gb-nvme preset's layout; ``plain-cpu`` keeps its optimizer in host memory and its
 parameters on NVMe), where the device path reads each sub-group's 16-bit partitions from the drive
-at a Predict step and writes them back, in bf16 (as the preset). DeepSpeed swaps a parameter of
+at a Predict step and writes them back, in bf16 (as the preset), for either direction (the gradient
+step's Adam step there, from the run's moments beside them). DeepSpeed swaps a parameter of
 1 MiB and up only, so use a model with matrices that big: ``--model llama-tiny --model-set hidden_size=384
 intermediate_size=1536 num_hidden_layers=2``.
 
@@ -195,9 +196,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if "plain" not in args.engines:
         p.error("--engines: plain is the unit every cost is read in; keep it")
-    gradient = [e for e in args.engines if e in ("device", "device-noprefetch", "host")]
-    if args.params_on == "nvme" and gradient:
-        p.error(f"--params-on nvme: the gradient direction refuses offload_param: nvme; leave out {gradient}")
     try:
         args.model_overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.model_set)}
     except ValueError:

@@ -103,9 +103,10 @@ class PredictorConfig(_Section):
     gradient (each parameter's share is taken as the backward produces it). With ZeRO-Infinity
     the masters and Adam state may be on NVMe (``offload_optimizer.device: nvme``): a run swaps
     each sub-group in once where it begins, a kept run's commit goes into DeepSpeed's own step
-    (before each sub-group's Adam step), and on the device path its steps read none of them. The 16-bit parameters on NVMe (``offload_param.device: nvme``)
-    are refused by ``initialize``, before DeepSpeed builds its NVMe op (``ds-hybrid plan`` marks
-    such a preset as fitting nothing)."""
+    (before each sub-group's Adam step), and on the device path its steps read none of them.
+    With the 16-bit parameters on NVMe too (``offload_param.device: nvme``) a device-path step
+    reads each sub-group's partition from the drive into one host buffer, steps it there and
+    writes it back."""
 
     drift_beta: float = Field(0.95, gt=0.0, lt=1.0)
     """``direction: drift``: decay of the running average of real updates (0.95 averages
@@ -315,21 +316,6 @@ def second_moment_updated(setting: str, beta2: float, gradient_state_dtype: str,
     return beta2 < UPDATE_V_BELOW_BETA2
 
 
-def nvme_state_refusal(offload_optimizer_device: str, offload_param_device: str) -> str | None:
-    """Why ``predictor.direction: gradient`` cannot run with ZeRO-Infinity's NVMe offload (None: it
-    can). The masters and the Adam state may be on NVMe (``offload_optimizer.device: nvme``): a run
-    reads them a sub-group at a time, swapped in for its turn, where it begins and where it is
-    kept. The 16-bit partitions may not (``offload_param.device: nvme``): each Predict step moves
-    them, and they would have to follow DeepSpeed's parameter swapper in and out. The engine
-    refuses the run with it before DeepSpeed (which would first build its async_io op); the
-    planner marks the preset as not fitting."""
-    if offload_param_device != "nvme":
-        return None
-    return ("zero_optimization.offload_param.device: nvme; hybrid_predict.predictor.direction 'gradient' moves "
-            "this rank's 16-bit partitions at every Predict step and needs them in memory (offload_param.device "
-            "cpu or none; offload_optimizer.device may be nvme)")
-
-
 def offload_devices(ds_config: Mapping[str, Any]) -> tuple[str, str]:
     """``zero_optimization.offload_optimizer.device`` and ``offload_param.device`` of a ds_config
     dict, ``none`` where absent (DeepSpeed's default)."""
@@ -347,8 +333,7 @@ def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredict
     builds anything, and ``ds-hybrid train`` exits with it among its input checks (ZenFlow with
     gradient accumulation also with the hybrid off: DeepSpeed would shrink the batch). Not part of
     ``parse_hybrid_config``: ``ds-hybrid plan --set`` parses every preset with the change and
-    marks a preset with the parameters on NVMe under the gradient direction as fitting nothing,
-    instead of stopping."""
+    estimates it instead of stopping."""
     zo = ds_config.get("zero_optimization") or {}
     gas = ds_config.get("gradient_accumulation_steps")
     if isinstance(zo, Mapping) and zo.get("zenflow") and isinstance(gas, int) and gas > 1:
@@ -371,8 +356,6 @@ def refused_before_deepspeed(ds_config: Mapping[str, Any], hybrid: HybridPredict
         return ("zero_optimization.zenflow: ZenFlow runs its own selective and asynchronous updates and cannot be "
                 f"combined with {SECTION}; set {SECTION}.enabled to false to train with ZenFlow "
                 "(ds-hybrid train --baseline), or drop the zenflow section")
-    if hybrid.predictor.direction == "gradient":   # (DeepSpeed would first build its async_io op: minutes)
-        return nvme_state_refusal(*offload_devices(ds_config))
     return None
 
 

@@ -68,7 +68,7 @@ from . import host_kernels, kernels
 from .host_worker import HostWorker, WorkerOwner
 from .quant import BLOCK, CompactBuffer, scratch
 from .staging import Stager, side_stream
-from .zero_access import MasterAccess, StepJobs, VelocityBuffers, _flat, _scale_of
+from .zero_access import MasterAccess, StepJobs, SwappedShards, VelocityBuffers, _flat, _scale_of
 
 
 def unsupported(access: MasterAccess, direction: str) -> str | None:
@@ -133,8 +133,8 @@ class DevicePredict(WorkerOwner):
         self._worker = HostWorker("commit", "commit of a kept Predict run into the masters")
         # Under ZeRO-Infinity's NVMe swap: a kept run's commit by sub-group, inside DeepSpeed's next step
         self._in_step = StepJobs(access)
-        # Under offload_param: nvme, the host buffer a sub-group's 16-bit partition passes through
-        self._swap_flat: torch.Tensor | None = None
+        # Under offload_param: nvme, the 16-bit partitions on the drive, through one host buffer
+        self.swapped = SwappedShards(access)
 
     def _device_velocity(self, vel: VelocityBuffers, always_copy: bool = False) -> list[CompactBuffer | None]:
         """The velocity next to each 16-bit shard: the host buffer itself where they share a
@@ -257,15 +257,16 @@ class DevicePredict(WorkerOwner):
 
     def _add_to_shards(self, vel: VelocityBuffers, steps: list[list[float]]) -> None:
         dev_v = self._device_velocity(vel)
-        swapped = [self.access.shard_swapped(i) for i in range(len(dev_v))]
-        if any(swapped):   # (a partition still swapped in would be released unwritten)
-            self.access.partition_all()
+        swapped = [self.swapped.swapped(i) for i in range(len(dev_v))]
+        self.swapped.release(range(len(dev_v)))
         for i, gi in enumerate(self.access.group_indices()):
             if i >= len(dev_v) or dev_v[i] is None:
                 continue
             coefs = [step[gi] for step in steps]
             if swapped[i]:
-                self._shift_swapped(i, dev_v[i], coefs)
+                # (the velocity of a sub-group with no shard stays in host memory)
+                with self.swapped.held(i) as flat:
+                    self._shift(flat, dev_v[i], coefs)
                 continue
             shard, buf = _flat(self.access.device_shard(i)), dev_v[i]
             if shard.numel() == 0:
@@ -280,23 +281,6 @@ class DevicePredict(WorkerOwner):
         else:
             kernels.drift_shift(shard, buf, coefs, backend=self.backend)
 
-    def _shift_swapped(self, i: int, buf: CompactBuffer, coefs: list[float]) -> None:
-        """ZeRO-Infinity's ``offload_param: nvme``: sub-group ``i``'s 16-bit partition comes from the
-        drive into one host buffer, takes the steps as a partition in memory would, and goes back
-        (2 bytes a parameter each way, for bf16; the masters and the Adam state are not swapped).
-        The buffer, as long as the largest such sub-group, is kept from step to step."""
-        n = self.access.numel(i)
-        dtype = self.access.optimizer.dtype   # (DeepSpeed's 16-bit dtype: the parameters')
-        if self._swap_flat is None or self._swap_flat.numel() < n or self._swap_flat.dtype != dtype:
-            self._swap_flat = torch.empty(n, dtype=dtype)
-        flat = self._swap_flat[:n]
-        self.access.read_swapped_shard(i, flat)
-        self._shift(flat, buf, coefs)   # (the velocity of a sub-group with no shard stays in host memory)
-        self.access.write_swapped_shard(i, flat)
-
-    def swap_buffer_bytes(self) -> int:
-        """Bytes of the host buffer a sub-group's 16-bit partition on NVMe passes through."""
-        return 0 if self._swap_flat is None else self._swap_flat.numel() * self._swap_flat.element_size()
 
     def _on_host(self, t: torch.Tensor) -> bool:
         return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()

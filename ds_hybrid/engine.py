@@ -484,9 +484,9 @@ class PredictiveEngine(MemoryPaths, EngineState, DeepSpeedEngine):
             out["free_velocity_copy"] = self._free_velocity_copy
             if self._device_predict is not None:
                 out["device_velocity_bytes"] = self._device_predict.device_bytes()   # copies beside a GPU's shards
-                # (offload_param: nvme: the host buffer a sub-group's 16-bit partition takes its steps in)
-                out["shard_swap_buffer_bytes"] = self._device_predict.swap_buffer_bytes()
             if self._device_path():
+                # (offload_param: nvme: the host buffer a sub-group's 16-bit partition takes its steps in)
+                out["shard_swap_buffer_bytes"] = (self._device_predict or self._gradient).swapped.buffer_bytes()
                 out["commit_overlap"] = self._commit_overlap
                 out["commit_background_seconds"] = (self._device_predict or self._gradient).background_seconds
             if self._parking is not None:
@@ -1604,7 +1604,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                           "this ds_config has no 'optimizer' section and initialize() got no optimizer=. Add "
                           "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} to the ds_config, pass "
                           "optimizer=torch.optim.AdamW(...) to initialize, or set hybrid_predict.enabled to false")
-    refused = refused_before_deepspeed(cfg_dict, hybrid)   # (ZenFlow; the gradient direction with offload_param: nvme)
+    refused = refused_before_deepspeed(cfg_dict, hybrid)   # (ZenFlow with the hybrid or accumulating)
     if refused:
         raise ConfigError(refused)
 

@@ -50,7 +50,7 @@ from .config import ConfigError
 from .host_worker import HostWorker, WorkerOwner
 from .quant import worker_scratch
 from .staging import QueuedDownloads, Stager, side_stream
-from .zero_access import MasterAccess, MasterPartition, StepJobs, _flat
+from .zero_access import MasterAccess, MasterPartition, StepJobs, SwappedShards, _flat
 
 Timer = Callable[[str], ContextManager]
 
@@ -165,6 +165,9 @@ class GradientPredict(WorkerOwner):
         # is being made, then (finish_staging) kept in _next for the run's first step
         self._stage_jobs = StepJobs(access)
         self._staging: tuple | None = None
+        # ZeRO 3's offload_param: nvme: the 16-bit partitions on the drive, read and written through one
+        # host buffer (a step moves each in turn; a commit's catch-up and a checkpoint read them)
+        self.swapped = SwappedShards(access)
         self.batch_fraction = batch_fraction   # predictor.gradient_batch_fraction: the batch's share it takes
         # predictor.gradient_lr_scale: the share of the schedule's LR (and decay) a step takes
         self.lr_scale = lr_scale
@@ -236,7 +239,29 @@ class GradientPredict(WorkerOwner):
         return self.m is not None or self.moments is not None
 
     def _shard(self, i: int) -> torch.Tensor:
+        """Partition ``i``'s 16-bit weights, flat; for one on NVMe a stand-in that sizes and places
+        the run's tensors but holds no values (``_values``, ``_held`` read and write those)."""
+        if self.swapped.swapped(i):
+            return self.swapped.stand_in(i)
         return _flat(self.access.device_shard(i))
+
+    def _any_swapped(self) -> bool:
+        """Some partition is on NVMe: a pass that reads it runs on this thread (DeepSpeed's swapper)."""
+        return any(map(self.swapped.swapped, range(self.access._count())))
+
+    def _values(self, i: int, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` (``_shard(i)``), or for a partition on NVMe its values read into the host buffer."""
+        return self.swapped.read(i) if self.swapped.swapped(i) else shard
+
+    @contextlib.contextmanager
+    def _held(self, i: int):
+        """Partition ``i`` to move in place: itself, or one on NVMe read into the host buffer and
+        written back after (each pass that writes calls ``swapped.release`` first)."""
+        if self.swapped.swapped(i):
+            with self.swapped.held(i) as flat:
+                yield flat
+        else:
+            yield self._shard(i)
 
     def _parts(self) -> Iterable[MasterPartition]:
         """The partitions for a pass that reads or writes their tensors: listed here (a pass on
@@ -800,19 +825,22 @@ class GradientPredict(WorkerOwner):
         if self.moments is not None:
             self._apply_compact(step)
             return
+        self.swapped.release(range(self.access._count()))
         for i, part in enumerate(self.access.partitions(resident=False)):   # (group and step count only)
             if self.m[i] is None:
                 continue
             g = part.group
             beta1, beta2 = g.get("betas", (0.9, 0.999))
-            self._held_adam(self._shard(i), self.m[i], self.v[i], lr=float(g["lr"]) * self.lr_scale,
-                            beta1=beta1, beta2=beta2,
-                            eps=g.get("eps", 1e-8), step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
-                            bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
+            with self._held(i) as shard:
+                self._held_adam(shard, self.m[i], self.v[i], lr=float(g["lr"]) * self.lr_scale,
+                                beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8), step=part.step,
+                                weight_decay=float(g.get("weight_decay", 0.0)),
+                                bias_correction=g.get("bias_correction", True), key=_round_key(self.seed, step, i))
         self.access.gather_device_shards()
 
     def _apply_compact(self, step: int) -> None:
         """``apply`` from the compact state: Adam's step a range at a time (``CompactMoments.step``)."""
+        self.swapped.release(range(self.access._count()))
         for i, part in enumerate(self.access.partitions(resident=False)):   # (group and step count only)
             if not self.moments.parts[i]:
                 continue
@@ -821,8 +849,9 @@ class GradientPredict(WorkerOwner):
             kw = dict(lr=float(g["lr"]) * self.lr_scale, beta1=beta1, beta2=beta2, eps=g.get("eps", 1e-8),
                       step=part.step, weight_decay=float(g.get("weight_decay", 0.0)),
                       bias_correction=g.get("bias_correction", True))
-            self.moments.step(i, self._shard(i), lambda x, m, v, key: self._held_adam(x, m, v, key=key, **kw),
-                              key=_round_key(self.seed, step, i))
+            with self._held(i) as shard:
+                self.moments.step(i, shard, lambda x, m, v, key: self._held_adam(x, m, v, key=key, **kw),
+                                  key=_round_key(self.seed, step, i))
         self.access.gather_device_shards()
 
     def _held_adam(self, shard: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
@@ -872,7 +901,7 @@ class GradientPredict(WorkerOwner):
                                  for i in range(len(run)) if run[i] is not None})
             return
         parts = self._parts()   # (DeepSpeed's structures read here, not on the thread)
-        if background and self.on_device and not resync:
+        if background and self.on_device and not resync and not self._any_swapped():
             # (the thread's copies wait for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
             self._worker.start(lambda: self._hand_over(parts, run, shards, ready, second))
@@ -893,7 +922,7 @@ class GradientPredict(WorkerOwner):
                                  for i in range(len(shards)) if moments.parts[i]})
             return
         parts = self._parts()   # (DeepSpeed's structures read here, not on the thread)
-        if background and not resync:
+        if background and not resync and not self._any_swapped():
             # (the thread's work waits for the run's last update, not for what this step queues after it)
             ready = Stager.mark(shards[0].device) if shards else None
             self._worker.start(lambda: self._hand_over_compact(moments, parts, shards, ready))
@@ -921,7 +950,7 @@ class GradientPredict(WorkerOwner):
                                after=None) -> None:
         """Partition ``i`` of ``_hand_over_compact``."""
         moments.write_m(i, part.state["exp_avg"])   # (into host memory: waits for the current stream only)
-        _catch_up(_flat(part.master), shard, self._stager, after, self.host_kernel)
+        _catch_up(_flat(part.master), self._values(i, shard), self._stager, after, self.host_kernel)
 
     def _hand_over(self, parts: list, run: list, shards: list, after=None, second: list | None = None) -> None:
         """The run's first moment (and ``second``: its updated second moment) into the
@@ -943,7 +972,7 @@ class GradientPredict(WorkerOwner):
         # partition's catch-up, which a background commit runs during the next real step)
         run[i] = None
         if shards:
-            _catch_up(_flat(part.master), shards[i], self._stager, after, self.host_kernel)
+            _catch_up(_flat(part.master), self._values(i, shards[i]), self._stager, after, self.host_kernel)
 
     # ------------------------------------------------- the commit inside DeepSpeed's NVMe step
     # (zero_access.StepJobs: benchmarks/nvme_step_cost.py measures the real step that keeps a run
@@ -1003,17 +1032,29 @@ class GradientPredict(WorkerOwner):
         if self.moments is not None:   # (the compact state's first moments; its second is read again, but a
             # covered run's, which is its own)
             sd["compact"] = self.moments.state_dict(v=self.covered)
-            sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.moments.parts))]
+            sd["shards"] = [self._saved_shard(i) for i in range(len(self.moments.parts))]
             return sd
         if self.m is not None:
             sd["m"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.m]
             if self.on_device:
-                sd["shards"] = [self._shard(i).detach().to("cpu", copy=True) for i in range(len(self.m))]
+                sd["shards"] = [self._saved_shard(i) for i in range(len(self.m))]
             # (covered: the run's second moment is the GPU's step of it; updated: the run's own; neither
             # is the optimizer's)
             if self.covered or self.update_v:
                 sd["v"] = [None if t is None else t.detach().to("cpu", copy=True) for t in self.v]
         return sd
+
+    def _saved_shard(self, i: int) -> torch.Tensor:
+        """A copy of partition ``i``'s 16-bit weights in host memory, for a checkpoint."""
+        return self._values(i, self._shard(i)).detach().to("cpu", copy=True)
+
+    def _load_shards(self, saved: list) -> None:
+        """``state_dict``'s partitions back into the 16-bit weights, then the all-gather."""
+        self.swapped.release(range(self.access._count()))
+        for i, t in enumerate(saved):
+            with self._held(i) as shard:
+                shard.copy_(t.view(-1))
+        self.access.gather_device_shards()
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict | None) -> str | None:
@@ -1063,9 +1104,7 @@ class GradientPredict(WorkerOwner):
                       for v, t in zip(self.v, sd["v"])]
             self.covered = True
         if self.on_device:
-            for i, t in enumerate(sd["shards"]):
-                self._shard(i).copy_(t.view(-1))
-            self.access.gather_device_shards()
+            self._load_shards(sd["shards"])
         return None
 
     def _load_compact(self, sd: dict) -> str | None:
@@ -1094,9 +1133,7 @@ class GradientPredict(WorkerOwner):
             self.moments = None
             self._repropagate()
             return self._unmatched()
-        for i, t in enumerate(sd["shards"]):
-            self._shard(i).copy_(t.view(-1))
-        self.access.gather_device_shards()
+        self._load_shards(sd["shards"])
         self.covered = saved.get("v") is not None
         return None
 

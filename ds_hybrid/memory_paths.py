@@ -126,9 +126,9 @@ class MemoryPaths:
         if refused:
             raise ConfigError(refused)
         if not compact and on_device:
-            shard = self._masters.device_shard(0)
-            if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard.is_cuda
-                                                      and shard.dtype == torch.bfloat16):
+            shard = self._masters.device_shard(0)   # (None: on NVMe, read into host memory for each step)
+            if mem.gradient_state_dtype == "bf16" or (mem.gradient_state_dtype == "auto" and shard is not None
+                                                      and shard.is_cuda and shard.dtype == torch.bfloat16):
                 dtype = torch.bfloat16
         pred = self.hybrid_config.predictor
         # (the smallest betas[1] of the optimizer's groups: auto updates v where any group's is short)

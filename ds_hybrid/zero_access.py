@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -550,6 +550,59 @@ class _Zero3Access(MasterAccess):
         step): a swapped-in partition is released first, so what ``write_swapped_shard`` writes to
         NVMe is what the next fetch reads."""
         self.optimizer.checkpoint_event_prologue()
+
+
+class SwappedShards:
+    """The 16-bit partitions ZeRO 3 keeps on NVMe (``offload_param: nvme`` past ``max_in_cpu``:
+    ``MasterAccess.shard_swapped``) as a device-side Predict step reads and writes them: a
+    sub-group's partition comes from the drive into one host buffer, as long as the largest such
+    partition and kept from step to step, and goes back through DeepSpeed's own swap-out (2 bytes a
+    parameter each way in bf16; the masters and the Adam state are not swapped for it)."""
+
+    def __init__(self, access: MasterAccess):
+        self.access = access
+        self._flat: torch.Tensor | None = None
+
+    def swapped(self, i: int) -> bool:
+        return self.access.shard_swapped(i)
+
+    def release(self, indices: Iterable[int]) -> None:
+        """Before writes to partitions ``indices``: every gathered parameter back to its partition
+        where one of them is on NVMe (a partition still swapped in would be released unwritten over
+        what was written)."""
+        if any(map(self.swapped, indices)):
+            self.access.partition_all()
+
+    def read(self, i: int) -> torch.Tensor:
+        """Sub-group ``i``'s partition in the host buffer (valid until the next ``read``)."""
+        n, dtype = self.access.numel(i), self.access.optimizer.dtype   # (DeepSpeed's 16-bit dtype)
+        if self._flat is None or self._flat.numel() < n or self._flat.dtype != dtype:
+            self._flat = torch.empty(n, dtype=dtype)
+        flat = self._flat[:n]
+        self.access.read_swapped_shard(i, flat)
+        return flat
+
+    def write(self, i: int, flat: torch.Tensor) -> None:
+        """``flat`` (the partition's length and dtype) as sub-group ``i``'s partition on NVMe
+        (after ``release``)."""
+        self.access.write_swapped_shard(i, flat)
+
+    @contextlib.contextmanager
+    def held(self, i: int) -> Iterator[torch.Tensor]:
+        """Partition ``i`` read into the buffer to be moved in place, written back after."""
+        flat = self.read(i)
+        yield flat
+        self.write(i, flat)
+
+    def stand_in(self, i: int) -> torch.Tensor:
+        """What a pass that only sizes or places tensors by the partition sees of a swapped one:
+        its length, dtype and device (host memory) and no values (an expanded scalar: a write to it
+        raises)."""
+        return torch.empty((), dtype=self.access.optimizer.dtype).expand(self.access.numel(i))
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the host buffer (0 before the first read)."""
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
 
 
 class StepJobs:

@@ -445,6 +445,9 @@ def test_bad_main_job_inputs_fail_before_training(tmp_path, no_model_built):
                                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                          "zenflow": {"topk_ratio": 0.1}},
                                    "hybrid_predict": {"enabled": True}}))
+    zenflow_gas = tmp_path / "zenflow_gas.json"   # (each micro-batch would be a step of half the batch)
+    zenflow_gas.write_text(json.dumps({**json.loads(zenflow.read_text()), "gradient_accumulation_steps": 2,
+                                       "hybrid_predict": {"enabled": False}}))
     cases = [
         ("missing data path", ["--data", str(tmp_path / "nope")], ["--data", str(tmp_path / "nope")]),
         ("empty corpus file", ["--data", str(empty_file)], ["--data", "corpus is empty", str(empty_file)]),
@@ -458,8 +461,8 @@ def test_bad_main_job_inputs_fail_before_training(tmp_path, no_model_built):
         ("--resume without --save-dir", ["--resume"], ["--resume", "--save-dir"]),
         ("negative --save-every", ["--save-dir", str(tmp_path), "--save-every", "-1"], ["--save-every", "-1"]),
         ("--save-dir that is a file", ["--save-dir", str(a_file)], ["--save-dir", str(a_file)]),
-        ("gradient direction on NVMe offload", ["--config", "50b-24gb-nvme", "--set", "predictor.direction=gradient"],
-         ["50b-24gb-nvme.json with --set", "zero_optimization.offload_param.device: nvme", "predictor.direction"]),
+        ("ZenFlow accumulating micro-batches", ["--config", str(zenflow_gas)],
+         [str(zenflow_gas), "gradient_accumulation_steps: 2 under zero_optimization.zenflow"]),
         ("ZenFlow with hybrid_predict", ["--config", str(zenflow)], [str(zenflow), "zero_optimization.zenflow"]),
     ]
     for name, args, expected in cases:

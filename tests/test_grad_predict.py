@@ -680,19 +680,55 @@ def test_a_host_run_saved_and_loaded_on_the_device_path_is_kept_with_a_warning(t
         assert dev.train_step(b.step()).loss is not None
 
 
-def test_zero_3_with_the_16_bit_partitions_on_nvme_is_refused_naming_the_key(tmp_path, monkeypatch):
-    """ZeRO-Infinity's parameter swap: each Predict step moves the 16-bit partitions, which would
-    have to follow DeepSpeed's swapper in and out. Refused from the ds_config, before initialize
-    reaches DeepSpeed (which would first build its async_io op: CI waited 575 s on that build when
-    the engine refused it after DeepSpeed's init)."""
-    from ds_hybrid import op_build
+@pytest.mark.slow
+@pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
+@pytest.mark.parametrize("where, state", [("device", "auto"), ("device", "int8-factored"), ("host", "auto")])
+def test_the_16_bit_partitions_on_nvme_take_the_same_gradient_steps_as_in_host_memory(where, state, tmp_path):
+    """ZeRO-Infinity with both offloads on NVMe (50b-24gb-nvme's layout): on the device path each
+    gradient Predict step reads a sub-group's 16-bit partition from the drive into one host buffer,
+    takes Adam's step there and writes it back (zero_access.SwappedShards), a kept run's catch-up
+    inside DeepSpeed's next step reads it again, a rejected run is re-propagated from the untouched
+    masters; the host path moves the masters and DeepSpeed swaps the weights out. Phases, losses,
+    weights and (outside a run) masters and moments, bit for bit the same run with the 16-bit
+    weights in host memory (``offload_param: cpu``), through kept and rejected runs."""
+    from engine_utils import SWAPPED_LLAMA, swap_params
+    hybrid = dict(GRAD, correction_steps=0, memory={"offload_predict": where, "gradient_state_dtype": state})
 
-    def reached(*_):
-        raise AssertionError("initialize went on towards DeepSpeed")
-    monkeypatch.setattr(op_build, "stale_locks", reached)
-    with pytest.raises(ConfigError, match="zero_optimization.offload_param.device: nvme"):
-        make_engine(ds_config(stage=3, hybrid=GRAD, nvme_path=str(tmp_path), offload_opt="nvme",
-                              offload_param="nvme", **NVME_AIO))
+    def build(param: str):
+        cfg = ds_config(stage=3, bf16=True, offload_opt="nvme", offload_param=param,
+                        nvme_path=str(tmp_path / param), hybrid=copy.deepcopy(hybrid), **NVME_AIO)
+        if param == "nvme":
+            swap_params(cfg)
+        cfg["zero_optimization"]["sub_group_size"] = 1_000_000
+        engine = make_engine(cfg, **SWAPPED_LLAMA)
+        check, seen = engine._check_predicted_update, []
+
+        def judged(loss, batch, out):   # (each second run checked is rejected)
+            if engine._check_groups is not None:
+                seen.append(float(loss))
+            return check(loss * 10 if len(seen) % 2 == 0 and engine._check_groups is not None else loss, batch, out)
+        engine._check_predicted_update = judged
+        return engine
+    ram, nvme = build("cpu"), build("nvme")
+    access = nvme._masters
+    swapped = [i for i in range(access._count()) if access.shard_swapped(i)]
+    assert swapped and not any(map(ram._masters.shard_swapped, range(ram._masters._count())))
+    assert nvme.statistics()["offload_predict"] == where
+    br, bn, phases = Batches(seed=3), Batches(seed=3), []
+    for _ in range(16):
+        rr, rn = ram.train_step(br.step()), nvme.train_step(bn.step())
+        assert (rr.phase, rr.loss, rr.checked, rr.rolled_back_steps) == (rn.phase, rn.loss, rn.checked,
+                                                                          rn.rolled_back_steps)
+        assert _equal(full_params(ram), full_params(nvme)), phases + [rn.phase]
+        if rn.phase != "predict":
+            assert _equal(master_copies(ram), master_copies(nvme))
+            assert _equal(_moments(ram, "exp_avg"), _moments(nvme, "exp_avg"))
+        phases.append(rn.phase)
+    st = nvme.statistics()
+    assert phases.count("predict") >= 6 and st["predict_accepted"] >= 2 and st["predict_rolled_back"] >= 2
+    if where == "device":   # (no snapshot; the one host buffer, as long as the largest partition on NVMe)
+        assert st["snapshot_bytes"] == 0
+        assert st["shard_swap_buffer_bytes"] == 2 * max(access.numel(i) for i in swapped)
 
 
 def _nan_gradient_loss(engine, batch):

@@ -269,12 +269,14 @@ def test_drift_with_the_optimizer_on_nvme_folds_inside_the_step_on_every_rank(tm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not aio_available(), reason="NVMe offload needs libaio (Debian: libaio-dev)")
-def test_drift_with_the_weights_on_nvme_takes_the_same_steps_on_every_rank(tmp_path):
+@pytest.mark.parametrize("direction", ["drift", "gradient"])
+def test_the_weights_on_nvme_take_the_same_steps_on_every_rank(direction, tmp_path):
     """The device path with offload_param: nvme too (the 50b-24gb-nvme layout), 2 ranks, with the
-    faults: each rank reads, steps and writes back its own 16-bit partitions on the drive, and both
-    take the same steps, bit for bit those of offload_param: cpu."""
+    faults: each rank reads, steps and writes back its own 16-bit partitions on the drive (the drift
+    step, or the gradient step from its all-reduced gradient's share), and both take the same
+    steps, bit for bit those of offload_param: cpu."""
     runs = _cpu_and_nvme_runs(tmp_path, lambda where: [
-        "--stage", "3", "--steps", "16", "--faults", "--offload-predict", "device", "--direction", "drift",
+        "--stage", "3", "--steps", "16", "--faults", "--offload-predict", "device", "--direction", direction,
         "--nvme", str(tmp_path / f"swap-{where}"), "--params-on", where])
     for where, ranks in runs.items():
         for rep in ranks:

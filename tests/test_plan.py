@@ -173,6 +173,37 @@ def test_zero_infinitys_host_and_drive_bytes_are_the_counted_ones(llama7b):
     assert cpu[0] > 2 * P + 2 * fifty.param_max_in_cpu
 
 
+def test_the_predict_steps_host_buffer_for_partitions_on_nvme_follows_deepspeeds_max_in_cpu():
+    """With offload_param: nvme the drift step on the device path reads each swapped sub-group's
+    16-bit partition into one host buffer as long as the largest (zero_access.SwappedShards, either direction):
+    the planner counts it for the sub-groups DeepSpeed 0.19.8 leaves no host slice (each param
+    group gets what is left of max_in_cpu; a sub-group keeps a slice only where it ends inside it)."""
+    shape = replace(pl.model_shape("llama-tiny"), group_tensors=((300, 300, 500), (400, 400)))
+    base = replace(spec(3, "nvme", "nvme"), sub_group_size=500, param_max_in_cpu=0)
+    # sub-groups: (600, 500) and (800): all swapped with max_in_cpu 0
+    assert pl._sub_groups([300, 300, 500], 500) == [600, 500] and pl.swapped_sub_groups(shape, base) == [600, 500, 800]
+    # the first group's room 700 holds the first sub-group (it ends at 600), not the second (at 1100)
+    assert pl.swapped_sub_groups(shape, replace(base, param_max_in_cpu=700)) == [500, 800]
+    # the first group whole (1100), the second gets 1300 - 1100 = 200: its 800 is swapped
+    assert pl.swapped_sub_groups(shape, replace(base, param_max_in_cpu=1300)) == [800]
+    assert pl.swapped_sub_groups(shape, replace(base, param_max_in_cpu=1900)) == []
+    # two ranks: sub-groups of each rank's partition (150 + 150 + 250 is one: 550)
+    assert pl.swapped_sub_groups(shape, base, W=2) == [550, 400]
+    assert pl.swapped_sub_groups(shape, replace(base, offload_param="cpu")) == []
+
+    (fifty,) = pl.load_presets(["50b-24gb-nvme"])
+    big = pl.model_shape("llama-50b")
+    est = pl.estimate(big, fifty, seq_len=2048)
+    (buf,) = [i for i in est.items if "partition on NVMe" in i.what]
+    largest = max(n for g in big.param_groups for n in pl._sub_groups(g, fifty.sub_group_size))
+    # (the final norm and the untied 32000 x 8192 head close one sub-group)
+    assert buf.where == "cpu" and buf.bytes == 2 * largest == 2 * (8192 + 32000 * 8192)
+    # none without the hybrid, on the host path (its snapshot instead), or with the weights in host memory
+    for other in (replace(fifty, hybrid_enabled=False), replace(fifty, offload_predict="host"),
+                  replace(fifty, offload_param="cpu")):
+        assert not [i for i in pl.estimate(big, other, seq_len=2048).items if "partition on NVMe" in i.what]
+
+
 def test_a_freed_velocity_copy_counts_only_beyond_a_real_steps_activations(llama7b):
     """memory.free_velocity_copy (7b-24gb-z2): the GPU copy of the int8 velocity is counted only
     where it exceeds what a real step's buckets and activations need, since the two never
@@ -411,30 +442,28 @@ def test_a_compact_state_the_engine_refuses_fits_nothing_and_the_plan_says_why()
     assert picked == {"memory.offload_predict=host": None, "memory.cpu_step_behind=true": "7b-24gb-z2+set"}
 
 
-def test_the_gradient_direction_over_every_preset_marks_the_nvme_one_as_refused(tmp_path, capsys):
-    """``ds-hybrid plan --set predictor.direction=gradient`` over all presets: the engine refuses the
-    gradient direction where ZeRO-Infinity swaps the 16-bit parameters to NVMe
-    (config.nvme_state_refusal, its own rule), so 50b-24gb-nvme fits nothing whatever --nvme says
-    and the reason names the key; the plan goes on to estimate and pick among the others. With the
-    parameters in host memory and only the optimizer on NVMe the same preset is not refused."""
+def test_the_gradient_direction_fits_every_preset_with_its_state_where_the_engine_keeps_it(tmp_path, capsys):
+    """``ds-hybrid plan --set predictor.direction=gradient`` over all presets: 50b-24gb-nvme (the
+    16-bit weights on NVMe too) is no longer refused; at llama-50b its gradient step on the device
+    path counts the run's moments beside the partitions in host memory and the one host buffer
+    each partition on NVMe passes through, as the drift step does, and in 4 bits it needs less
+    host memory than the drift step's int8 velocity."""
     plan = pl.main(["--model", "llama-7b", "--gpu-mem", "24GB", "--cpu-mem", "1024GB", "--nvme", "2TB",
                     "--set", "predictor.direction=gradient", "--json", str(tmp_path / "plan.json")])
     by_name = {e.preset: e for e in plan.estimates}
     assert set(by_name) == {f"{p.name}+set" for p in pl.load_presets()}
-    nvme = by_name["50b-24gb-nvme+set"]
-    assert not nvme.fits and nvme.nvme_bytes > 0
-    assert nvme.reasons == ["the engine refuses it: zero_optimization.offload_param.device: nvme; "
-                            "hybrid_predict.predictor.direction 'gradient' moves this rank's 16-bit partitions at "
-                            "every Predict step and needs them in memory (offload_param.device cpu or none; "
-                            "offload_optimizer.device may be nvme)"]
-    assert plan.picked is not None and by_name[plan.picked].fits
-    assert "| 50b-24gb-nvme+set |" in capsys.readouterr().out
-    opt_on_nvme = pl.estimate(pl.model_shape("llama-7b"), spec(3, "nvme", "cpu", predictor={"direction": "gradient"}))
-    assert opt_on_nvme.reasons == [] and opt_on_nvme.nvme_bytes > 0
-    # (the drift direction swaps with ZeRO-Infinity as before: the same machine fits it)
-    drift = pl.make_plan(pl.model_shape("llama-7b"), pl.load_presets(["50b-24gb-nvme"]), 24 * GB, 1024 * GB,
-                         nvme=2 * 10 ** 12)
-    assert drift.picked == "50b-24gb-nvme"
+    assert by_name["50b-24gb-nvme+set"].fits and by_name["50b-24gb-nvme+set"].reasons == []
+    assert plan.picked is not None and "| 50b-24gb-nvme+set |" in capsys.readouterr().out
+    big = pl.model_shape("llama-50b")
+    (drift,) = pl.load_presets(["50b-24gb-nvme"])
+    (grad,) = pl.load_presets(["50b-24gb-nvme"], ["predictor.direction=gradient",
+                                                  "memory.gradient_state_dtype=int4-factored"])
+    assert grad.gradient and grad.device_predict("cuda") and not grad.shards_on_gpu("cuda")
+    d, g = (pl.estimate(big, p, seq_len=2048, zero_init=True) for p in (drift, grad))
+    (moments,) = [i for i in g.items if "compact first moment" in i.what]
+    assert moments.where == "cpu" and [i.bytes for i in g.items if "partition on NVMe" in i.what] == \
+        [i.bytes for i in d.items if "partition on NVMe" in i.what]
+    assert g.cpu_bytes < d.cpu_bytes and g.snapshot_bytes == d.snapshot_bytes == 0
 
 
 def test_gradient_predict_on_zero_3_holds_no_whole_gradient_and_keeps_its_state_beside_the_host_shards():

@@ -213,11 +213,17 @@ def _fifty_on_cpu(tmp_path, arm: str, max_in_cpu: "int | None" = None, live: int
 def test_the_50b_nvme_preset_trains_on_the_cpu_with_its_weights_swapped(tmp_path):
     """50b-24gb-nvme (both offloads on NVMe) on a model whose MLP matrices DeepSpeed swaps: plain
     ZeRO-Infinity and the hybrid train through Predict runs with DeepSpeed's prefetch on, the 16-bit
-    weights on the drive, and the hybrid's Predict steps on the device path (no snapshot)."""
+    weights on the drive, and the hybrid's Predict steps on the device path (no snapshot): the
+    preset's drift step, and the gradient step in 4 bits (``--set predictor.direction=gradient
+    --set memory.gradient_state_dtype=int4-factored``)."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from engine_utils import SWAPPED_LLAMA, Batches, make_engine
-    for arm in ("plain", "hybrid"):
-        engine = make_engine(_fifty_on_cpu(tmp_path, arm), plain=arm == "plain", **SWAPPED_LLAMA)
+    for arm in ("plain", "hybrid", "gradient"):
+        cfg = _fifty_on_cpu(tmp_path, arm)
+        if arm == "gradient":
+            cfg["hybrid_predict"]["predictor"] = {"direction": "gradient"}
+            cfg["hybrid_predict"]["memory"] = {"offload_predict": "auto", "gradient_state_dtype": "int4-factored"}
+        engine = make_engine(cfg, plain=arm == "plain", **SWAPPED_LLAMA)
         assert engine.zero_optimization_stage() == 3
         on_drive = [p for p in engine.module.parameters() if p.ds_tensor.final_location == OffloadDeviceEnum.nvme]
         assert on_drive and all(engine.optimizer.fp16_partitioned_groups_flat[i] is None
@@ -230,10 +236,16 @@ def test_the_50b_nvme_preset_trains_on_the_cpu_with_its_weights_swapped(tmp_path
                 engine.step()
             else:
                 phases.append(engine.train_step(batches.step()).phase)
-        if arm == "hybrid":
+        if arm != "plain":
             st = engine.statistics()
             assert st["offload_predict"] == "device" and st["snapshot_bytes"] == 0 and phases.count("predict") >= 4
-            assert st["shard_swap_buffer_bytes"] > 0
+            # the planner counts the host buffer the engine allocated (sub-groups of this model's partitions)
+            from ds_hybrid.memory import planner as pl
+            from ds_hybrid.memory.counts import shape_of
+            groups = tuple(tuple(p.ds_numel for p in g["params"]) for g in engine.optimizer.trainable_param_groups)
+            spec = pl.preset_spec(cfg)
+            assert st["shard_swap_buffer_bytes"] == 2 * max(pl.swapped_sub_groups(
+                shape_of(engine.module, "swapped-llama", group_tensors=groups), spec)) > 0
 
 
 @pytest.mark.slow

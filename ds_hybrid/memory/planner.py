@@ -446,6 +446,25 @@ def _sub_groups(numels: list[int], size: int) -> list[int]:
     return out
 
 
+def swapped_sub_groups(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[int]:
+    """The optimizer sub-groups (their sizes, one rank's partition) whose 16-bit partitions ZeRO 3
+    keeps on NVMe under ``offload_param: nvme``: DeepSpeed 0.19.8 (``stage3.py``) gives each param
+    group in turn a host flat buffer of what is left of ``max_in_cpu``, and a sub-group a slice of
+    it only where the sub-group ends inside it; the rest are swapped."""
+    if preset.stage != 3 or preset.offload_param != "nvme":
+        return []
+    out, before = [], 0
+    for g in ([math.ceil(n / W) for n in g] for g in shape.param_groups):
+        room = sum(g) if before + sum(g) <= preset.param_max_in_cpu else max(0, preset.param_max_in_cpu - before)
+        before += sum(g)
+        offset = 0
+        for n in _sub_groups(g, preset.sub_group_size):
+            offset += n
+            if offset > room:
+                out.append(n)
+    return out
+
+
 def deepspeed_pinned_blocks(shape: ModelShape, preset: PresetSpec, W: int = 1) -> list[float]:
     """The host blocks one rank pins under ``offload_optimizer`` (DeepSpeed 0.19.8; recorded
     call by call on its CPU accelerator in ``tests/test_planner_pinned.py``):
@@ -733,6 +752,12 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
                 if preset.gradient_v_updated:
                     items.append(Item(m_where, "gradient Predict run's second moment (fp32, beside the masters; "
                                                "predictor.gradient_second_moment: updated)", part * per_node))
+        swapped = swapped_sub_groups(shape, preset, W)
+        if swapped and preset.device_predict(accelerator):
+            # (zero_access.SwappedShards: each swapped sub-group's 16-bit partition read into one
+            # host buffer, stepped and written back; kept from step to step; either direction)
+            items.append(Item("cpu", "host buffer a Predict step passes each 16-bit partition on NVMe "
+                                     "through (offload_param: nvme)", float(lp * max(swapped) * gpus)))
         staging = staging_pinned_blocks(preset, accelerator, W)
         if staging:
             items.append(Item("cpu", "the Predict run's pinned staging chunks (ds_hybrid/staging.py)",
@@ -755,9 +780,8 @@ def estimate(shape: ModelShape, preset: PresetSpec, gpus: int = 1, nodes: int = 
 
     total = {w: sum(i.bytes for i in items if i.where == w) for w in ("gpu", "cpu", "nvme")}
     # (a setup the engine refuses at its start fits nothing, whatever its bytes)
-    from ..config import compact_state_refusal, nvme_state_refusal
-    refused = preset.gradient and (nvme_state_refusal(preset.offload_optimizer, preset.offload_param)
-                                   or compact_state_refusal(preset.gradient_state_dtype, preset.device_predict(accelerator)))
+    from ..config import compact_state_refusal
+    refused = preset.gradient and compact_state_refusal(preset.gradient_state_dtype, preset.device_predict(accelerator))
     return Estimate(preset=preset.name, description=preset.describe(), micro_batch=mb, seq_len=seq,
                     gpu_bytes=total["gpu"], cpu_bytes=total["cpu"], nvme_bytes=total["nvme"],
                     snapshot_bytes=snap, snapshot_where=snap_where, items=items,
