@@ -257,8 +257,7 @@ class DevicePredict(WorkerOwner):
 
     def _add_to_shards(self, vel: VelocityBuffers, steps: list[list[float]]) -> None:
         dev_v = self._device_velocity(vel)
-        swapped = [self.swapped.swapped(i) for i in range(len(dev_v))]
-        self.swapped.release(range(len(dev_v)))
+        swapped = self.swapped.release(range(len(dev_v)))
         for i, gi in enumerate(self.access.group_indices()):
             if i >= len(dev_v) or dev_v[i] is None:
                 continue

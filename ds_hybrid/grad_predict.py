@@ -1049,11 +1049,14 @@ class GradientPredict(WorkerOwner):
         return self._values(i, self._shard(i)).detach().to("cpu", copy=True)
 
     def _load_shards(self, saved: list) -> None:
-        """``state_dict``'s partitions back into the 16-bit weights, then the all-gather."""
-        self.swapped.release(range(self.access._count()))
+        """``state_dict``'s partitions back into the 16-bit weights, then the all-gather (one on
+        NVMe is written whole, with no read before)."""
+        swapped = self.swapped.release(range(self.access._count()))
         for i, t in enumerate(saved):
-            with self._held(i) as shard:
-                shard.copy_(t.view(-1))
+            if swapped[i]:
+                self.swapped.write(i, t.view(-1))
+            else:
+                self._shard(i).copy_(t.view(-1))
         self.access.gather_device_shards()
 
     @torch.no_grad()

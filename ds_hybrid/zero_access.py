@@ -566,12 +566,14 @@ class SwappedShards:
     def swapped(self, i: int) -> bool:
         return self.access.shard_swapped(i)
 
-    def release(self, indices: Iterable[int]) -> None:
+    def release(self, indices: Iterable[int]) -> list[bool]:
         """Before writes to partitions ``indices``: every gathered parameter back to its partition
         where one of them is on NVMe (a partition still swapped in would be released unwritten over
-        what was written)."""
-        if any(map(self.swapped, indices)):
+        what was written). Returns whether each is on NVMe."""
+        swapped = [self.swapped(i) for i in indices]
+        if any(swapped):
             self.access.partition_all()
+        return swapped
 
     def read(self, i: int) -> torch.Tensor:
         """Sub-group ``i``'s partition in the host buffer (valid until the next ``read``)."""

@@ -52,12 +52,14 @@ def test_a_fresh_process_resumes_a_run_from_its_middle(direction, params, tmp_pa
     assert "predict" in {s["phase"] for s in saved["record"]} and "full" in {s["phase"] for s in saved["record"]}
 
 
-def test_two_ranks_resume_a_drift_run_from_its_middle_each_from_its_own_files(tmp_path):
+@pytest.mark.parametrize("direction", ["drift", "gradient"])
+def test_two_ranks_resume_a_run_from_its_middle_each_from_its_own_files(direction, tmp_path):
     """Two gloo ranks, each with its own micro-batches, its ZeRO file and its folder of NVMe files
     (``offloaded_tensors/rank01`` for the second), the 16-bit weights on NVMe too: saved one
-    Predict step into a drift run, resumed by two fresh processes, every rank takes its saved
-    steps bit for bit and both take the same phases."""
-    saved, resumed = _save_and_resume(tmp_path, "--hybrid", "--after", "6", "--params-nvme", world=2)
+    Predict step into a drift or gradient run, resumed by two fresh processes, every rank takes its
+    saved steps bit for bit and both take the same phases."""
+    saved, resumed = _save_and_resume(tmp_path, "--hybrid", "--after", "6", "--params-nvme",
+                                      *(["--gradient"] if direction == "gradient" else []), world=2)
     assert len(list((tmp_path / "ckpt" / "t" / "offloaded_tensors").iterdir())) == 2
     for s, r in zip(saved, resumed):
         assert s["pending"] == r["pending"] == 1
