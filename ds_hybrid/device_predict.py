@@ -280,7 +280,6 @@ class DevicePredict(WorkerOwner):
         else:
             kernels.drift_shift(shard, buf, coefs, backend=self.backend)
 
-
     def _on_host(self, t: torch.Tensor) -> bool:
         return self.host_kernel and t.device.type == "cpu" and t.is_contiguous()
 
