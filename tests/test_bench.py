@@ -567,16 +567,27 @@ def test_the_offload_suites_share_one_readme_table(tmp_path):
     bench_report.update_readme(result, tmp_path)
     rows = [line for line in readme.read_text().splitlines() if line.startswith("| [")]
     assert [r.split("`")[1] for r in rows] == ["offload", "offload-z3", "offload-b64", "offload-preset",
-                                              "offload-preset-fp32", "offload-gpu"]
+                                              "offload-preset-fp32", "offload-preset-bf16", "offload-gpu"]
     assert "`zenflow` not reached (0/2) (at plain's LR)" in rows[0] and "2026-01-02" in rows[0]
     assert "| 1 | `zenflow` not reached (0/2) (its own LR swept) | `predict` **0.55 ± 0.00x** | 0.55 ± 0.00x | " \
            "0.50 ± 0.00x |" in rows[2]
-    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[5]
+    assert "not run yet |" in rows[1] and "needs a CUDA GPU: `bash benchmarks/gpu_run.sh OUT ops offbench`" in rows[6]
     assert "not run yet |" in rows[4] and "CUDA" not in rows[4]
+    assert "not run yet |" in rows[5] and "CUDA" not in rows[5]
     assert "old" not in readme.read_text() and readme.read_text().endswith("outro\n")
     # (runs that ran several at a time: that row in Full-step equivalents, and says so)
     table = bench_report.offload_table({"offload-b64": dict(result, jobs=4)})
     assert "Full-step equivalents)" in table
+    # (a hybrid that reached it on some seeds only: the row names it with its seeds counted, not as the best)
+    raw["rows"]["predict"]["2"]["1"] = _row([(0, 5.0), (6, 3.0), (10, 2.5)], kinds=["plain", "predict"] * 5)
+    partial = dict(result, analysis=bench.analyse(raw, None))
+    assert bench_report.best_arm(partial) is None
+    row = bench_report.offload_table({"offload-b64": partial}).splitlines()[-1]
+    assert "| none on every seed; `predict` **0.55 ± 0.00x (1/2)** | 0.55 ± 0.00x (1/2) | " \
+           "0.50 ± 0.00x (1/2) |" in row
+    raw["rows"]["predict"]["1"]["1"] = raw["rows"]["predict"]["2"]["1"]
+    assert "| none reached it on every seed | none reached it on every seed |" in bench_report.offload_table(
+        {"offload-b64": dict(result, analysis=bench.analyse(raw, None))})
 
 
 def test_suites_reject_bad_overrides_and_gpu_suite_needs_gpu(monkeypatch):
