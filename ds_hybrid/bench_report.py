@@ -510,7 +510,7 @@ def offload_table(results: dict[str, dict | None]) -> str:
                         + ("(its own LR swept)" if n in own else "(at plain's LR)") for n in features) \
             or "not in the suite"
         # (where no system reached it on every seed, the one that did on the most, its seeds counted)
-        best = best_arm(r, unit=unit) or best_arm(r, unit=unit, every_seed=False)
+        best = best_arm(r, unit=unit, every_seed=False)
         if best is None:
             hybrid = target = steps = "none reached it on every seed"
         else:
